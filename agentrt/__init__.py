@@ -1,0 +1,23 @@
+"""agentrt: a local runtime for tool-calling agents on Mixture-of-Experts models.
+
+Public API: `Runtime` (see DESIGN §2). Importing this package is cheap: torch and transformers
+load only when a Runtime is opened.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+__all__ = ["Runtime", "__version__"]
+
+if TYPE_CHECKING:
+    from agentrt.session.runtime import Runtime
+
+
+def __getattr__(name: str):
+    if name == "Runtime":
+        from agentrt.session.runtime import Runtime
+
+        return Runtime
+    raise AttributeError(f"module 'agentrt' has no attribute {name!r}")

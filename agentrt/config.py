@@ -1,0 +1,293 @@
+"""Frozen configuration dataclasses and the one place where `AGENTRT_*` environment variables are read.
+
+`ModelConfig` is the architecture-neutral description of a checkpoint that every model file builds
+from (`ModelConfig.from_hf` reads a Hugging Face `config.json`, including the nested `text_config`
+of multimodal Qwen3.5 checkpoints). `EngineConfig` holds the engine's settings. This module knows
+nothing about torch tensors, models or sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from agentrt.errors import InvalidArgumentError, ModelFormatError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_moe")
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+# model_type values found in config.json -> our architecture name
+_MODEL_TYPES = {
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_moe": "qwen3_moe",
+}
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """Read `AGENTRT_<name>` from the environment (the only place env variables are read)."""
+    return os.environ.get(f"AGENTRT_{name}", default)
+
+
+def home_dir() -> Path:
+    """Root of agentrt's per-user files (models cache, state cache, calibration profiles)."""
+    explicit = env_str("HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "agentrt"
+
+
+# ----------------------------------------------------------------------------- model config
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of one text model (architecture-neutral field names)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+    intermediate_size: int = 0  # dense MLP size (qwen3_moe mlp_only_layers)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    eos_token_ids: tuple[int, ...] = ()
+    weight_prefix: str = "model."  # where the text model's weights live in the checkpoint
+    torch_dtype: str = "bfloat16"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    # ---- derived helpers
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def canonical(self) -> dict[str, Any]:
+        """A JSON-safe dict of every field that changes the computation (used in fingerprints)."""
+        data = asdict(self)
+        data.pop("extra")
+        data["layer_types"] = list(self.layer_types)
+        data["dense_layers"] = list(self.dense_layers)
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        return data
+
+    def with_changes(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+    # ---- loading
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | dict) -> ModelConfig:
+        """Build from a HF `config.json` path, a model directory, or an already parsed dict."""
+        raw = source if isinstance(source, dict) else _read_config_json(Path(source))
+        return _from_hf_dict(raw)
+
+
+def _read_config_json(path: Path) -> dict:
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelFormatError(f"no config.json in {path.parent}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"malformed {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"malformed {path}: top level is not a JSON object")
+    return data
+
+
+def _text_section(raw: dict) -> tuple[dict, str]:
+    """Return the text-model part of a config and the weight prefix of its tensors."""
+    if isinstance(raw.get("text_config"), dict):
+        text = dict(raw["text_config"])
+        text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        if "eos_token_id" not in text or text["eos_token_id"] is None:
+            text["eos_token_id"] = raw.get("eos_token_id")
+        return text, "model.language_model."
+    return raw, "model."
+
+
+def _arch_of(raw: dict) -> str:
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ModelFormatError("config.json has no model_type")
+    arch = _MODEL_TYPES.get(str(model_type))
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"unknown architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return arch
+
+
+def _rope(text: dict) -> tuple[float, float]:
+    params = text.get("rope_parameters") or {}
+    scaling = text.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in ("default", "mrope"):
+        raise UnsupportedArchitectureError(f"rope type {rope_type!r} is not supported yet")
+    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    return float(theta), float(partial)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _layer_types(arch: str, text: dict, num_layers: int) -> tuple[str, ...]:
+    if arch != "qwen3_5_moe":
+        return (FULL,) * num_layers
+    types = text.get("layer_types")
+    if types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in (LINEAR, FULL) for t in types):
+        raise ModelFormatError(f"layer_types does not describe {num_layers} layers: {types}")
+    return tuple(types)
+
+
+def _dense_layers(arch: str, text: dict, num_layers: int) -> tuple[int, ...]:
+    if arch != "qwen3_moe":
+        return ()
+    only = set(text.get("mlp_only_layers") or [])
+    step = int(text.get("decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
+
+
+def _require(text: dict, key: str, *aliases: str) -> Any:
+    for name in (key, *aliases):
+        if text.get(name) is not None:
+            return text[name]
+    raise ModelFormatError(f"config.json lacks {key!r}")
+
+
+def _from_hf_dict(raw: dict) -> ModelConfig:
+    arch = _arch_of(raw)
+    text, prefix = _text_section(raw)
+    if text.get("use_sliding_window"):
+        raise UnsupportedArchitectureError("sliding-window attention is not supported yet")
+    try:
+        num_layers = int(_require(text, "num_hidden_layers"))
+        hidden = int(_require(text, "hidden_size"))
+        heads = int(_require(text, "num_attention_heads"))
+        theta, partial = _rope(text)
+        cfg = ModelConfig(
+            arch=arch,
+            vocab_size=int(_require(text, "vocab_size")),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            layer_types=_layer_types(arch, text, num_layers),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            rope_theta=theta,
+            partial_rotary_factor=partial,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            num_experts=int(_require(text, "num_experts", "num_local_experts")),
+            num_experts_per_tok=int(_require(text, "num_experts_per_tok")),
+            moe_intermediate_size=int(_require(text, "moe_intermediate_size")),
+            norm_topk_prob=bool(text.get("norm_topk_prob", arch == "qwen3_5_moe")),
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
+            intermediate_size=int(text.get("intermediate_size") or 0),
+            dense_layers=_dense_layers(arch, text, num_layers),
+            linear_num_key_heads=int(text.get("linear_num_key_heads") or 0),
+            linear_num_value_heads=int(text.get("linear_num_value_heads") or 0),
+            linear_key_head_dim=int(text.get("linear_key_head_dim") or 0),
+            linear_value_head_dim=int(text.get("linear_value_head_dim") or 0),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim") or 4),
+            eos_token_ids=_eos_ids(text.get("eos_token_id")),
+            weight_prefix=prefix,
+            torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelFormatError(f"malformed config.json: {exc}") from None
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: ModelConfig) -> None:
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelFormatError("num_attention_heads must be a multiple of num_key_value_heads")
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ModelFormatError("num_experts_per_tok exceeds num_experts")
+    if cfg.is_hybrid and cfg.linear_num_value_heads % max(cfg.linear_num_key_heads, 1):
+        raise ModelFormatError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if cfg.dense_layers and not cfg.intermediate_size:
+        raise ModelFormatError("dense MLP layers need intermediate_size")
+
+
+# ----------------------------------------------------------------------------- engine config
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the inference engine for one loaded model."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    prefill_chunk: int = 2048
+    linear_attn: str = "auto"  # auto | torch | fla
+    kv_grow_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.linear_attn not in ("auto", "torch", "fla"):
+            raise InvalidArgumentError(f"linear_attn must be auto, torch or fla, got {self.linear_attn!r}")
+        if self.prefill_chunk < 1:
+            raise InvalidArgumentError("prefill_chunk must be >= 1")
+
+    @staticmethod
+    def default_dtype(device: str) -> str:
+        return "float32" if device == "cpu" else "bfloat16"

@@ -1,0 +1,156 @@
+"""The inference engine for one loaded model: chunked prefill with boundary capture in one pass,
+single-token decode, and the generation loop (sampling, stop token ids, length limits, timings).
+
+Prefill splits the prompt into `prefill_chunk`-token chunks; for each chunk it passes the capture
+offsets inside it to the model, whose linear-attention layers record their state there while
+attention and MoE process the whole chunk at once. The engine knows token ids only, never text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrt.config import EngineConfig
+from agentrt.engine.sampling import SamplingParams, make_generator, sample
+from agentrt.engine.state import SequenceState, new_layer_caches
+from agentrt.errors import InvalidArgumentError, PromptTooLongError
+from agentrt.models import set_linear_backend
+from agentrt.models.kernels import resolve_backend
+from agentrt.models.layers import CausalLM
+
+
+@dataclass
+class Timings:
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+
+@dataclass
+class Generation:
+    """Outcome of one generation: new tokens, why it stopped, timings."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    prompt_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+
+class Engine:
+    """Runs one model on one device for sequences held in `SequenceState`s."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.cfg = model.config
+        self.device = torch.device(config.device)
+        self.dtype = model.embed_tokens.weight.dtype
+        self.linear_backend = resolve_backend(config.linear_attn, self.device)
+        set_linear_backend(model, self.linear_backend)
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def new_state(self, capacity: int = 0) -> SequenceState:
+        caches = new_layer_caches(self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens)
+        return SequenceState(self.cfg, caches)
+
+    def check_fits(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_context:
+            raise PromptTooLongError(
+                f"prompt has {num_tokens} tokens but the model's context is {self.max_context} tokens"
+            )
+
+    def _tensor(self, ids: Sequence[int]) -> torch.Tensor:
+        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise InvalidArgumentError(f"token id out of range [0, {self.cfg.vocab_size})")
+        return torch.tensor(list(ids), dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(
+        self, state: SequenceState, token_ids: Sequence[int], capture: Iterable[int] = (), all_logits: bool = False
+    ) -> torch.Tensor:
+        """Append `token_ids` to `state`; record linear states at absolute positions in `capture`.
+
+        Returns fp32 logits of the last token `[V]` (or of every token `[T, V]` with `all_logits`).
+        """
+        if not token_ids:
+            raise InvalidArgumentError("prefill needs at least one token")
+        start = state.num_tokens
+        self.check_fits(start + len(token_ids))
+        ids = self._tensor(token_ids)
+        wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
+        chunk, outputs = self.config.prefill_chunk, []
+        for offset in range(0, len(token_ids), chunk):
+            part = ids[offset : offset + chunk]
+            begin = start + offset
+            cuts = [p - begin for p in wanted if begin < p <= begin + part.numel()]
+            hidden = self.model(part, state.caches, begin, cuts)
+            state.token_ids.extend(token_ids[offset : offset + chunk])
+            outputs.append(self.model.logits(hidden) if all_logits else hidden[-1:])
+        if all_logits:
+            return torch.cat(outputs)
+        return self.model.logits(outputs[-1])[0]
+
+    @torch.inference_mode()
+    def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
+        """Feed one token; return the next-token fp32 logits `[V]`."""
+        self.check_fits(state.num_tokens + 1)
+        hidden = self.model(self._tensor([token_id]), state.caches, state.num_tokens)
+        state.token_ids.append(token_id)
+        return self.model.logits(hidden)[0]
+
+    def stream(
+        self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams, gen: Generation | None = None
+    ) -> Iterator[int]:
+        """Prefill `prompt_ids` after the state's tokens, then yield sampled tokens one by one.
+
+        `gen` (if given) is filled in as generation proceeds: finish reason and timings.
+        """
+        gen = gen if gen is not None else Generation()
+        gen.prompt_tokens = state.num_tokens + len(prompt_ids)
+        self.check_fits(gen.prompt_tokens)
+        rng = make_generator(params.seed, self.device)
+        t0 = time.perf_counter()
+        logits = self.prefill(state, prompt_ids) if prompt_ids else None
+        if logits is None:
+            raise InvalidArgumentError("generation needs a non-empty prompt")
+        gen.timings.prefill_s = time.perf_counter() - t0
+        yield from self._decode_loop(state, logits, params, rng, gen, t0)
+
+    def _decode_loop(self, state, logits, params: SamplingParams, rng, gen: Generation, t0: float) -> Iterator[int]:
+        stops = set(params.stop_token_ids)
+        t_first = None
+        while True:
+            if len(gen.token_ids) >= params.max_tokens:
+                gen.finish_reason = "length"
+                break
+            token = sample(logits, params, rng)
+            if t_first is None:
+                t_first = time.perf_counter()
+                gen.timings.ttft_s = t_first - t0
+            gen.token_ids.append(token)
+            if token in stops:
+                gen.finish_reason = "stop"
+                yield token
+                break
+            yield token
+            if state.num_tokens + 1 >= self.max_context:
+                gen.finish_reason = "length"
+                break
+            logits = self.decode_step(state, token)
+        gen.timings.decode_s = time.perf_counter() - (t_first or time.perf_counter())
+
+    def generate(self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        gen = Generation()
+        for _ in self.stream(state, prompt_ids, params, gen):
+            pass
+        return gen

@@ -1,0 +1,131 @@
+"""`SequenceState`: everything the model remembers about one sequence, and its snapshots.
+
+Per attention layer a `KVCache`; per linear-attention layer a `LinearCache` (conv state and fp32
+recurrent state, plus states captured at requested positions during prefill). `export(pos)` makes
+an independent `Snapshot` of the state after `pos` tokens (any pos for attention-only models; for
+hybrid models pos must be the current length or a captured position); `import_` restores one.
+The state knows token ids only, never text, and nothing about storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrt.config import ModelConfig
+from agentrt.models.cache import KVCache, LayerCache, LinearCache
+
+
+@dataclass
+class Snapshot:
+    """State after `num_tokens` tokens: KV per attention layer, conv/recurrent per linear layer."""
+
+    num_tokens: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # [Hkv, num_tokens, D] each
+    conv: list[torch.Tensor]  # [conv_dim, K-1]
+    recurrent: list[torch.Tensor]  # [Hv, dk, dv] fp32
+    token_ids: tuple[int, ...]
+
+    def num_bytes(self) -> int:
+        tensors = [t for pair in self.kv for t in pair] + self.conv + self.recurrent
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def to(self, device) -> Snapshot:
+        move = lambda t: t.to(device, copy=True)  # noqa: E731
+        return Snapshot(
+            self.num_tokens,
+            [(move(k), move(v)) for k, v in self.kv],
+            [move(c) for c in self.conv],
+            [move(r) for r in self.recurrent],
+            self.token_ids,
+        )
+
+
+def new_layer_caches(cfg: ModelConfig, device, dtype: torch.dtype, capacity: int, grow: int) -> list[LayerCache]:
+    caches: list[LayerCache] = []
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    conv_dim = 2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    for layer in range(cfg.num_layers):
+        if layer in cfg.attention_layers:
+            caches.append(KVCache.empty(cfg.num_kv_heads, cfg.head_dim, capacity, device, dtype, grow))
+        else:
+            caches.append(
+                LinearCache.zeros(
+                    conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype,
+                )  # fmt: skip
+            )
+    return caches
+
+
+@dataclass
+class SequenceState:
+    """The live state of one sequence on the engine's device."""
+
+    cfg: ModelConfig
+    caches: list[LayerCache]
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def kv_caches(self) -> list[KVCache]:
+        return [c for c in self.caches if isinstance(c, KVCache)]
+
+    def linear_caches(self) -> list[LinearCache]:
+        return [c for c in self.caches if isinstance(c, LinearCache)]
+
+    def captured_positions(self) -> list[int]:
+        linear = self.linear_caches()
+        return sorted(linear[0].captured) if linear else []
+
+    def can_export(self, pos: int) -> bool:
+        if not 0 <= pos <= self.num_tokens:
+            return False
+        return pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
+
+    def export(self, pos: int | None = None) -> Snapshot:
+        """An independent copy of the state after the first `pos` tokens (default: all)."""
+        pos = self.num_tokens if pos is None else pos
+        if not self.can_export(pos):
+            raise ValueError(f"no state at position {pos} (length {self.num_tokens}, captured {self.captured_positions()})")
+        kv = [(c.k[:, :pos].clone(), c.v[:, :pos].clone()) for c in self.kv_caches()]
+        linear = self.linear_caches()
+        if pos == self.num_tokens:
+            conv = [c.conv.clone() for c in linear]
+            rec = [c.recurrent.clone() for c in linear]
+        else:
+            conv = [c.captured[pos][0].clone() for c in linear]
+            rec = [c.captured[pos][1].clone() for c in linear]
+        return Snapshot(pos, kv, conv, rec, tuple(self.token_ids[:pos]))
+
+    def import_(self, snap: Snapshot) -> None:
+        """Replace the whole state by `snap` (copied onto this state's device/dtype)."""
+        for cache, (k, v) in zip(self.kv_caches(), snap.kv, strict=True):
+            cache.reserve(snap.num_tokens, 0)
+            cache.k[:, : snap.num_tokens].copy_(k, non_blocking=True)
+            cache.v[:, : snap.num_tokens].copy_(v, non_blocking=True)
+        for cache, conv, rec in zip(self.linear_caches(), snap.conv, snap.recurrent, strict=True):
+            cache.conv.copy_(conv, non_blocking=True)
+            cache.recurrent.copy_(rec, non_blocking=True)
+            cache.captured.clear()
+        if len(snap.token_ids) != snap.num_tokens:
+            raise ValueError("snapshot token ids do not match its length")
+        self.token_ids = list(snap.token_ids)
+
+    def truncate(self, pos: int) -> None:
+        """Keep the first `pos` tokens (only where a state at `pos` exists)."""
+        if pos == self.num_tokens:
+            return
+        self.import_(self.export(pos))
+
+    def reset(self) -> None:
+        for cache in self.linear_caches():
+            cache.reset()
+        self.token_ids = []
+
+    def clear_captures(self) -> None:
+        for cache in self.linear_caches():
+            cache.captured.clear()

@@ -1,0 +1,66 @@
+"""Model zoo: one file per architecture, built from `layers.py`; `build_empty` makes an uninitialised
+model (no weight memory touched twice) on a device, ready for the loader or the synthetic filler.
+This package never imports the engine, offload, state cache or sessions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from agentrt.config import ModelConfig
+from agentrt.errors import UnsupportedArchitectureError
+from agentrt.models import qwen3_5_moe, qwen3_moe
+from agentrt.models.layers import CausalLM, Rotary
+from agentrt.models.moe import RoutedExperts
+
+ARCH_BUILDERS: dict[str, Callable[[ModelConfig, RoutedExperts], CausalLM]] = {
+    "qwen3_5_moe": qwen3_5_moe.build,
+    "qwen3_moe": qwen3_moe.build,
+}
+FP32_PARAMS = ("A_log", "dt_bias")  # kept in fp32 whatever the model dtype
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_empty(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> CausalLM:
+    """Allocate the model and its routed experts on `device` without initialising weights."""
+    builder = ARCH_BUILDERS.get(cfg.arch)
+    if builder is None:
+        raise UnsupportedArchitectureError(f"no model implementation for {cfg.arch!r}")
+    experts = RoutedExperts.empty(
+        cfg.moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, dtype
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = builder(cfg, experts)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FP32_PARAMS:
+            param.data = param.data.float()
+    _init_buffers(model, device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def _init_buffers(model: CausalLM, device) -> None:
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            fresh = Rotary(model.config.head_dim, model.config.partial_rotary_factor, model.config.rope_theta)
+            module.inv_freq = fresh.inv_freq.to(device)
+
+
+def set_linear_backend(model: CausalLM, backend: str) -> None:
+    """Choose the gated-delta-rule backend (`torch` or `fla`) of every linear-attention layer."""
+    for module in model.modules():
+        if isinstance(module, qwen3_5_moe.GatedDeltaNet):
+            module.backend = backend

@@ -1,0 +1,82 @@
+"""Per-layer state containers that model layers read and write during a forward pass.
+
+`KVCache` holds one attention layer's keys and values (preallocated, grown in steps); `LinearCache`
+holds one linear-attention layer's causal-conv state and fp32 recurrent state, plus the states it
+captured at requested positions during the last prefill. The engine's `SequenceState` owns a list of
+these (one per layer) and builds snapshots from them; this module knows nothing about snapshots,
+sessions or storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Keys/values of one attention layer: `k`, `v` are `[num_kv_heads, capacity, head_dim]`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    grow_tokens: int = 1024
+
+    @classmethod
+    def empty(cls, num_kv_heads: int, head_dim: int, capacity: int, device, dtype, grow: int) -> KVCache:
+        shape = (num_kv_heads, capacity, head_dim)
+        k = torch.empty(shape, device=device, dtype=dtype)
+        return cls(k, torch.empty_like(k), grow)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, num_tokens: int, used: int) -> None:
+        """Make room for `num_tokens` positions, keeping the first `used` ones."""
+        if num_tokens <= self.capacity:
+            return
+        step = max(self.grow_tokens, 1)
+        new_cap = max(num_tokens, 2 * self.capacity)
+        new_cap = (new_cap + step - 1) // step * step
+        k = self.k.new_empty((self.k.shape[0], new_cap, self.k.shape[2]))
+        v = torch.empty_like(k)
+        k[:, :used].copy_(self.k[:, :used])
+        v[:, :used].copy_(self.v[:, :used])
+        self.k, self.v = k, v
+
+    def write(self, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `[Hkv, T, D]` keys/values at `start`; return views of all `start + T` positions."""
+        end = start + k_new.shape[1]
+        self.reserve(end, start)
+        self.k[:, start:end].copy_(k_new)
+        self.v[:, start:end].copy_(v_new)
+        return self.k[:, :end], self.v[:, :end]
+
+
+@dataclass
+class LinearCache:
+    """State of one linear-attention layer.
+
+    `conv`: `[conv_dim, kernel-1]` last inputs of the causal conv (model dtype).
+    `recurrent`: `[num_v_heads, k_head_dim, v_head_dim]` fp32.
+    `captured`: absolute position -> (conv, recurrent) copies recorded during the last forward.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def zeros(cls, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, device, dtype) -> LinearCache:
+        conv = torch.zeros((conv_dim, kernel - 1), device=device, dtype=dtype)
+        rec = torch.zeros((heads, dk, dv), device=device, dtype=torch.float32)
+        return cls(conv, rec)
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.recurrent.zero_()
+        self.captured.clear()
+
+
+LayerCache = KVCache | LinearCache

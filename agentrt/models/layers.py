@@ -1,0 +1,241 @@
+"""Shared building blocks of the model files: norms, rotary embedding, attention over a `KVCache`,
+the dense SwiGLU MLP, the top-k softmax router, the MoE block (routed experts behind the
+`RoutedExperts` interface plus an optional sigmoid-gated shared expert), and the decoder stack.
+
+Parameter names follow Hugging Face checkpoints (minus the `model.` prefix) so the loader can map
+them one to one. Everything is unbatched: hidden states are `[T, hidden]` for one sequence.
+This module knows nothing about the engine, sessions, or where expert weights live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrt.config import FULL, ModelConfig
+from agentrt.models.cache import KVCache, LayerCache
+from agentrt.models.moe import RoutedExperts
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; `zero_centered` scales by (1 + weight) as Qwen3.5 does."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * rmsnorm(x) * silu(gate), norm in fp32 (the Gated DeltaNet output norm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on the first `rotary_dim` channels of each head (rotate-half)."""
+
+    def __init__(self, head_dim: int, partial: float, theta: float) -> None:
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial)
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
+
+    def cos_sin(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: `[T, H, D]`."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat([out, rest], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q `[H, T, D]` at positions start.., k/v `[Hkv, start+T, D]` -> `[H, T, D]`."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    gqa = q.shape[0] != k.shape[0]
+    if q_len == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    rows = torch.arange(start, start + q_len, device=q.device)[:, None]
+    mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Full causal attention with q/k RMSNorm; `output_gate` adds Qwen3.5's sigmoid gate from q_proj."""
+
+    def __init__(self, cfg: ModelConfig, output_gate: bool, zero_centered: bool) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(h, cfg.num_heads * d * (2 if output_gate else 1), bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
+        self.rotary = Rotary(d, cfg.partial_rotary_factor, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, start: int, captures: Sequence[int] = ()) -> torch.Tensor:
+        seq_len = x.shape[0]
+        q = self.q_proj(x).view(seq_len, self.num_heads, -1)  # [T, H, D or 2D]
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(seq_len, -1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(seq_len, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(start, seq_len, x.dtype)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
+        out = causal_attention(q.transpose(0, 1), k_all, v_all, start)  # [H, T, D]
+        out = out.transpose(0, 1).reshape(seq_len, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP (shared expert, dense layers)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax over expert logits, top-k, optional renormalisation of the k weights."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+
+class MoEBlock(nn.Module):
+    """Router + routed experts (held outside the module by `RoutedExperts`) + optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, experts: RoutedExperts) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate = Router(cfg)
+        self._experts = [experts]  # list: keeps the swappable object out of the module tree
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        out = self._experts[0](self.layer, x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (attention or linear attention), then MLP/MoE."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, cfg: ModelConfig, zc: bool) -> None:
+        super().__init__()
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, captures: Sequence[int]) -> torch.Tensor:
+        mixer = getattr(self, self.mixer_name)
+        x = x + mixer(self.input_layernorm(x), cache, start, captures)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; the model files supply the layers."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], experts: RoutedExperts, zc: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        self.experts = experts
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def set_experts(self, experts: RoutedExperts) -> None:
+        """Swap the routed-expert implementation (e.g. for the offload engine)."""
+        self.experts = experts
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp._experts[0] = experts
+
+    def forward(
+        self, ids: torch.Tensor, caches: Sequence[LayerCache], start: int, captures: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """ids `[T]` at positions start..start+T-1 -> final hidden `[T, hidden]`.
+
+        `captures`: offsets r in (0, T] where linear layers record their state after token r-1.
+        """
+        x = self.embed_tokens(ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache, start, captures)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def is_full_attention(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.layer_types[layer] == FULL
+
+
+def build_mlp(cfg: ModelConfig, layer: int, experts: RoutedExperts) -> nn.Module:
+    if layer in cfg.dense_layers:
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return MoEBlock(cfg, layer, experts)

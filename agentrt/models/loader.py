@@ -1,0 +1,164 @@
+"""Streaming safetensors loader with a name map.
+
+Reads a HF-format directory (config.json + *.safetensors, sharded or not), maps checkpoint names to
+our parameters (stripping `model.` / `model.language_model.`, skipping vision and MTP tensors) and
+copies each tensor straight into its destination, one tensor in memory at a time. Routed experts
+are accepted fused (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
+(`experts.{e}.gate_proj.weight` ...) and land directly in the `RoutedExperts` stacks.
+Every mistake in the directory becomes a `ModelFormatError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from agentrt.config import ModelConfig
+from agentrt.errors import ModelFormatError, ModelNotFoundError
+from agentrt.models import build_empty
+from agentrt.models.layers import CausalLM
+
+_FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_PART = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory (via the index when there is one)."""
+    if not path.exists():
+        raise ModelNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ModelFormatError(f"{path} is not a directory")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelFormatError(f"malformed {index}: {exc}") from None
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"no *.safetensors weights in {path}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelFormatError(f"weight files listed in the index are missing: {', '.join(missing[:3])}")
+    return files
+
+
+@dataclass
+class _Progress:
+    """Which destinations have been filled, to report anything the checkpoint lacks."""
+
+    params: set[str] = field(default_factory=set)
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E, 3] bool
+
+
+class WeightSink:
+    """Routes checkpoint tensors to model parameters and expert stacks."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.params = dict(model.named_parameters())
+        self.done = _Progress()
+
+    def target_name(self, name: str) -> str | None:
+        """Checkpoint name -> our name, or None for tensors we deliberately ignore."""
+        if name.startswith(self.cfg.weight_prefix):
+            return name[len(self.cfg.weight_prefix) :]
+        if name == "lm_head.weight":
+            return name
+        if name.startswith(_SKIP_PREFIXES):
+            return None
+        raise ModelFormatError(f"unexpected tensor {name!r} in checkpoint")
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        local = self.target_name(name)
+        if local is None:
+            return
+        if m := _FUSED.match(local):
+            self._put_fused(int(m[1]), m[2], tensor)
+        elif m := _PER_EXPERT.match(local):
+            self._put_expert(int(m[1]), int(m[2]), m[3], tensor)
+        elif local in self.params:
+            self._copy(local, self.params[local], tensor)
+            self.done.params.add(local)
+        else:
+            raise ModelFormatError(f"checkpoint tensor {name!r} matches no parameter of {self.cfg.arch}")
+
+    def _copy(self, name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+        if tuple(dest.shape) != tuple(src.shape):
+            raise ModelFormatError(f"{name}: shape {tuple(src.shape)} in checkpoint, expected {tuple(dest.shape)}")
+        dest.data.copy_(src)
+
+    def _expert_mask(self, layer: int) -> torch.Tensor:
+        if layer not in self.model.experts.gate_up:
+            raise ModelFormatError(f"checkpoint has experts for layer {layer}, which has none")
+        return self.done.experts.setdefault(layer, torch.zeros(self.cfg.num_experts, 3, dtype=torch.bool))
+
+    def _put_fused(self, layer: int, kind: str, tensor: torch.Tensor) -> None:
+        mask = self._expert_mask(layer)
+        stack = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
+        dest = stack[layer]
+        if tensor.dim() == 3 and tensor.shape[1:] == dest.shape[:0:-1] and tensor.shape != dest.shape:
+            tensor = tensor.transpose(1, 2)  # some exports store [E, in, out]
+        self._copy(f"layer {layer} experts.{kind}", dest, tensor)
+        cols = [0, 1] if kind == "gate_up_proj" else [2]
+        mask[:, cols] = True
+
+    def _put_expert(self, layer: int, expert: int, part: str, tensor: torch.Tensor) -> None:
+        mask = self._expert_mask(layer)
+        if expert >= self.cfg.num_experts:
+            raise ModelFormatError(f"expert index {expert} >= num_experts {self.cfg.num_experts}")
+        inter = self.cfg.moe_intermediate_size
+        if part == "down_proj":
+            dest = self.model.experts.down[layer][expert]
+        else:
+            rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
+            dest = self.model.experts.gate_up[layer][expert, rows]
+        self._copy(f"layer {layer} expert {expert} {part}", dest, tensor)
+        mask[expert, _PART[part]] = True
+
+    def check_complete(self) -> None:
+        missing = [n for n in self.params if n not in self.done.params]
+        if self.cfg.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        for layer in self.cfg.moe_layers:
+            mask = self.done.experts.get(layer)
+            if mask is None or not bool(mask.all()):
+                missing.append(f"layers.{layer}.mlp.experts")
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ModelFormatError(f"checkpoint lacks {', '.join(missing[:3])}{more}")
+
+
+def read_tensors(files: list[Path]):
+    """Yield (name, tensor) from each file, one tensor at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelFormatError(f"cannot read {file.name}: {exc}") from None
+
+
+def load_model(path: str | Path, device: str | torch.device, dtype: torch.dtype, cfg: ModelConfig | None = None):
+    """Load a HF-format model directory onto `device` in `dtype`."""
+    path = Path(path)
+    files = checkpoint_files(path)
+    cfg = cfg or ModelConfig.from_hf(path)
+    model = build_empty(cfg, device, dtype)
+    sink = WeightSink(model)
+    for name, tensor in read_tensors(files):
+        sink.put(name, tensor)
+    sink.check_complete()
+    return model

@@ -1,0 +1,88 @@
+"""Qwen3.5-MoE (text part): hybrid Gated DeltaNet linear attention + gated full attention, routed
+experts with top-k softmax routing plus a sigmoid-gated shared expert, zero-centred RMSNorms.
+
+The Gated DeltaNet layer runs its causal conv over the whole chunk at once and its recurrence
+segment by segment, split at the capture offsets, recording (conv, recurrent) state at each one.
+Weight names match `Qwen3_5MoeForCausalLM` (prefix `model.`) and the text part of
+`Qwen3_5MoeForConditionalGeneration` (prefix `model.language_model.`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrt.config import ModelConfig
+from agentrt.models import kernels
+from agentrt.models.cache import LinearCache
+from agentrt.models.layers import Attention, CausalLM, DecoderLayer, GatedRMSNorm, build_mlp, is_full_attention
+from agentrt.models.moe import RoutedExperts
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: conv1d(q,k,v) -> gated delta rule -> gated RMSNorm -> out_proj."""
+
+    backend = "torch"  # set per model by `set_linear_backend`
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: LinearCache, start: int, captures: Sequence[int]) -> torch.Tensor:
+        seq_len = x.shape[0]
+        conv_out, padded = kernels.causal_conv(self.in_proj_qkv(x).T, cache.conv, self.conv1d.weight)
+        q, k, v = conv_out.T.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(seq_len, self.num_k_heads, self.dk)
+        k = k.reshape(seq_len, self.num_k_heads, self.dk)
+        v = v.reshape(seq_len, self.num_v_heads, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        out = self._recurrence(q, k, v, g, beta, cache, padded, start, captures)
+        z = self.in_proj_z(x).reshape(seq_len, self.num_v_heads, self.dv)
+        out = self.norm(out, z).reshape(seq_len, self.value_dim)
+        return self.out_proj(out)
+
+    def _recurrence(self, q, k, v, g, beta, cache: LinearCache, padded, start: int, captures) -> torch.Tensor:
+        """Run the delta rule segment-wise, recording state after each capture offset."""
+        seq_len, width = q.shape[0], self.kernel - 1
+        cuts = sorted({c for c in captures if 0 < c < seq_len})
+        outs, state, begin = [], cache.recurrent, 0
+        for end in [*cuts, seq_len]:
+            o, state = kernels.gated_delta_rule(
+                q[begin:end], k[begin:end], v[begin:end], g[begin:end], beta[begin:end], state, self.backend
+            )
+            outs.append(o)
+            if end in captures:
+                cache.captured[start + end] = (padded[:, end : end + width].clone(), state.clone())
+            begin = end
+        cache.conv.copy_(padded[:, seq_len : seq_len + width])
+        cache.recurrent.copy_(state)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def build(cfg: ModelConfig, experts: RoutedExperts) -> CausalLM:
+    layers = []
+    for i in range(cfg.num_layers):
+        if is_full_attention(cfg, i):
+            name, mixer = "self_attn", Attention(cfg, output_gate=True, zero_centered=True)
+        else:
+            name, mixer = "linear_attn", GatedDeltaNet(cfg)
+        layers.append(DecoderLayer(name, mixer, build_mlp(cfg, i, experts), cfg, zc=True))
+    return CausalLM(cfg, layers, experts, zc=True)

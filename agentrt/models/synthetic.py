@@ -1,0 +1,229 @@
+"""Synthetic checkpoints: seeded random weights with the exact shapes of real models.
+
+Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-moe`, and real shapes
+`qwen3.5-35b-a3b`, `qwen3-30b-a3b`. A checkpoint can be written to disk in HF format (config.json +
+safetensors, sharded per layer for large sizes, fused expert tensors) or built straight into device
+memory for benchmarks (no disk copy). Every tensor has its own seed derived from (seed, name), so a
+tensor never depends on generation order. On CPU the values come from integer draws of torch's
+Mersenne Twister scaled to a uniform distribution, so files are byte-identical on every machine;
+on CUDA, in-memory builds use the device generator (deterministic per device, not equal to CPU).
+Real-size figures made with these weights are NOT the real models' quality or routing statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from agentrt.config import FULL, LINEAR, ModelConfig
+from agentrt.errors import InvalidArgumentError
+from agentrt.models import FP32_PARAMS, build_empty, torch_dtype
+from agentrt.models.layers import CausalLM
+
+INIT_STD = 0.02
+_TINY_Q35 = dict(
+    model_type="qwen3_5_moe_text", vocab_size=2048, hidden_size=128, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32",
+)  # fmt: skip
+_TINY_Q3 = dict(
+    model_type="qwen3_moe", vocab_size=2048, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+    intermediate_size=256, norm_topk_prob=True, max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, dtype="float32",
+)  # fmt: skip
+_Q35_35B = dict(
+    model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16",
+    eos_token_id=248044,
+)  # fmt: skip
+_Q3_30B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    intermediate_size=6144, norm_topk_prob=True, max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, dtype="bfloat16", eos_token_id=151645,
+)  # fmt: skip
+
+SIZES: dict[str, dict] = {
+    "tiny": _TINY_Q35,
+    "tiny-qwen3-moe": _TINY_Q3,
+    "qwen3.5-35b-a3b": _Q35_35B,
+    "qwen3-30b-a3b": _Q3_30B,
+}
+_ARCH_OF_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_moe": "qwen3_moe"}
+
+
+def resolve_size(size: str, arch: str | None = None) -> str:
+    """Name of the size entry for `--size S [--arch A]`; `tiny` follows the requested architecture."""
+    if size == "tiny" and arch == "qwen3_moe":
+        size = "tiny-qwen3-moe"
+    if size not in SIZES:
+        raise InvalidArgumentError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    own = _ARCH_OF_TYPE[SIZES[size]["model_type"]]
+    if arch is not None and arch != own:
+        raise InvalidArgumentError(f"size {size!r} is a {own} model, not {arch}")
+    return size
+
+
+def hf_config(size: str) -> dict:
+    """The config.json dict of a synthetic size (layer types spelled out)."""
+    raw = json.loads(json.dumps(SIZES[size]))
+    if raw["model_type"] == "qwen3_5_moe_text":
+        n = raw["num_hidden_layers"]
+        raw["layer_types"] = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)]
+        raw["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    else:
+        raw["architectures"] = ["Qwen3MoeForCausalLM"]
+    return raw
+
+
+def model_config(size: str) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config(size))
+
+
+# ----------------------------------------------------------------------------- random values
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def fill_uniform_(t: torch.Tensor, low: float, high: float, seed: int) -> torch.Tensor:
+    """Fill `t` with U(low, high) values; bit-reproducible on CPU (integer draws)."""
+    gen = torch.Generator(device=t.device).manual_seed(seed)
+    if t.device.type != "cpu":
+        return t.uniform_(low, high, generator=gen)
+    ints = torch.randint(0, 2**24, tuple(t.shape), generator=gen, dtype=torch.int32)
+    return t.copy_(ints.double().mul_((high - low) / 2**24).add_(low))
+
+
+def init_value(name: str, t: torch.Tensor, seed: int, zero_centered: bool) -> None:
+    """The synthetic init of one tensor, chosen by its name (mirrors HF's init scheme)."""
+    s = tensor_seed(seed, name)
+    half = INIT_STD * math.sqrt(3.0)
+    if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+        t.fill_(1.0)
+    elif name.endswith("norm.weight"):
+        t.fill_(0.0 if zero_centered else 1.0)
+    elif name.endswith("A_log"):
+        fill_uniform_(t, 0.01, 16.0, s).log_()
+    elif name.endswith("conv1d.weight"):
+        fill_uniform_(t, -0.5, 0.5, s)
+    else:
+        fill_uniform_(t, -half, half, s)
+
+
+def named_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names (HF layout, fused experts) and destination tensors, in a fixed order."""
+    prefix = model.config.weight_prefix
+    for name, param in model.named_parameters():
+        yield (name if name == "lm_head.weight" else prefix + name), param.data
+    for layer in sorted(model.experts.gate_up):
+        yield f"{prefix}layers.{layer}.mlp.experts.gate_up_proj", model.experts.gate_up[layer]
+        yield f"{prefix}layers.{layer}.mlp.experts.down_proj", model.experts.down[layer]
+
+
+def build_in_memory(size: str, device, dtype: torch.dtype | None = None, seed: int = 0) -> CausalLM:
+    """A synthetic model of `size` directly in device memory."""
+    cfg = model_config(size)
+    model = build_empty(cfg, device, dtype or torch_dtype(cfg.torch_dtype))
+    zero_centered = cfg.arch == "qwen3_5_moe"
+    with torch.inference_mode():
+        for name, tensor in named_tensors(model):
+            init_value(name, tensor, seed, zero_centered)
+    return model
+
+
+# ----------------------------------------------------------------------------- writing to disk
+
+
+def _shard_of(name: str) -> str:
+    """Group tensors into one shard per layer (plus one for embeddings/head/final norm)."""
+    parts = name.split(".")
+    if "layers" in parts:
+        return f"layer{int(parts[parts.index('layers') + 1]):03d}"
+    return "base"
+
+
+def write_checkpoint(
+    size: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    config_overrides: dict | None = None,
+) -> Path:
+    """Write `size` as a HF-format checkpoint (config.json + safetensors) into `out_dir`.
+
+    Small models go into one `model.safetensors`; large ones into one shard per layer plus an
+    index, generated and written shard by shard so memory holds one layer at a time.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = hf_config(size)
+    raw.update(config_overrides or {})
+    if dtype:
+        raw["dtype"] = dtype
+    cfg = ModelConfig.from_hf(raw)
+    target = torch_dtype(cfg.torch_dtype)
+    skeleton = build_empty_meta(cfg)
+    shards: dict[str, list[tuple[str, torch.Size]]] = {}
+    for name, tensor in named_tensors(skeleton):
+        shards.setdefault(_shard_of(name), []).append((name, tensor.shape))
+    total_bytes = sum(t.numel() for _, t in named_tensors(skeleton)) * target.itemsize
+    if total_bytes < 2**30:
+        shards = {"all": [entry for entries in shards.values() for entry in entries]}
+    weight_map = {}
+    for i, (shard, entries) in enumerate(sorted(shards.items())):
+        file = "model.safetensors" if shard == "all" else f"model-{shard}.safetensors"
+        _write_shard(out / file, entries, cfg, target, seed)
+        weight_map.update({name: file for name, _ in entries})
+        if progress:
+            progress(i + 1, len(shards))
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _write_shard(path: Path, entries, cfg: ModelConfig, target: torch.dtype, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, shape in entries:
+        t = torch.empty(shape, dtype=torch.float32)
+        init_value(name, t, seed, cfg.arch == "qwen3_5_moe")
+        keep_fp32 = name.rsplit(".", 1)[-1] in FP32_PARAMS
+        tensors[name] = t if keep_fp32 else t.to(target)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def build_empty_meta(cfg: ModelConfig) -> CausalLM:
+    """Shapes only: a model on the meta device (for planning shards and parameter counts)."""
+    return build_empty(cfg, "meta", torch_dtype(cfg.torch_dtype))
+
+
+def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+    model = build_empty_meta(cfg)
+    dense = sum(p.numel() for p in model.parameters())
+    if cfg.tie_word_embeddings:
+        dense -= model.lm_head.weight.numel()
+    routed = len(cfg.moe_layers) * cfg.num_experts * cfg.expert_params
+    active = dense + len(cfg.moe_layers) * cfg.num_experts_per_tok * cfg.expert_params
+    return {"total": dense + routed, "routed_experts": routed, "dense": dense, "active_per_token": active}

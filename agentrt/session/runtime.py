@@ -1,0 +1,231 @@
+"""`Runtime`: the public Python API (DESIGN §2). Opens a model on a device, owns its engine and
+tokenizer, and serves `generate` (token ids in, token ids out) and `chat` (OpenAI-shaped messages
+in, content / reasoning / tool calls out, optionally streamed).
+
+This build keeps no state between calls (`cache="off"`); the semantic state cache, prefix reuse and
+expert offloading are separate pieces that plug in here later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from agentrt.config import EngineConfig
+from agentrt.engine import Engine, Generation, SamplingParams
+from agentrt.errors import ChatTemplateError, InvalidArgumentError, NotSupportedYetError
+from agentrt.session.chat import (
+    ChatEvent,
+    ChatResult,
+    Detokenizer,
+    OutputParser,
+    normalize_messages,
+    opens_in_reasoning,
+    render,
+)
+
+CACHE_MODES = ("semantic", "prefix", "off")
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InvalidArgumentError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgumentError("device 'cuda' requested but CUDA is not available on this machine")
+    return device
+
+
+def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
+    if cache not in CACHE_MODES:
+        raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+    if cache != "off":
+        raise NotSupportedYetError(
+            f"cache={cache!r} is not available in this build yet (the state cache has not landed); use cache='off'"
+        )
+    if vram_budget is not None or expert_cache_slots is not None:
+        raise NotSupportedYetError(
+            "vram_budget / expert_cache_slots need the expert-offload engine, which has not landed yet"
+        )
+
+
+class Runtime:
+    """A model ready to generate: `Runtime.open(...)`, then `generate` / `chat`, then `close`."""
+
+    def __init__(self, engine: Engine, tokenizer, name: str, cache: str, seed: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = name
+        self.cache = cache
+        self.seed = seed
+        self._stop_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def open(
+        cls,
+        model: str = "tiny",
+        device: str = "cpu",
+        dtype: str | None = None,
+        cache: str = "off",
+        state_dir: str | None = None,
+        vram_budget: str | int | None = None,
+        expert_cache_slots: int | None = None,
+        seed: int = 0,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        linear_attn: str = "auto",
+        prefill_chunk: int = 2048,
+    ) -> Runtime:
+        """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`."""
+        from agentrt.models import torch_dtype
+        from agentrt.models.registry import open_model
+        from agentrt.session.tokenizer import load_tokenizer
+
+        _check_unsupported(cache, vram_budget, expert_cache_slots)
+        device = _check_device(device)
+        config = EngineConfig(
+            device=device,
+            dtype=dtype or EngineConfig.default_dtype(device),
+            linear_attn=linear_attn,
+            prefill_chunk=prefill_chunk,
+        )
+        source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
+        tok_dir = tokenizer or source.tokenizer_dir
+        tok = load_tokenizer(tok_dir, chat_template) if tok_dir else None
+        return cls(Engine(source.model, config), tok, source.name, cache, seed)
+
+    # ------------------------------------------------------------------ token level
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Generate up to `max_tokens` new token ids after `prompt_token_ids`."""
+        params = SamplingParams(max_tokens, temperature, top_p, self._seed(seed), tuple(stop_token_ids or ()))
+        state = self.engine.new_state()
+        return self.engine.generate(state, list(prompt_token_ids), params).token_ids
+
+    def _seed(self, seed: int | None) -> int:
+        return self.seed if seed is None else seed
+
+    # ------------------------------------------------------------------ chat level
+
+    @property
+    def chat_stop_ids(self) -> tuple[int, ...]:
+        from agentrt.session.tokenizer import stop_token_ids
+
+        if self._stop_ids is None:
+            self._stop_ids = stop_token_ids(self._require_tokenizer(), self.engine.cfg.eos_token_ids)
+        return self._stop_ids
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ChatTemplateError(f"model {self.model_name!r} has no tokenizer; pass tokenizer=DIR")
+        return self.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+        seed: int | None = None,
+    ) -> ChatResult | Iterator[ChatEvent]:
+        """One assistant turn for OpenAI-shaped `messages`; `stream=True` yields `ChatEvent`s."""
+        tok = self._require_tokenizer()
+        prompt = render(tok, normalize_messages(messages), tools)
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        params = SamplingParams(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        events = self._chat_events(prompt_ids, params, stops, opens_in_reasoning(prompt))
+        if stream:
+            return events
+        for event in events:
+            if event.type == "done":
+                return event.result
+        raise RuntimeError("chat ended without a result")  # unreachable
+
+    def _chat_events(self, prompt_ids, params: SamplingParams, stops: list[str], reasoning: bool) -> Iterator[ChatEvent]:
+        gen = Generation()
+        parser = OutputParser(mode="reasoning" if reasoning else "content")
+        detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
+        state = self.engine.new_state()
+        for token in self.engine.stream(state, prompt_ids, params, gen):
+            if token in params.stop_token_ids:
+                break
+            piece, hit = text.push(detok.push(token))
+            yield from parser.feed(piece)
+            if hit:
+                gen.finish_reason = "stop"
+                break
+        yield from parser.feed(text.flush())
+        yield from parser.finish()
+        yield ChatEvent("done", result=self._result(parser, gen))
+
+    def _result(self, parser: OutputParser, gen: Generation) -> ChatResult:
+        finish = gen.finish_reason
+        if parser.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        return ChatResult(
+            content="".join(parser.content) if parser.content or not parser.tool_calls else None,
+            reasoning_content="".join(parser.reasoning) or None,
+            tool_calls=parser.tool_calls,
+            token_ids=list(gen.token_ids),
+            finish_reason=finish,
+            usage={"prompt_tokens": gen.prompt_tokens, "cached_tokens": 0, "completion_tokens": len(gen.token_ids)},
+            timings=gen.timings.as_dict(),
+        )
+
+    def close(self) -> None:
+        """Release the model (GPU memory is returned to the allocator)."""
+        self.engine = None  # type: ignore[assignment]
+        self.tokenizer = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:  # pragma: no cover
+            pass
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _StopScanner:
+    """Applies stop strings to streamed text: holds back a possible partial match, cuts at a hit."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.done = False
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
