@@ -64,3 +64,16 @@ def set_linear_backend(model: CausalLM, backend: str) -> None:
     for module in model.modules():
         if isinstance(module, qwen3_5_moe.GatedDeltaNet):
             module.backend = backend
+
+
+def copy_model(model: CausalLM, device: str | torch.device, dtype: torch.dtype) -> CausalLM:
+    """An independent copy of `model` (weights and experts) on another device / dtype."""
+    new = build_empty(model.config, device, dtype)
+    source = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in new.named_parameters():
+            param.copy_(source[name])
+        for layer in new.experts.gate_up:
+            new.experts.gate_up[layer].copy_(model.experts.gate_up[layer])
+            new.experts.down[layer].copy_(model.experts.down[layer])
+    return new

@@ -167,6 +167,7 @@ def write_checkpoint(
     dtype: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     config_overrides: dict | None = None,
+    max_single_bytes: int = 2**30,
 ) -> Path:
     """Write `size` as a HF-format checkpoint (config.json + safetensors) into `out_dir`.
 
@@ -186,7 +187,7 @@ def write_checkpoint(
     for name, tensor in named_tensors(skeleton):
         shards.setdefault(_shard_of(name), []).append((name, tensor.shape))
     total_bytes = sum(t.numel() for _, t in named_tensors(skeleton)) * target.itemsize
-    if total_bytes < 2**30:
+    if total_bytes <= max_single_bytes:
         shards = {"all": [entry for entries in shards.values() for entry in entries]}
     weight_map = {}
     for i, (shard, entries) in enumerate(sorted(shards.items())):

@@ -1,0 +1,149 @@
+"""Benchmarks behind `agentrt bench prefill|decode|accuracy`: each loads the model once, runs every
+requested configuration in the same invocation and returns a JSON-ready dict (machine, command
+settings, figures, ratios). Timings synchronise the device; nothing here is a unit test.
+Synthetic models carry random weights with real shapes: figures say nothing about model quality.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from agentrt.config import EngineConfig
+from agentrt.engine import Engine, SamplingParams
+from agentrt.models import copy_model, torch_dtype
+from agentrt.models.registry import open_model
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import fla  # noqa: F401
+
+        info["fla"] = getattr(fla, "__version__", "present")
+    except Exception:  # noqa: BLE001
+        info["fla"] = None
+    return info
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _engines(spec: str, device: str, dtype: str | None, kernels: Sequence[str], chunk: int, seed: int):
+    """Load once; yield (requested kernel, engine) sharing the same weights."""
+    dtype = dtype or EngineConfig.default_dtype(device)
+    source = open_model(spec, device, torch_dtype(dtype), seed=seed)
+    for kernel in kernels:
+        cfg = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=kernel)
+        yield kernel, Engine(source.model, cfg)
+
+
+def random_ids(vocab: int, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def _time_prefill(engine: Engine, ids: list[int], device: str) -> float:
+    state = engine.new_state(capacity=len(ids))
+    _sync(device)
+    t0 = time.perf_counter()
+    engine.prefill(state, ids)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def prefill(spec, device, dtype, kernels, lengths, chunk, repeat, seed) -> dict[str, Any]:
+    runs = []
+    for kernel, engine in _engines(spec, device, dtype, kernels, chunk, seed):
+        for length in lengths:
+            ids = random_ids(engine.cfg.vocab_size, length, seed)
+            _time_prefill(engine, ids[: min(length, chunk)], device)  # warm-up (kernels, autotune)
+            times = [_time_prefill(engine, ids, device) for _ in range(repeat)]
+            best = statistics.median(times)
+            runs.append({
+                "linear_attn": kernel, "backend": engine.linear_backend, "prompt_tokens": length,
+                "median_s": best, "tok_s": length / best, "all_s": times, "peak_gpu_gib": _peak_gib(device),
+            })  # fmt: skip
+    return {"bench": "prefill", "model": spec, "device": device, "dtype": dtype or EngineConfig.default_dtype(device),
+            "prefill_chunk": chunk, "machine": machine(), "runs": runs, "ratios": _ratios(runs, "prompt_tokens")}  # fmt: skip
+
+
+def decode(spec, device, dtype, kernels, prompt_len, tokens, seed) -> dict[str, Any]:
+    runs = []
+    for kernel, engine in _engines(spec, device, dtype, kernels, 2048, seed):
+        ids = random_ids(engine.cfg.vocab_size, prompt_len, seed)
+        state = engine.new_state(capacity=prompt_len + tokens + 1)
+        logits = engine.prefill(state, ids)
+        token = int(logits.argmax())
+        for _ in range(3):  # warm-up steps
+            token = int(engine.decode_step(state, token).argmax())
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            token = int(engine.decode_step(state, token).argmax())
+        elapsed = time.perf_counter() - t0
+        runs.append({"linear_attn": kernel, "backend": engine.linear_backend, "prompt_tokens": prompt_len,
+                     "tokens": tokens, "tok_s": tokens / elapsed, "ms_per_token": 1000 * elapsed / tokens,
+                     "peak_gpu_gib": _peak_gib(device)})  # fmt: skip
+    return {"bench": "decode", "model": spec, "device": device, "dtype": dtype or EngineConfig.default_dtype(device),
+            "machine": machine(), "runs": runs, "ratios": _ratios(runs, "prompt_tokens")}  # fmt: skip
+
+
+def _ratios(runs: list[dict], key: str) -> dict[str, float]:
+    """tok/s of each backend relative to the torch backend, per `key` value."""
+    out = {}
+    for run in runs:
+        base = next((r for r in runs if r["backend"] == "torch" and r[key] == run[key]), None)
+        if base and run["backend"] != "torch":
+            out[f"{run['backend']}_vs_torch@{run[key]}"] = run["tok_s"] / base["tok_s"]
+    return out
+
+
+def accuracy(spec, device, dtype, kernels, length, seed) -> dict[str, Any]:
+    """Compare logits (one prefill of `length` random tokens) and 32 greedy tokens to fp32 CPU."""
+    dtype = dtype or EngineConfig.default_dtype(device)
+    ref_model = open_model(spec, "cpu", torch.float32, seed=seed).model
+    ref = Engine(ref_model, EngineConfig(device="cpu", dtype="float32", linear_attn="torch"))
+    ids = random_ids(ref.cfg.vocab_size, length, seed)
+    ref_logits = ref.prefill(ref.new_state(), ids, all_logits=True)
+    ref_greedy = ref.generate(ref.new_state(), ids, SamplingParams(max_tokens=32)).token_ids
+    model = copy_model(ref_model, device, torch_dtype(dtype))
+    runs = []
+    for kernel in kernels:
+        eng = Engine(model, EngineConfig(device=device, dtype=dtype, linear_attn=kernel))
+        logits = eng.prefill(eng.new_state(), ids, all_logits=True).float().cpu()
+        greedy = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=32)).token_ids
+        runs.append(_compare(kernel, eng.linear_backend, logits, ref_logits, greedy, ref_greedy))
+    return {"bench": "accuracy", "model": spec, "device": device, "dtype": dtype, "prompt_tokens": length,
+            "reference": "cpu float32, torch kernels", "machine": machine(), "runs": runs}  # fmt: skip
+
+
+def _compare(kernel, backend, logits, ref, greedy, ref_greedy) -> dict[str, Any]:
+    diff = (logits - ref).abs()
+    same = next((i for i, (a, b) in enumerate(zip(greedy, ref_greedy)) if a != b), len(ref_greedy))
+    return {
+        "linear_attn": kernel, "backend": backend,
+        "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+        "max_abs_ref": float(ref.abs().max()), "rel_max_diff": float(diff.max() / ref.abs().max()),
+        "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "greedy_tokens_identical_prefix": same, "greedy_tokens": len(ref_greedy),
+    }  # fmt: skip

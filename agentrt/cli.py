@@ -1,0 +1,256 @@
+"""The `agentrt` command line (click). Every command has `--help`; user errors print one line
+(`error: ...`) and exit with status 2, never a traceback.
+
+Commands in this build: `chat`, `model make`, `model info`, `bench prefill`, `bench decode`,
+`bench accuracy`. (serve, run, replay, trace, cache and the offload benchmarks arrive with their
+issues; see README.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from agentrt.errors import AgentrtError
+
+DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
+MODEL_HELP = "A HF-format directory, 'tiny' (embedded default), or 'synthetic:NAME' (e.g. synthetic:qwen3.5-35b-a3b)."
+
+
+class _Group(click.Group):
+    """Turns agentrt's user errors into one-line messages."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AgentrtError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_options(fn):
+    """Options shared by every command that opens a model."""
+    options = [
+        click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Weights/activations dtype (default: float32 on cpu, bfloat16 on cuda)."),
+        click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
+                     help="Tokenizer directory overriding the model's own."),
+        click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
+                     help="Jinja chat template file overriding the tokenizer's."),
+        click.option("--cache", type=click.Choice(["semantic", "prefix", "off"]), default="off", show_default=True,
+                     help="State cache mode (only 'off' is available in this build)."),
+        click.option("--linear-attn", type=click.Choice(["auto", "torch", "fla"]), default="auto", show_default=True,
+                     help="Gated-delta-rule kernels: fla (CUDA + flash-linear-attention) or pure torch."),
+        click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+                     help="Tokens per prefill chunk."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Sampling / synthetic-weights seed."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def open_runtime(opts: dict):
+    from agentrt import Runtime
+
+    return Runtime.open(
+        model=opts["model"], device=resolve_device(opts["device"]), dtype=opts["dtype"], cache=opts["cache"],
+        seed=opts["seed"], tokenizer=opts["tokenizer"], chat_template=opts["chat_template"],
+        linear_attn=opts["linear_attn"], prefill_chunk=opts["prefill_chunk"],
+    )  # fmt: skip
+
+
+def write_json(path: str | None, data) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="agentrt")
+def main() -> None:
+    """agentrt: fast tool-calling agents on Mixture-of-Experts models that do not fit in one GPU."""
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+@main.command()
+@model_options
+@click.argument("message")
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the result as JSON.")
+def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, **opts) -> None:
+    """Run one chat turn for MESSAGE and stream the reply to the terminal."""
+    rt = open_runtime(opts)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+    events = rt.chat(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop), stream=True)
+    result = _print_stream(events)
+    t, u = result.timings, result.usage
+    rate = u["completion_tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
+    click.echo(
+        f"[{u['prompt_tokens']} prompt tokens, {u['completion_tokens']} generated, ttft {t['ttft_s']:.3f}s, "
+        f"{rate:.1f} tok/s, finish: {result.finish_reason}]",
+        err=True,
+    )
+    write_json(json_out, result.__dict__)
+
+
+def _print_stream(events):
+    last = None
+    for ev in events:
+        if ev.type == "done":
+            if last is not None:
+                click.echo()
+            return ev.result
+        if ev.type != last and last is not None:
+            click.echo()
+        if ev.type == "reasoning":
+            click.secho(ev.text, nl=False, dim=True)
+        elif ev.type == "content":
+            click.echo(ev.text, nl=False)
+        else:
+            fn = ev.tool_call["function"]
+            click.secho(f"-> tool call {fn['name']}({fn['arguments']})", nl=False, fg="cyan")
+        last = ev.type
+    raise AgentrtError("generation ended without a result")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@main.group()
+def model() -> None:
+    """Create synthetic checkpoints and inspect model directories."""
+
+
+@model.command("make")
+@click.option("--arch", type=click.Choice(["qwen3_5_moe", "qwen3_moe"]), default=None,
+              help="Architecture (implied by real size names).")
+@click.option("--size", required=True, help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b.")
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="Stored dtype (default: float32 for tiny sizes, bfloat16 for real sizes).")
+@click.option("--force", is_flag=True, help="Write into a non-empty directory.")
+def model_make(arch, size, out, seed, dtype, force) -> None:  # fmt: skip
+    """Write a seeded random-weight checkpoint with exact shapes (HF format)."""
+    from agentrt.models.synthetic import resolve_size, write_checkpoint
+    from agentrt.models.tiny import build_tiny
+
+    name = resolve_size(size, arch)
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise click.UsageError(f"{out_dir} is not empty (use --force to write into it)")
+    if name.startswith("tiny"):
+        build_tiny(out_dir, name)
+    else:
+        with click.progressbar(length=1, label=f"writing {name}", file=sys.stderr) as bar:
+            def progress(done: int, total: int) -> None:
+                bar.length = total
+                bar.update(done - bar.pos)
+            write_checkpoint(name, out_dir, seed=seed, dtype=dtype, progress=progress)
+    click.echo(f"wrote {name} to {out_dir}")
+
+
+@model.command("info")
+@click.argument("model_spec")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+def model_info(model_spec: str, json_out) -> None:
+    """Describe MODEL_SPEC (a directory, 'tiny' or 'synthetic:NAME') without loading weights."""
+    from agentrt.models.info import describe
+
+    info = describe(model_spec)
+    for key, value in info.items():
+        click.echo(f"{key:>24}: {value}")
+    write_json(json_out, info)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print JSON (see BENCHMARKS.md)."""
+
+
+def _bench_options(fn):
+    options = [
+        click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
+        click.option("--linear-attn", default="auto", show_default=True,
+                     help="Comma-separated list of kernels to compare: auto, torch, fla."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+@bench.command("prefill")
+@_bench_options
+@click.option("--lengths", default="2048,8192", show_default=True, help="Comma-separated prompt lengths.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+def bench_prefill(model, device, dtype, linear_attn, seed, json_out, lengths, prefill_chunk, repeat) -> None:
+    """Prefill throughput (tok/s) for each prompt length and linear-attention kernel."""
+    from agentrt import bench as b
+
+    lens = [int(x) for x in _csv(lengths)]
+    report = b.prefill(model, resolve_device(device), dtype, _csv(linear_attn), lens, prefill_chunk, repeat, seed)
+    click.echo(json.dumps(report, indent=2))
+    write_json(json_out, report)
+
+
+@bench.command("decode")
+@_bench_options
+@click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
+def bench_decode(model, device, dtype, linear_attn, seed, json_out, prompt_len, tokens) -> None:
+    """Greedy decode throughput (tok/s) after a prompt, per linear-attention kernel."""
+    from agentrt import bench as b
+
+    report = b.decode(model, resolve_device(device), dtype, _csv(linear_attn), prompt_len, tokens, seed)
+    click.echo(json.dumps(report, indent=2))
+    write_json(json_out, report)
+
+
+@bench.command("accuracy")
+@_bench_options
+@click.option("--length", type=click.IntRange(min=2), default=300, show_default=True)
+def bench_accuracy(model, device, dtype, linear_attn, seed, json_out, length) -> None:
+    """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
+    from agentrt import bench as b
+
+    report = b.accuracy(model, resolve_device(device), dtype, _csv(linear_attn), length, seed)
+    click.echo(json.dumps(report, indent=2))
+    write_json(json_out, report)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,131 @@
+"""Engine core: chunked prefill == one pass; captured states == separate prefill of the prefix;
+snapshot export/import reproduces logits; MoE dispatch paths agree; sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from util import open_engine, random_ids
+
+from agentrt.engine import SamplingParams
+from agentrt.engine.sampling import sample, top_p_filter
+
+N = 230
+
+
+@pytest.fixture(params=["qwen3_5_moe", "qwen3_moe"])
+def ckpt(request, hf_checkpoints):
+    return hf_checkpoints[request.param]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 229, 4096])
+def test_chunked_prefill_equals_one_pass(ckpt, chunk):
+    ids = random_ids(N, seed=11)
+    ref = open_engine(ckpt)
+    expected = ref.prefill(ref.new_state(), ids, all_logits=True)
+    eng = open_engine(ckpt, chunk=chunk)
+    got = eng.prefill(eng.new_state(), ids, capture=[3, 50, 99, 101, 200], all_logits=True)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def _assert_snapshots_close(a, b):
+    assert a.num_tokens == b.num_tokens and a.token_ids == b.token_ids
+    for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True):
+        assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
+    for x, y in zip(a.conv + a.recurrent, b.conv + b.recurrent, strict=True):
+        assert torch.allclose(x, y, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 4096])
+def test_captured_states_equal_prefix_prefill(ckpt, chunk):
+    ids = random_ids(N, seed=12)
+    captures = [1, 64, 100, 137, 200, N]  # 100 is a chunk edge for chunk=100; 137 splits a chunk
+    eng = open_engine(ckpt, chunk=chunk)
+    state = eng.new_state()
+    eng.prefill(state, ids, capture=captures)
+    for pos in captures:
+        separate = eng.new_state()
+        eng.prefill(separate, ids[:pos])
+        _assert_snapshots_close(state.export(pos), separate.export())
+
+
+def test_snapshot_import_then_suffix_reproduces_logits(ckpt):
+    ids = random_ids(N, seed=13)
+    eng = open_engine(ckpt, chunk=64)
+    full = eng.prefill(eng.new_state(), ids, all_logits=True)
+    state = eng.new_state()
+    eng.prefill(state, ids[:150], capture=[97])
+    snap = state.export(97)
+    fresh = eng.new_state()
+    fresh.import_(snap)
+    rest = eng.prefill(fresh, ids[97:], all_logits=True)
+    assert (rest - full[97:]).abs().max().item() < 1e-4
+    params = SamplingParams(max_tokens=12)
+    again = eng.new_state()
+    again.import_(snap)
+    assert eng.generate(again, ids[97:], params).token_ids == eng.generate(eng.new_state(), ids, params).token_ids
+
+
+def test_hybrid_export_needs_a_captured_position(hf_checkpoints):
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    state = eng.new_state()
+    eng.prefill(state, random_ids(40), capture=[10])
+    assert state.can_export(10) and state.can_export(40) and not state.can_export(20)
+    with pytest.raises(ValueError):
+        state.export(20)
+
+
+def test_attention_only_export_anywhere(hf_checkpoints):
+    eng = open_engine(hf_checkpoints["qwen3_moe"])
+    ids = random_ids(60, seed=14)
+    state = eng.new_state()
+    eng.prefill(state, ids)
+    separate = eng.new_state()
+    eng.prefill(separate, ids[:33])
+    _assert_snapshots_close(state.export(33), separate.export())
+
+
+def test_moe_gather_and_grouped_paths_agree(hf_checkpoints):
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    experts, layer = eng.model.experts, 0
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 64, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(9)])
+    w = torch.rand(9, 3, generator=g)
+    assert torch.allclose(experts.gathered(layer, x, ids, w), experts.grouped(layer, x, ids, w), atol=1e-6)
+
+
+def test_decode_matches_prefill_logits(ckpt):
+    ids = random_ids(50, seed=15)
+    eng = open_engine(ckpt)
+    full = eng.prefill(eng.new_state(), ids, all_logits=True)
+    state = eng.new_state()
+    eng.prefill(state, ids[:40])
+    for i in range(40, 50):
+        step = eng.decode_step(state, ids[i])
+        assert (step - full[i]).abs().max().item() < 1e-4
+
+
+def test_stop_token_ends_generation(ckpt):
+    eng = open_engine(ckpt)
+    ids = random_ids(20, seed=16)
+    free = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=10)).token_ids
+    stopped = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=10, stop_token_ids=(free[3],)))
+    first = free.index(free[3])
+    assert stopped.token_ids == free[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert top_p_filter(probs, 0.7).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    assert top_p_filter(probs, 0.5).tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])
+    assert top_p_filter(probs, 1.0).tolist() == probs.tolist()
+
+
+def test_sampling_is_seeded_and_greedy_is_argmax():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, SamplingParams(), None) == int(logits.argmax())
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    draw = lambda: [sample(logits, params, g) for g in [torch.Generator().manual_seed(7)] for _ in range(20)]  # noqa: E731
+    assert draw() == draw()
+    assert len(set(draw())) > 1

@@ -1,0 +1,121 @@
+"""Bad input: one-line CLI errors (no traceback, exit 2) and typed Python exceptions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from agentrt import Runtime
+from agentrt.errors import (
+    AgentrtError,
+    InvalidArgumentError,
+    ModelFormatError,
+    ModelNotFoundError,
+    NotSupportedYetError,
+    PromptTooLongError,
+    UnsupportedArchitectureError,
+)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _bad_dirs(tmp_path, hf_qwen3):
+    no_config = _copy(hf_qwen3, tmp_path / "no_config")
+    (no_config / "config.json").unlink()
+    bad_json = _copy(hf_qwen3, tmp_path / "bad_json")
+    (bad_json / "config.json").write_text("{not json")
+    unknown = _copy(hf_qwen3, tmp_path / "unknown_arch")
+    cfg = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**cfg, "model_type": "llama4"}))
+    no_weights = _copy(hf_qwen3, tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    corrupt = _copy(hf_qwen3, tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    shape = _copy(hf_qwen3, tmp_path / "wrong_shape")
+    (shape / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+    return {
+        "missing": (tmp_path / "nope", ModelNotFoundError, "not found"),
+        "no_config": (no_config, ModelFormatError, "config.json"),
+        "bad_json": (bad_json, ModelFormatError, "malformed"),
+        "unknown_arch": (unknown, UnsupportedArchitectureError, "llama4"),
+        "no_weights": (no_weights, ModelFormatError, "safetensors"),
+        "corrupt": (corrupt, ModelFormatError, "cannot read"),
+        "wrong_shape": (shape, ModelFormatError, "shape"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "bad_json", "unknown_arch", "no_weights", "corrupt", "wrong_shape"])
+def test_bad_model_dirs(tmp_path, hf_qwen3, case):
+    path, exc_type, words = _bad_dirs(tmp_path, hf_qwen3)[case]
+    with pytest.raises(exc_type, match=words):
+        Runtime.open(model=str(path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrt.cli", "chat", "--model", str(path), "--device", "cpu", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_prompt_longer_than_context(tmp_path, hf_qwen3):
+    small = _copy(hf_qwen3, tmp_path / "small_ctx")
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    rt = Runtime.open(model=str(small))
+    with pytest.raises(PromptTooLongError, match="context is 64 tokens"):
+        rt.generate(list(range(100)), max_tokens=4)
+    assert len(rt.generate(list(range(60)), max_tokens=10)) == 4  # stops at the context end
+
+
+def test_cli_prompt_too_long(tmp_path):
+    from agentrt.models.tiny import ensure_tiny
+
+    small = _copy(ensure_tiny(), tmp_path / "tiny_small_ctx")
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrt.cli", "chat", "--model", str(small), "--device", "cpu", "word " * 100],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: prompt has ") and "Traceback" not in proc.stderr
+
+
+def test_unsupported_options_are_named():
+    with pytest.raises(NotSupportedYetError, match="state cache"):
+        Runtime.open(cache="semantic")
+    with pytest.raises(InvalidArgumentError, match="cache must be"):
+        Runtime.open(cache="bogus")
+    with pytest.raises(NotSupportedYetError, match="offload"):
+        Runtime.open(vram_budget="16GiB")
+
+
+def test_bad_arguments():
+    rt = Runtime.open()
+    with pytest.raises(InvalidArgumentError):
+        rt.generate([1, 2, 10**9])
+    with pytest.raises(InvalidArgumentError):
+        rt.generate([1, 2], temperature=-1)
+    with pytest.raises(InvalidArgumentError):
+        rt.chat([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(InvalidArgumentError):
+        rt.chat([])
+    assert issubclass(InvalidArgumentError, AgentrtError)
+
+
+def test_cuda_requested_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(InvalidArgumentError, match="CUDA is not available"):
+        Runtime.open(device="cuda")

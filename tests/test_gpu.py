@@ -1,0 +1,61 @@
+"""GPU checks (skipped without CUDA): fla kernels == torch reference, bf16 CUDA logits close to the
+fp32 CPU path, chunked prefill == one pass on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.models import kernels
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+needs_fla = pytest.mark.skipif(kernels.fla_ops() is None, reason="flash-linear-attention not installed")
+
+
+def _inputs(seq_len, dtype, hk=4, hv=8, dk=128, dv=128):
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q, k, v = mk(seq_len, hk, dk).to(dtype), mk(seq_len, hk, dk).to(dtype), mk(seq_len, hv, dv).to(dtype)
+    decay = -torch.rand(seq_len, hv, generator=g, device="cuda") * 2
+    beta = torch.rand(seq_len, hv, generator=g, device="cuda").to(dtype)
+    return q, k, v, decay, beta, mk(hv, dk, dv) * 0.1
+
+
+@needs_fla
+@pytest.mark.parametrize("seq_len", [1, 37, 64, 300])
+def test_fla_matches_torch_fp32(seq_len):
+    args = _inputs(seq_len, torch.float32)
+    ref_out, ref_state = kernels.chunk_gated_delta_rule(*args)
+    out, state = kernels.fla_gated_delta_rule(*args)
+    assert (out.float() - ref_out).abs().max().item() < 2e-3
+    assert (state - ref_state).abs().max().item() < 2e-3
+
+
+def _tiny_report(kernel: str):
+    from agentrt import bench
+
+    return bench.accuracy("tiny", "cuda", "bfloat16", [kernel], 300, 0)["runs"][0]
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
+def test_bf16_cuda_close_to_fp32_cpu(kernel):
+    run = _tiny_report(kernel)
+    assert run["rel_max_diff"] < 0.05, run
+    assert run["top1_agreement"] > 0.9, run
+
+
+def test_chunked_prefill_on_cuda():
+    from agentrt.config import EngineConfig
+    from agentrt.engine import Engine
+    from agentrt.models.registry import open_model
+
+    model = open_model("tiny", "cuda", torch.bfloat16).model
+    ids = list(range(5, 700))
+    one = Engine(model, EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=4096))
+    chunked = Engine(model, EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=128))
+    a = one.prefill(one.new_state(), ids, all_logits=True)
+    b = chunked.prefill(chunked.new_state(), ids, capture=[100, 300], all_logits=True)
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()

@@ -1,0 +1,51 @@
+"""Layering rules of DESIGN §1: imports flow cli -> server/replay -> session -> engine ->
+models/offload/statecache, and `import agentrt` stays light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "agentrt"
+FORBIDDEN = {
+    "models": {"engine", "session", "server", "replay", "cli", "offload", "statecache", "bench"},
+    "offload": {"engine", "session", "server", "replay", "cli", "statecache", "bench"},
+    "statecache": {"engine", "session", "server", "replay", "cli", "offload", "bench"},
+    "engine": {"session", "server", "replay", "cli", "bench"},
+    "session": {"server", "replay", "cli", "bench"},
+    "server": {"replay", "cli", "bench"},
+    "replay": {"server", "cli"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return {n.split(".")[1] for n in names if n.startswith("agentrt.") and n.count(".") >= 1}
+
+
+def test_import_direction():
+    bad = []
+    for layer, forbidden in FORBIDDEN.items():
+        for path in (PKG / layer).rglob("*.py"):
+            hits = _imports(path) & forbidden
+            bad += [f"{path.relative_to(PKG)} imports agentrt.{h}" for h in hits]
+    assert not bad, bad
+
+
+def test_every_module_has_a_docstring():
+    missing = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert not missing, missing
+
+
+def test_import_agentrt_is_light():
+    code = "import sys, agentrt; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
