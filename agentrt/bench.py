@@ -44,13 +44,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _engines(spec: str, device: str, dtype: str | None, kernels: Sequence[str], chunk: int, seed: int):
-    """Load once; yield (requested kernel, engine) sharing the same weights."""
+def _engines(spec, device, dtype, kernels: Sequence[str], chunk: int, seed: int, graphs: Sequence[str] = ("on",)):
+    """Load once; yield (kernel, engine) for every kernel x CUDA-graph setting, sharing weights."""
     dtype = dtype or EngineConfig.default_dtype(device)
     source = open_model(spec, device, torch_dtype(dtype), seed=seed)
-    for kernel in kernels:
-        cfg = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=kernel)
-        yield kernel, Engine(source.model, cfg)
+    for graph in graphs:
+        for kernel in kernels:
+            cfg = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=kernel,
+                               cuda_graphs=graph == "on")  # fmt: skip
+            yield kernel, Engine(source.model, cfg)
 
 
 def random_ids(vocab: int, length: int, seed: int) -> list[int]:
@@ -87,38 +89,50 @@ def prefill(spec, device, dtype, kernels, lengths, chunk, repeat, seed) -> dict[
             "prefill_chunk": chunk, "machine": machine(), "runs": runs, "ratios": _ratios(runs, "prompt_tokens")}  # fmt: skip
 
 
-def decode(spec, device, dtype, kernels, prompt_len, tokens, seed) -> dict[str, Any]:
+def decode(spec, device, dtype, kernels, prompt_len, tokens, seed, graphs=("on",)) -> dict[str, Any]:
+    """Greedy decode tok/s after a `prompt_len` prompt, per kernel and CUDA-graph setting."""
     runs = []
-    for kernel, engine in _engines(spec, device, dtype, kernels, 2048, seed):
-        ids = random_ids(engine.cfg.vocab_size, prompt_len, seed)
-        state = engine.new_state(capacity=prompt_len + tokens + 1)
-        logits = engine.prefill(state, ids)
-        token = int(logits.argmax())
-        for _ in range(3):  # warm-up steps
-            token = int(engine.decode_step(state, token).argmax())
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            token = int(engine.decode_step(state, token).argmax())
-        elapsed = time.perf_counter() - t0
-        runs.append({"linear_attn": kernel, "backend": engine.linear_backend, "prompt_tokens": prompt_len,
-                     "tokens": tokens, "tok_s": tokens / elapsed, "ms_per_token": 1000 * elapsed / tokens,
-                     "peak_gpu_gib": _peak_gib(device)})  # fmt: skip
+    for kernel, engine in _engines(spec, device, dtype, kernels, 2048, seed, graphs):
+        runs.append(_decode_run(engine, kernel, prompt_len, tokens, seed, device))
+        engine.decode_graph = None  # free the captured graph before the next configuration
     return {"bench": "decode", "model": spec, "device": device, "dtype": dtype or EngineConfig.default_dtype(device),
             "machine": machine(), "runs": runs, "ratios": _ratios(runs, "prompt_tokens")}  # fmt: skip
 
 
+def _decode_run(engine: Engine, kernel: str, prompt_len: int, tokens: int, seed: int, device: str) -> dict:
+    ids = random_ids(engine.cfg.vocab_size, prompt_len, seed)
+    state = engine.new_state(capacity=prompt_len + tokens + 8)
+    token = int(engine.prefill(state, ids).argmax())
+    for _ in range(3):  # warm-up steps (and graph capture)
+        token = int(engine.decode_step(state, token).argmax())
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        token = int(engine.decode_step(state, token).argmax())
+    elapsed = time.perf_counter() - t0
+    graph = engine.decode_graph is not None and engine.decode_graph.enabled
+    return {"linear_attn": kernel, "backend": engine.linear_backend, "cuda_graph": graph,
+            "prompt_tokens": prompt_len, "tokens": tokens, "tok_s": tokens / elapsed,
+            "ms_per_token": 1000 * elapsed / tokens, "peak_gpu_gib": _peak_gib(device)}  # fmt: skip
+
+
 def _ratios(runs: list[dict], key: str) -> dict[str, float]:
-    """tok/s of each backend relative to the torch backend, per `key` value."""
+    """tok/s of every run relative to the torch-kernel run of the same `key` (and graph setting)."""
     out = {}
+    label = lambda r: r["backend"] + ("" if r.get("cuda_graph", True) else "-eager")  # noqa: E731
     for run in runs:
-        base = next((r for r in runs if r["backend"] == "torch" and r[key] == run[key]), None)
-        if base and run["backend"] != "torch":
-            out[f"{run['backend']}_vs_torch@{run[key]}"] = run["tok_s"] / base["tok_s"]
+        same = [r for r in runs if r[key] == run[key] and r.get("cuda_graph") == run.get("cuda_graph")]
+        base = next((r for r in same if r["backend"] == "torch"), None)
+        if base is not None and run is not base:
+            out[f"{label(run)}_vs_{label(base)}@{run[key]}"] = run["tok_s"] / base["tok_s"]
+        eager = next((r for r in runs if r[key] == run[key] and r["backend"] == run["backend"]
+                      and r.get("cuda_graph") is False), None)  # fmt: skip
+        if run.get("cuda_graph") and eager is not None:
+            out[f"{run['backend']}_graph_vs_eager@{run[key]}"] = run["tok_s"] / eager["tok_s"]
     return out
 
 
-def accuracy(spec, device, dtype, kernels, length, seed) -> dict[str, Any]:
+def accuracy(spec, device, dtype, kernels, length, seed, eager=False) -> dict[str, Any]:
     """Compare logits (one prefill of `length` random tokens) and 32 greedy tokens to fp32 CPU."""
     dtype = dtype or EngineConfig.default_dtype(device)
     ref_model = open_model(spec, "cpu", torch.float32, seed=seed).model
@@ -129,7 +143,7 @@ def accuracy(spec, device, dtype, kernels, length, seed) -> dict[str, Any]:
     model = copy_model(ref_model, device, torch_dtype(dtype))
     runs = []
     for kernel in kernels:
-        eng = Engine(model, EngineConfig(device=device, dtype=dtype, linear_attn=kernel))
+        eng = Engine(model, EngineConfig(device=device, dtype=dtype, linear_attn=kernel, cuda_graphs=not eager))
         logits = eng.prefill(eng.new_state(), ids, all_logits=True).float().cpu()
         greedy = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=32)).token_ids
         runs.append(_compare(kernel, eng.linear_backend, logits, ref_logits, greedy, ref_greedy))

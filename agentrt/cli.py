@@ -60,6 +60,7 @@ def model_options(fn):
         click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
                      help="Tokens per prefill chunk."),
         click.option("--seed", type=int, default=0, show_default=True, help="Sampling / synthetic-weights seed."),
+        click.option("--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."),
     ]  # fmt: skip
     for option in reversed(options):
         fn = option(fn)
@@ -72,7 +73,7 @@ def open_runtime(opts: dict):
     return Runtime.open(
         model=opts["model"], device=resolve_device(opts["device"]), dtype=opts["dtype"], cache=opts["cache"],
         seed=opts["seed"], tokenizer=opts["tokenizer"], chat_template=opts["chat_template"],
-        linear_attn=opts["linear_attn"], prefill_chunk=opts["prefill_chunk"],
+        linear_attn=opts["linear_attn"], prefill_chunk=opts["prefill_chunk"], eager=opts["eager"],
     )  # fmt: skip
 
 
@@ -201,6 +202,7 @@ def _bench_options(fn):
         click.option("--linear-attn", default="auto", show_default=True,
                      help="Comma-separated list of kernels to compare: auto, torch, fla."),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."),
         click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None),
     ]  # fmt: skip
     for option in reversed(options):
@@ -217,7 +219,7 @@ def _csv(text: str) -> list[str]:
 @click.option("--lengths", default="2048,8192", show_default=True, help="Comma-separated prompt lengths.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
-def bench_prefill(model, device, dtype, linear_attn, seed, json_out, lengths, prefill_chunk, repeat) -> None:
+def bench_prefill(model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat) -> None:
     """Prefill throughput (tok/s) for each prompt length and linear-attention kernel."""
     from agentrt import bench as b
 
@@ -231,11 +233,13 @@ def bench_prefill(model, device, dtype, linear_attn, seed, json_out, lengths, pr
 @_bench_options
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
-def bench_decode(model, device, dtype, linear_attn, seed, json_out, prompt_len, tokens) -> None:
-    """Greedy decode throughput (tok/s) after a prompt, per linear-attention kernel."""
+@click.option("--graphs", default="on", show_default=True, help="Comma-separated CUDA-graph settings: on, off.")
+def bench_decode(model, device, dtype, linear_attn, seed, eager, json_out, prompt_len, tokens, graphs) -> None:
+    """Greedy decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting."""
     from agentrt import bench as b
 
-    report = b.decode(model, resolve_device(device), dtype, _csv(linear_attn), prompt_len, tokens, seed)
+    modes = ["off"] if eager else _csv(graphs)
+    report = b.decode(model, resolve_device(device), dtype, _csv(linear_attn), prompt_len, tokens, seed, modes)
     click.echo(json.dumps(report, indent=2))
     write_json(json_out, report)
 
@@ -243,11 +247,11 @@ def bench_decode(model, device, dtype, linear_attn, seed, json_out, prompt_len, 
 @bench.command("accuracy")
 @_bench_options
 @click.option("--length", type=click.IntRange(min=2), default=300, show_default=True)
-def bench_accuracy(model, device, dtype, linear_attn, seed, json_out, length) -> None:
+def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, length) -> None:
     """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
     from agentrt import bench as b
 
-    report = b.accuracy(model, resolve_device(device), dtype, _csv(linear_attn), length, seed)
+    report = b.accuracy(model, resolve_device(device), dtype, _csv(linear_attn), length, seed, eager)
     click.echo(json.dumps(report, indent=2))
     write_json(json_out, report)
 

@@ -279,6 +279,7 @@ class EngineConfig:
     prefill_chunk: int = 2048
     linear_attn: str = "auto"  # auto | torch | fla
     kv_grow_tokens: int = 1024
+    cuda_graphs: bool = True  # capture the decode step on CUDA (False = --eager)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

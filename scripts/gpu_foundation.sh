@@ -22,6 +22,6 @@ M=synthetic:qwen3.5-35b-a3b
 $A prefill --model $M --device cuda --lengths 2048,8192 --linear-attn fla,torch --repeat 3 \
   --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
 tail -3 "$OUT/prefill.log"
-$A decode --model $M --device cuda --prompt-len 2048 --tokens 64 --linear-attn fla,torch \
+$A decode --model $M --device cuda --prompt-len 2048 --tokens 64 --linear-attn fla,torch --graphs on,off \
   --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
 tail -3 "$OUT/decode.log"

@@ -92,7 +92,8 @@ def test_moe_gather_and_grouped_paths_agree(hf_checkpoints):
     x = torch.randn(9, 64, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(9)])
     w = torch.rand(9, 3, generator=g)
-    assert torch.allclose(experts.gathered(layer, x, ids, w), experts.grouped(layer, x, ids, w), atol=1e-6)
+    assert torch.allclose(experts.gathered(layer, x, ids, w), experts.looped(layer, x, ids, w), atol=1e-6)
+    assert torch.allclose(experts.grouped_mm(layer, x, ids, w), experts.looped(layer, x, ids, w), atol=1e-6)
 
 
 def test_decode_matches_prefill_logits(ckpt):
@@ -129,3 +130,25 @@ def test_sampling_is_seeded_and_greedy_is_argmax():
     draw = lambda: [sample(logits, params, g) for g in [torch.Generator().manual_seed(7)] for _ in range(20)]  # noqa: E731
     assert draw() == draw()
     assert len(set(draw())) > 1
+
+
+def test_static_decode_step_matches_eager(ckpt):
+    """The CUDA-graph form of the decode step (device-tensor position, masked full-capacity
+    attention) computes the same logits as the eager step."""
+    from agentrt.engine.cuda_graph import DecodeGraph
+
+    ids = random_ids(70, seed=17)
+    eng = open_engine(ckpt)
+    eager, static = eng.new_state(), eng.new_state()
+    eng.prefill(eager, ids[:60])
+    eng.prefill(static, ids[:60])
+    graph = DecodeGraph(eng.model, torch.device("cpu"))
+    for tok in ids[60:]:
+        expected = eng.decode_step(eager, tok)
+        for cache in static.kv_caches():
+            cache.reserve(static.num_tokens + 1, static.num_tokens)
+        pos = torch.tensor([static.num_tokens])
+        with torch.inference_mode():
+            got = graph._static_step(static, torch.tensor([tok]), pos)
+        static.token_ids.append(tok)
+        assert (got - expected).abs().max().item() < 1e-4

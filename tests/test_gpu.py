@@ -40,11 +40,14 @@ def _tiny_report(kernel: str):
     return bench.accuracy("tiny", "cuda", "bfloat16", [kernel], 300, 0)["runs"][0]
 
 
+# Tolerances: transformers itself, bf16 vs fp32 on CPU on this tiny model and input, gives max-abs
+# 0.169 / mean-abs 0.0094 (logits up to 1.08) and 87% top-1 agreement (the logits are nearly flat).
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
 def test_bf16_cuda_close_to_fp32_cpu(kernel):
     run = _tiny_report(kernel)
-    assert run["rel_max_diff"] < 0.05, run
-    assert run["top1_agreement"] > 0.9, run
+    assert run["mean_abs_diff"] < 0.015, run
+    assert run["rel_max_diff"] < 0.3, run
+    assert run["top1_agreement"] > 0.8, run
 
 
 def test_chunked_prefill_on_cuda():
@@ -58,4 +61,24 @@ def test_chunked_prefill_on_cuda():
     chunked = Engine(model, EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=128))
     a = one.prefill(one.new_state(), ids, all_logits=True)
     b = chunked.prefill(chunked.new_state(), ids, capture=[100, 300], all_logits=True)
-    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    assert (a - b).abs().mean().item() < 0.015
+    assert (a - b).abs().max().item() < 0.3 * a.abs().max().item()
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
+def test_cuda_graph_decode_matches_eager(kernel):
+    from agentrt.config import EngineConfig
+    from agentrt.engine import Engine
+    from agentrt.models.registry import open_model
+
+    model = open_model("tiny", "cuda", torch.bfloat16).model
+    engines = [Engine(model, EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, cuda_graphs=g))
+               for g in (True, False)]  # fmt: skip
+    states = [e.new_state() for e in engines]
+    prompt = list(range(10, 1010))  # 1000 tokens: decoding crosses the 1024-slot KV growth step
+    for eng, state in zip(engines, states):
+        eng.prefill(state, prompt)
+    for tok in range(50, 90):
+        graph_logits, eager_logits = (e.decode_step(s, tok) for e, s in zip(engines, states))
+        assert (graph_logits - eager_logits).abs().max().item() < 0.05 * eager_logits.abs().max().item()
+    assert engines[0].decode_graph.enabled

@@ -42,3 +42,22 @@ def test_greedy_generate_matches_transformers(hf_checkpoints, arch):
     expected = out[0, len(ids) :].tolist()
     rt = Runtime.open(model=str(path), device="cpu")
     assert rt.generate(ids, max_tokens=32, temperature=0.0) == expected
+
+
+def test_bf16_error_is_no_worse_than_transformers(hf_qwen35):
+    """bf16 vs fp32 (CPU): our engine's logits error stays within 1.5x transformers' own."""
+    ids = random_ids(120, seed=8)
+    with torch.no_grad():
+        hf32 = _hf_model(hf_qwen35)(torch.tensor([ids])).logits[0]
+        from transformers import AutoModelForCausalLM
+
+        hf16 = AutoModelForCausalLM.from_pretrained(hf_qwen35, dtype=torch.bfloat16).eval()
+        hf_err = (hf16(torch.tensor([ids])).logits[0].float() - hf32).abs().mean().item()
+    from agentrt.config import EngineConfig
+    from agentrt.engine import Engine
+    from agentrt.models.loader import load_model
+
+    eng = Engine(load_model(hf_qwen35, "cpu", torch.bfloat16), EngineConfig(dtype="bfloat16"))
+    ours = eng.prefill(eng.new_state(), ids, all_logits=True)
+    our_err = (ours - hf32).abs().mean().item()
+    assert our_err < 1.5 * hf_err, (our_err, hf_err)

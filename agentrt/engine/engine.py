@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.config import EngineConfig
+from agentrt.engine.cuda_graph import DecodeGraph
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.errors import InvalidArgumentError, PromptTooLongError
@@ -54,6 +55,8 @@ class Engine:
         self.dtype = model.embed_tokens.weight.dtype
         self.linear_backend = resolve_backend(config.linear_attn, self.device)
         set_linear_backend(model, self.linear_backend)
+        use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
 
     @property
     def max_context(self) -> int:
@@ -104,9 +107,16 @@ class Engine:
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
         """Feed one token; return the next-token fp32 logits `[V]`."""
         self.check_fits(state.num_tokens + 1)
-        hidden = self.model(self._tensor([token_id]), state.caches, state.num_tokens)
+        token = self._tensor([token_id])
+        logits = None
+        if self.decode_graph is not None:
+            for cache in state.kv_caches():
+                cache.reserve(state.num_tokens + 1, state.num_tokens)
+            logits = self.decode_graph.step(state, token_id)
+        if logits is None:
+            logits = self.model.logits(self.model(token, state.caches, state.num_tokens))[0]
         state.token_ids.append(token_id)
-        return self.model.logits(hidden)[0]
+        return logits
 
     def stream(
         self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams, gen: Generation | None = None

@@ -25,8 +25,8 @@ class KVCache:
     @classmethod
     def empty(cls, num_kv_heads: int, head_dim: int, capacity: int, device, dtype, grow: int) -> KVCache:
         shape = (num_kv_heads, capacity, head_dim)
-        k = torch.empty(shape, device=device, dtype=dtype)
-        return cls(k, torch.empty_like(k), grow)
+        k = torch.zeros(shape, device=device, dtype=dtype)  # zeros: masked slots must stay finite
+        return cls(k, torch.zeros_like(k), grow)
 
     @property
     def capacity(self) -> int:
@@ -39,8 +39,8 @@ class KVCache:
         step = max(self.grow_tokens, 1)
         new_cap = max(num_tokens, 2 * self.capacity)
         new_cap = (new_cap + step - 1) // step * step
-        k = self.k.new_empty((self.k.shape[0], new_cap, self.k.shape[2]))
-        v = torch.empty_like(k)
+        k = self.k.new_zeros((self.k.shape[0], new_cap, self.k.shape[2]))
+        v = torch.zeros_like(k)
         k[:, :used].copy_(self.k[:, :used])
         v[:, :used].copy_(self.v[:, :used])
         self.k, self.v = k, v
@@ -52,6 +52,15 @@ class KVCache:
         self.k[:, start:end].copy_(k_new)
         self.v[:, start:end].copy_(v_new)
         return self.k[:, :end], self.v[:, :end]
+
+    def write_static(self, pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store one position given as a `[1]` device tensor; return the whole buffers and the
+        `[1, capacity]` mask of valid positions (fixed shapes: CUDA-graph safe; capacity must
+        already be reserved)."""
+        self.k.index_copy_(1, pos, k_new)
+        self.v.index_copy_(1, pos, v_new)
+        mask = torch.arange(self.capacity, device=pos.device)[None, :] <= pos
+        return self.k, self.v, mask
 
 
 @dataclass

@@ -19,6 +19,10 @@ from agentrt.config import FULL, ModelConfig
 from agentrt.models.cache import KVCache, LayerCache
 from agentrt.models.moe import RoutedExperts
 
+# A position is a Python int (eager) or a `[1]` long tensor on the device (static decode: the same
+# kernels and shapes every step, so the step can be captured in a CUDA graph).
+Position = int | torch.Tensor
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32; `zero_centered` scales by (1 + weight) as Qwen3.5 does."""
@@ -61,8 +65,11 @@ class Rotary(nn.Module):
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
 
-    def cos_sin(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float)
+    def cos_sin(self, start: Position, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(start, torch.Tensor):  # static decode: position held in a device tensor
+            pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
+        else:
+            pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float)
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -105,7 +112,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
         self.rotary = Rotary(d, cfg.partial_rotary_factor, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, start: int, captures: Sequence[int] = ()) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()) -> torch.Tensor:
         seq_len = x.shape[0]
         q = self.q_proj(x).view(seq_len, self.num_heads, -1)  # [T, H, D or 2D]
         gate = None
@@ -117,8 +124,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(start, seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
-        out = causal_attention(q.transpose(0, 1), k_all, v_all, start)  # [H, T, D]
+        if isinstance(start, torch.Tensor):  # static decode: fixed shapes, CUDA-graph safe
+            k_all, v_all, mask = cache.write_static(start, k.transpose(0, 1), v.transpose(0, 1))
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all, v_all, attn_mask=mask, enable_gqa=True)
+        else:
+            k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
+            out = causal_attention(q.transpose(0, 1), k_all, v_all, start)  # [H, T, D]
         out = out.transpose(0, 1).reshape(seq_len, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -188,7 +199,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache, start: int, captures: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache, start: Position, captures: Sequence[int]) -> torch.Tensor:
         mixer = getattr(self, self.mixer_name)
         x = x + mixer(self.input_layernorm(x), cache, start, captures)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -216,7 +227,7 @@ class CausalLM(nn.Module):
                 layer.mlp._experts[0] = experts
 
     def forward(
-        self, ids: torch.Tensor, caches: Sequence[LayerCache], start: int, captures: Sequence[int] = ()
+        self, ids: torch.Tensor, caches: Sequence[LayerCache], start: Position, captures: Sequence[int] = ()
     ) -> torch.Tensor:
         """ids `[T]` at positions start..start+T-1 -> final hidden `[T, hidden]`.
 

@@ -2,8 +2,7 @@
 
 `RoutedExperts` holds, for every MoE layer, the stacked weights `gate_up [E, 2I, H]` (gate rows
 first, then up rows, as in HF's fused layout) and `down [E, H, I]`, and computes the weighted sum of
-the chosen experts for each token. Two equivalent dense paths: a grouped loop over the experts that
-received tokens (prefill), and a gather + batched matmul with no host sync (few tokens, decode).
+the chosen experts for each token (grouped GEMM where torch has it, else gather/loop paths).
 The offload engine replaces this object through the same call signature; the model files never
 know where expert weights live.
 """
@@ -22,12 +21,24 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return F.linear(F.silu(gate) * up, down)
 
 
+def _grouped_mm_fn():
+    """torch's grouped GEMM (`F.grouped_mm`, or `torch._grouped_mm` on older releases), if any."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 class RoutedExperts:
-    """Stacked expert weights of every MoE layer, computed densely on their own device."""
+    """Stacked expert weights of every MoE layer, computed densely on their own device.
+
+    Paths (all equal up to float rounding; tests compare them): `grouped_mm` (tokens sorted by
+    expert, one grouped GEMM per projection, no host sync, CUDA-graph safe), `gathered` (few
+    tokens: gather the chosen experts' weights and batch-matmul them), and `looped` (a Python loop
+    over the experts that received tokens; the plain reference).
+    """
 
     def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor]) -> None:
         self.gate_up = gate_up
         self.down = down
+        self.use_grouped_mm = _grouped_mm_fn() is not None
 
     @classmethod
     def empty(cls, layers, num_experts: int, hidden: int, inter: int, device, dtype) -> RoutedExperts:
@@ -37,9 +48,40 @@ class RoutedExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` = sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
+        if self.use_grouped_mm:
+            try:
+                return self.grouped_mm(layer, x, ids, weights)
+            except RuntimeError:  # unsupported dtype/device/layout for this torch build
+                self.use_grouped_mm = False
         if ids.numel() <= GATHER_MAX_ROWS:
             return self.gathered(layer, x, ids, weights)
-        return self.grouped(layer, x, ids, weights)
+        return self.looped(layer, x, ids, weights)
+
+    @staticmethod
+    def _sort(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stable order of token-expert pairs by expert, and the token of each sorted pair."""
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        return order, order // ids.shape[1]
+
+    @staticmethod
+    def _combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Un-sort expert outputs `[Tk, H]` and take each token's weighted sum over its k experts."""
+        unsorted = torch.empty_like(ys)
+        unsorted[order] = ys
+        num_tokens, top_k = weights.shape
+        return (unsorted.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def grouped_mm(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        grouped = _grouped_mm_fn()
+        num_experts = self.gate_up[layer].shape[0]
+        order, token_of = self._sort(ids)
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1), dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        h = grouped(x[token_of], self.gate_up[layer].transpose(1, 2), offs=offs)  # [Tk, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        ys = grouped((F.silu(gate) * up).contiguous(), self.down[layer].transpose(1, 2), offs=offs)
+        return self._combine(ys, order, weights)
 
     def gathered(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Gather the chosen experts' weights and run them as one batched matmul (no host sync)."""
@@ -49,17 +91,13 @@ class RoutedExperts:
         xs = x.repeat_interleave(top_k, dim=0).unsqueeze(1)  # [Tk, 1, H]
         gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [Tk, H]
-        out = out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)
-        return out.sum(1)
+        return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
-    def grouped(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sort token-expert pairs by expert and run each used expert once over its tokens."""
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up[layer].shape[0]).tolist()
-        token_of = order // top_k
-        xs = x[token_of]  # [Tk, H] sorted by expert
+    def looped(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference: run each used expert once over its sorted tokens (one host sync)."""
+        order, token_of = self._sort(ids)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.gate_up[layer].shape[0]).tolist()
+        xs = x[token_of]
         ys = torch.empty_like(xs)
         begin = 0
         for expert, count in enumerate(counts):
@@ -67,8 +105,7 @@ class RoutedExperts:
                 end = begin + count
                 ys[begin:end] = expert_ffn(xs[begin:end], self.gate_up[layer][expert], self.down[layer][expert])
                 begin = end
-        ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token_of, ys)
+        return self._combine(ys, order, weights)
 
     def to(self, device=None, dtype=None) -> RoutedExperts:
         move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731

@@ -77,6 +77,7 @@ class Runtime:
         chat_template: str | None = None,
         linear_attn: str = "auto",
         prefill_chunk: int = 2048,
+        eager: bool = False,
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`."""
         from agentrt.models import torch_dtype
@@ -90,6 +91,7 @@ class Runtime:
             dtype=dtype or EngineConfig.default_dtype(device),
             linear_attn=linear_attn,
             prefill_chunk=prefill_chunk,
+            cuda_graphs=not eager,
         )
         source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
         tok_dir = tokenizer or source.tokenizer_dir
