@@ -59,9 +59,9 @@ def test_causal_conv_carries_state():
     weight = torch.randn(channels, 1, kernel, generator=g)
     ref = F.silu(F.conv1d(F.pad(x, (kernel - 1, 0)).unsqueeze(0), weight, groups=channels)).squeeze(0)
     state = torch.zeros(channels, kernel - 1)
-    out1, padded = kernels.causal_conv(x[:, :11], state, weight)
-    out2, _ = kernels.causal_conv(x[:, 11:], padded[:, -(kernel - 1) :], weight)
-    assert torch.allclose(torch.cat([out1, out2], dim=1), ref, atol=1e-6)
+    out1, padded = kernels.causal_conv(x[:, :11].T, state, weight)  # time-major [T, C]
+    out2, _ = kernels.causal_conv(x[:, 11:].T, padded[-(kernel - 1) :].T, weight)
+    assert torch.allclose(torch.cat([out1, out2]).T, ref, atol=1e-6)
 
 
 def test_backend_resolution_on_cpu():

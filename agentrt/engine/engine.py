@@ -72,9 +72,12 @@ class Engine:
                 f"prompt has {num_tokens} tokens but the model's context is {self.max_context} tokens"
             )
 
-    def _tensor(self, ids: Sequence[int]) -> torch.Tensor:
+    def _check_ids(self, ids: Sequence[int]) -> None:
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
             raise InvalidArgumentError(f"token id out of range [0, {self.cfg.vocab_size})")
+
+    def _tensor(self, ids: Sequence[int]) -> torch.Tensor:
+        self._check_ids(ids)
         return torch.tensor(list(ids), dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
@@ -107,14 +110,15 @@ class Engine:
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
         """Feed one token; return the next-token fp32 logits `[V]`."""
         self.check_fits(state.num_tokens + 1)
-        token = self._tensor([token_id])
+        self._check_ids([token_id])
         logits = None
         if self.decode_graph is not None:
             for cache in state.kv_caches():
                 cache.reserve(state.num_tokens + 1, state.num_tokens)
             logits = self.decode_graph.step(state, token_id)
         if logits is None:
-            logits = self.model.logits(self.model(token, state.caches, state.num_tokens))[0]
+            hidden = self.model(self._tensor([token_id]), state.caches, state.num_tokens)
+            logits = self.model.logits(hidden)[0]
         state.token_ids.append(token_id)
         return logits
 

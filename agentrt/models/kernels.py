@@ -23,14 +23,19 @@ CHUNK = 64
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over `x [C, T]` continuing from `state [C, K-1]`.
+    """Depthwise causal conv + SiLU over `x [T, C]` continuing from `state [C, K-1]`.
 
-    Returns (`[C, T]` output, the padded input `[C, K-1+T]` whose windows are the conv states).
-    `weight` is `[C, 1, K]` as in `nn.Conv1d(groups=C)`.
+    Time-major, as a sum of K shifted products accumulated in fp32 (no transposes, no conv
+    kernel). Returns (`[T, C]` output in x's dtype, the padded input `[K-1+T, C]` whose
+    `K-1`-row windows are the conv states). `weight` is `[C, 1, K]` as in `nn.Conv1d(groups=C)`.
     """
-    padded = torch.cat([state.to(x.dtype), x], dim=-1)
-    out = F.conv1d(padded.unsqueeze(0), weight.to(x.dtype), groups=x.shape[0]).squeeze(0)
-    return F.silu(out), padded
+    seq_len, width = x.shape[0], weight.shape[-1]
+    padded = torch.cat([state.T.to(x.dtype), x], dim=0)
+    taps = weight[:, 0, :].float()  # [C, K]
+    out = padded[:seq_len].float() * taps[:, 0]
+    for j in range(1, width):
+        out.addcmul_(padded[j : j + seq_len], taps[:, j])
+    return F.silu(out).to(x.dtype), padded
 
 
 # ----------------------------------------------------------------------------- gated delta rule

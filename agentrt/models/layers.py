@@ -83,17 +83,33 @@ class Rotary(nn.Module):
         return torch.cat([out, rest], dim=-1)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False) -> torch.Tensor:
+    """SDPA on `[H, T, D]` queries and `[Hkv, L, D]` keys/values, query head h reading kv head h // G.
+
+    Grouped heads are handled without `enable_gqa` (which sends CUDA to the slow math backend):
+    a single query position folds the G heads of a group into the position axis (no copy);
+    longer queries repeat the kv heads.
+    """
+    num_heads, q_len, head_dim = q.shape
+    group = num_heads // k.shape[0]
+    if group > 1 and q_len == 1:
+        out = F.scaled_dot_product_attention(q.view(k.shape[0], group, head_dim), k, v, attn_mask=mask)
+        return out.view(num_heads, 1, head_dim)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """q `[H, T, D]` at positions start.., k/v `[Hkv, start+T, D]` -> `[H, T, D]`."""
     q_len, kv_len = q.shape[1], k.shape[1]
-    gqa = q.shape[0] != k.shape[0]
     if q_len == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return _sdpa(q, k, v)
     if start == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return _sdpa(q, k, v, causal=True)
     rows = torch.arange(start, start + q_len, device=q.device)[:, None]
     mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return _sdpa(q, k, v, mask=mask)
 
 
 class Attention(nn.Module):
@@ -126,7 +142,7 @@ class Attention(nn.Module):
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         if isinstance(start, torch.Tensor):  # static decode: fixed shapes, CUDA-graph safe
             k_all, v_all, mask = cache.write_static(start, k.transpose(0, 1), v.transpose(0, 1))
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all, v_all, attn_mask=mask, enable_gqa=True)
+            out = _sdpa(q.transpose(0, 1), k_all, v_all, mask=mask)
         else:
             k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
             out = causal_attention(q.transpose(0, 1), k_all, v_all, start)  # [H, T, D]

@@ -47,8 +47,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LinearCache, start: int, captures: Sequence[int]) -> torch.Tensor:
         seq_len = x.shape[0]
-        conv_out, padded = kernels.causal_conv(self.in_proj_qkv(x).T, cache.conv, self.conv1d.weight)
-        q, k, v = conv_out.T.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        conv_out, padded = kernels.causal_conv(self.in_proj_qkv(x), cache.conv, self.conv1d.weight)  # [T, C]
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(seq_len, self.num_k_heads, self.dk)
         k = k.reshape(seq_len, self.num_k_heads, self.dk)
         v = v.reshape(seq_len, self.num_v_heads, self.dv)
@@ -70,9 +70,9 @@ class GatedDeltaNet(nn.Module):
             )
             outs.append(o)
             if end in captures:
-                cache.captured[start + end] = (padded[:, end : end + width].clone(), state.clone())
+                cache.captured[start + end] = (padded[end : end + width].T.clone(), state.clone())
             begin = end
-        cache.conv.copy_(padded[:, seq_len : seq_len + width])
+        cache.conv.copy_(padded[seq_len : seq_len + width].T)
         cache.recurrent.copy_(state)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
