@@ -199,7 +199,7 @@ def _bench_options(fn):
         click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
-        click.option("--linear-attn", default="auto", show_default=True,
+        click.option("--linear-attn", default="auto", show_default=True, callback=_csv_choice("auto", "torch", "fla"),
                      help="Comma-separated list of kernels to compare: auto, torch, fla."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."),
@@ -214,34 +214,59 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _csv_choice(*choices: str):
+    """click callback: a comma-separated list whose items must be among `choices`."""
+
+    def parse(ctx, param, value: str) -> list[str]:
+        items = _csv(value)
+        bad = [i for i in items if i not in choices]
+        if bad or not items:
+            raise click.BadParameter(f"expected a comma-separated list of {', '.join(choices)}, got {value!r}")
+        return items
+
+    return parse
+
+
+def _csv_ints(ctx, param, value: str) -> list[int]:
+    try:
+        items = [int(x) for x in _csv(value)]
+    except ValueError:
+        items = []
+    if not items or min(items) < 1:
+        raise click.BadParameter(f"expected a comma-separated list of positive integers, got {value!r}")
+    return items
+
+
+def _report(report: dict, json_out: str | None) -> None:
+    click.echo(json.dumps(report, indent=2))
+    write_json(json_out, report)
+
+
 @bench.command("prefill")
 @_bench_options
-@click.option("--lengths", default="2048,8192", show_default=True, help="Comma-separated prompt lengths.")
+@click.option("--lengths", default="2048,8192", show_default=True, callback=_csv_ints,
+              help="Comma-separated prompt lengths.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 def bench_prefill(model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat) -> None:
     """Prefill throughput (tok/s) for each prompt length and linear-attention kernel."""
     from agentrt import bench as b
 
-    lens = [int(x) for x in _csv(lengths)]
-    report = b.prefill(model, resolve_device(device), dtype, _csv(linear_attn), lens, prefill_chunk, repeat, seed)
-    click.echo(json.dumps(report, indent=2))
-    write_json(json_out, report)
+    _report(b.prefill(model, resolve_device(device), dtype, linear_attn, lengths, prefill_chunk, repeat, seed), json_out)
 
 
 @bench.command("decode")
 @_bench_options
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--graphs", default="on", show_default=True, help="Comma-separated CUDA-graph settings: on, off.")
+@click.option("--graphs", default="on", show_default=True, callback=_csv_choice("on", "off"),
+              help="Comma-separated CUDA-graph settings: on, off.")
 def bench_decode(model, device, dtype, linear_attn, seed, eager, json_out, prompt_len, tokens, graphs) -> None:
     """Greedy decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting."""
     from agentrt import bench as b
 
-    modes = ["off"] if eager else _csv(graphs)
-    report = b.decode(model, resolve_device(device), dtype, _csv(linear_attn), prompt_len, tokens, seed, modes)
-    click.echo(json.dumps(report, indent=2))
-    write_json(json_out, report)
+    modes = ["off"] if eager else graphs
+    _report(b.decode(model, resolve_device(device), dtype, linear_attn, prompt_len, tokens, seed, modes), json_out)
 
 
 @bench.command("accuracy")
@@ -251,9 +276,7 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
     from agentrt import bench as b
 
-    report = b.accuracy(model, resolve_device(device), dtype, _csv(linear_attn), length, seed, eager)
-    click.echo(json.dumps(report, indent=2))
-    write_json(json_out, report)
+    _report(b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out)
 
 
 if __name__ == "__main__":  # pragma: no cover
