@@ -67,10 +67,11 @@ def model_options(fn):
     return fn
 
 
-def open_runtime(opts: dict):
+def open_runtime(opts: dict, require_tokenizer: bool = False):
     from agentrt import Runtime
 
     return Runtime.open(
+        require_tokenizer=require_tokenizer,
         model=opts["model"], device=resolve_device(opts["device"]), dtype=opts["dtype"], cache=opts["cache"],
         seed=opts["seed"], tokenizer=opts["tokenizer"], chat_template=opts["chat_template"],
         linear_attn=opts["linear_attn"], prefill_chunk=opts["prefill_chunk"], eager=opts["eager"],
@@ -79,7 +80,17 @@ def open_runtime(opts: dict):
 
 def write_json(path: str | None, data) -> None:
     if path:
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        try:
+            Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as exc:
+            raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def _json_path(ctx, param, value: str | None) -> str | None:
+    """Fail before any work when a --json file cannot be created."""
+    if value is not None and not Path(value).expanduser().resolve().parent.is_dir():
+        raise click.BadParameter(f"directory of {value!r} does not exist")
+    return value
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,10 +110,11 @@ def main() -> None:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the result as JSON.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path,
+              help="Write the result as JSON.")
 def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, **opts) -> None:
     """Run one chat turn for MESSAGE and stream the reply to the terminal."""
-    rt = open_runtime(opts)
+    rt = open_runtime(opts, require_tokenizer=True)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
     events = rt.chat(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop), stream=True)
     result = _print_stream(events)
@@ -175,7 +187,7 @@ def model_make(arch, size, out, seed, dtype, force) -> None:  # fmt: skip
 
 @model.command("info")
 @click.argument("model_spec")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path)
 def model_info(model_spec: str, json_out) -> None:
     """Describe MODEL_SPEC (a directory, 'tiny' or 'synthetic:NAME') without loading weights."""
     from agentrt.models.info import describe
@@ -203,7 +215,7 @@ def _bench_options(fn):
                      help="Comma-separated list of kernels to compare: auto, torch, fla."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."),
-        click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None),
+        click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path),
     ]  # fmt: skip
     for option in reversed(options):
         fn = option(fn)

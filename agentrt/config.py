@@ -165,6 +165,8 @@ def _arch_of(raw: dict) -> str:
 def _rope(text: dict) -> tuple[float, float]:
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ModelFormatError("config.json: rope_parameters / rope_scaling must be objects")
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in ("default", "mrope"):
         raise UnsupportedArchitectureError(f"rope type {rope_type!r} is not supported yet")
@@ -226,7 +228,7 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             layer_types=_layer_types(arch, text, num_layers),
             num_heads=heads,
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
+            head_dim=int(text.get("head_dim") or (hidden // heads if heads else 0)),
             rope_theta=theta,
             partial_rotary_factor=partial,
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
@@ -248,13 +250,22 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             weight_prefix=prefix,
             torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         )
-    except (TypeError, ValueError) as exc:
-        raise ModelFormatError(f"malformed config.json: {exc}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        raise ModelFormatError(f"malformed config.json: {type(exc).__name__}: {exc}") from None
     _validate(cfg)
     return cfg
 
 
+_POSITIVE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
+             "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings")  # fmt: skip
+
+
 def _validate(cfg: ModelConfig) -> None:
+    bad = [name for name in _POSITIVE if getattr(cfg, name) <= 0]
+    if bad:
+        raise ModelFormatError(f"config.json: {', '.join(bad)} must be positive")
+    if cfg.is_hybrid and min(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= 0:
+        raise ModelFormatError("config.json: linear-attention head counts and dims must be positive")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelFormatError("num_attention_heads must be a multiple of num_key_value_heads")
     if cfg.num_experts_per_tok > cfg.num_experts:

@@ -58,6 +58,18 @@ def hf_qwen3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_qwen3_tied(tmp_path_factory) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Qwen3MoeConfig(
+        vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return _save(Qwen3MoeForCausalLM(cfg), tmp_path_factory.mktemp("hf-qwen3-tied"))
+
+
+@pytest.fixture(scope="session")
 def hf_qwen35_multimodal(tmp_path_factory) -> Path:
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
@@ -68,5 +80,10 @@ def hf_qwen35_multimodal(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_checkpoints(hf_qwen35, hf_qwen3, hf_qwen35_multimodal) -> dict[str, Path]:
-    return {"qwen3_5_moe": hf_qwen35, "qwen3_moe": hf_qwen3, "qwen3_5_moe_multimodal": hf_qwen35_multimodal}
+def hf_checkpoints(hf_qwen35, hf_qwen3, hf_qwen35_multimodal, hf_qwen3_tied) -> dict[str, Path]:
+    return {
+        "qwen3_5_moe": hf_qwen35,
+        "qwen3_moe": hf_qwen3,
+        "qwen3_5_moe_multimodal": hf_qwen35_multimodal,
+        "qwen3_moe_tied": hf_qwen3_tied,
+    }

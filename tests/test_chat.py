@@ -88,3 +88,63 @@ def test_runtime_chat_stop_string():
     stop = full[5:8]
     cut = rt.chat(messages, max_tokens=24, stop=[stop])
     assert cut.finish_reason == "stop" and cut.content == full[: full.index(stop)]
+
+
+def test_xml_style_tool_call_body_is_parsed_with_schema_types():
+    from agentrt.session.chat import parse_tool_call
+
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {"properties": {
+        "cmd": {"type": "string"}, "timeout": {"type": "integer"}, "code": {"type": "string"}}}}}]  # fmt: skip
+    body = "\n<function=run>\n<parameter=cmd>\nls -la\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n" \
+           "<parameter=code>\n42\n</parameter>\n</function>\n"  # fmt: skip
+    call = parse_tool_call(body, tools)
+    assert call["function"]["name"] == "run"
+    assert json.loads(call["function"]["arguments"]) == {"cmd": "ls -la", "timeout": 30, "code": "42"}
+    assert parse_tool_call("<function=run><parameter=x>1</parameter>", tools) is None
+
+
+def test_string_tool_arguments_reach_templates_as_objects():
+    from agentrt.session.chat import normalize_messages
+
+    msgs = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]  # fmt: skip
+    out = normalize_messages(msgs)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # caller's data untouched
+    from agentrt.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        normalize_messages([{"role": "assistant", "content": "", "tool_calls": [{"function": "nope"}]}])
+
+
+def test_literal_think_tag_in_user_text_does_not_start_reasoning():
+    rt = Runtime.open()
+    result = rt.chat([{"role": "user", "content": "What does the <think> tag do?"}], max_tokens=6)
+    assert result.reasoning_content is None and result.content
+
+
+def test_chat_timings_when_stopped_by_a_stop_string():
+    rt = Runtime.open()
+    messages = [{"role": "user", "content": "hello"}]
+    full = rt.chat(messages, max_tokens=24).content
+    cut = rt.chat(messages, max_tokens=24, stop=[full[10:13]])
+    assert cut.finish_reason == "stop" and cut.timings["decode_s"] > 0
+
+
+def test_content_equals_decoded_tokens_even_when_cut_mid_character():
+    rt = Runtime.open()
+    for n in range(1, 30):
+        res = rt.chat([{"role": "user", "content": "Write ünïcode ✓ 日本"}], max_tokens=n)
+        assert (res.content or "") == rt.tokenizer.decode(res.token_ids).strip("\n")
+
+
+def test_bad_argument_types_are_typed_errors():
+    from agentrt.errors import InvalidArgumentError
+
+    rt = Runtime.open()
+    msgs = [{"role": "user", "content": "hi"}]
+    for kwargs in ({"stop": [1]}, {"stop": 5}, {"max_tokens": "5"}, {"tools": "x"}, {"temperature": "hot"}):
+        with pytest.raises(InvalidArgumentError):
+            rt.chat(msgs, **kwargs)
+    with pytest.raises(InvalidArgumentError):
+        rt.generate([1.7])

@@ -152,3 +152,14 @@ def test_static_decode_step_matches_eager(ckpt):
             got = graph._static_step(static, torch.tensor([tok]), pos)
         static.token_ids.append(tok)
         assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_state_operations_work_outside_inference_mode(hf_checkpoints):
+    eng = open_engine(hf_checkpoints["qwen3_moe"])
+    state = eng.new_state()
+    eng.prefill(state, random_ids(40))
+    state.truncate(21)
+    assert state.num_tokens == 21
+    eng.prefill(state, random_ids(5))
+    state.reset()
+    assert state.num_tokens == 0

@@ -119,3 +119,19 @@ def test_cuda_requested_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidArgumentError, match="CUDA is not available"):
         Runtime.open(device="cuda")
+
+
+def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrt.cli", "model", "info", "tiny", "--json", str(tmp_path / "no" / "x.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_chat_needs_a_tokenizer_before_loading(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrt.cli", "chat", "--model", "synthetic:qwen3-30b-a3b", "--device", "cpu", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "has no tokenizer" in proc.stderr

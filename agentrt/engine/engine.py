@@ -66,6 +66,10 @@ class Engine:
         caches = new_layer_caches(self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens)
         return SequenceState(self.cfg, caches)
 
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def check_fits(self, num_tokens: int) -> None:
         if num_tokens >= self.max_context:
             raise PromptTooLongError(
@@ -73,8 +77,9 @@ class Engine:
             )
 
     def _check_ids(self, ids: Sequence[int]) -> None:
-        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
-            raise InvalidArgumentError(f"token id out of range [0, {self.cfg.vocab_size})")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size:
+                raise InvalidArgumentError(f"token ids must be integers in [0, {self.cfg.vocab_size}), got {t!r}")
 
     def _tensor(self, ids: Sequence[int]) -> torch.Tensor:
         self._check_ids(ids)
@@ -134,34 +139,32 @@ class Engine:
         self.check_fits(gen.prompt_tokens)
         rng = make_generator(params.seed, self.device)
         t0 = time.perf_counter()
-        logits = self.prefill(state, prompt_ids) if prompt_ids else None
-        if logits is None:
+        if not prompt_ids:
             raise InvalidArgumentError("generation needs a non-empty prompt")
+        logits = self.prefill(state, prompt_ids)
+        self.synchronize()
         gen.timings.prefill_s = time.perf_counter() - t0
         yield from self._decode_loop(state, logits, params, rng, gen, t0)
 
     def _decode_loop(self, state, logits, params: SamplingParams, rng, gen: Generation, t0: float) -> Iterator[int]:
         stops = set(params.stop_token_ids)
         t_first = None
-        while True:
-            if len(gen.token_ids) >= params.max_tokens:
-                gen.finish_reason = "length"
-                break
+        while len(gen.token_ids) < params.max_tokens:
             token = sample(logits, params, rng)
+            now = time.perf_counter()
             if t_first is None:
-                t_first = time.perf_counter()
-                gen.timings.ttft_s = t_first - t0
+                t_first, gen.timings.ttft_s = now, now - t0
+            gen.timings.decode_s = now - t_first  # kept current: the caller may stop consuming
             gen.token_ids.append(token)
             if token in stops:
                 gen.finish_reason = "stop"
                 yield token
-                break
+                return
             yield token
             if state.num_tokens + 1 >= self.max_context:
-                gen.finish_reason = "length"
                 break
             logits = self.decode_step(state, token)
-        gen.timings.decode_s = time.perf_counter() - (t_first or time.perf_counter())
+        gen.finish_reason = "length"
 
     def generate(self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         gen = Generation()

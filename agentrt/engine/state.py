@@ -86,6 +86,7 @@ class SequenceState:
             return False
         return pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
 
+    @torch.inference_mode()
     def export(self, pos: int | None = None) -> Snapshot:
         """An independent copy of the state after the first `pos` tokens (default: all)."""
         pos = self.num_tokens if pos is None else pos
@@ -101,8 +102,11 @@ class SequenceState:
             rec = [c.captured[pos][1].clone() for c in linear]
         return Snapshot(pos, kv, conv, rec, tuple(self.token_ids[:pos]))
 
+    @torch.inference_mode()
     def import_(self, snap: Snapshot) -> None:
         """Replace the whole state by `snap` (copied onto this state's device/dtype)."""
+        if len(snap.token_ids) != snap.num_tokens:
+            raise ValueError("snapshot token ids do not match its length")
         for cache, (k, v) in zip(self.kv_caches(), snap.kv, strict=True):
             cache.reserve(snap.num_tokens, 0)
             cache.k[:, : snap.num_tokens].copy_(k, non_blocking=True)
@@ -111,16 +115,16 @@ class SequenceState:
             cache.conv.copy_(conv, non_blocking=True)
             cache.recurrent.copy_(rec, non_blocking=True)
             cache.captured.clear()
-        if len(snap.token_ids) != snap.num_tokens:
-            raise ValueError("snapshot token ids do not match its length")
         self.token_ids = list(snap.token_ids)
 
+    @torch.inference_mode()
     def truncate(self, pos: int) -> None:
         """Keep the first `pos` tokens (only where a state at `pos` exists)."""
         if pos == self.num_tokens:
             return
         self.import_(self.export(pos))
 
+    @torch.inference_mode()
     def reset(self) -> None:
         for cache in self.linear_caches():
             cache.reset()

@@ -44,6 +44,8 @@ def build_empty(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty allocates separately: tie again
+        model.lm_head.weight = model.embed_tokens.weight
     for name, param in model.named_parameters():
         if name.rsplit(".", 1)[-1] in FP32_PARAMS:
             param.data = param.data.float()

@@ -73,7 +73,7 @@ class WeightSink:
         if name.startswith(self.cfg.weight_prefix):
             return name[len(self.cfg.weight_prefix) :]
         if name == "lm_head.weight":
-            return name
+            return None if self.cfg.tie_word_embeddings else name
         if name.startswith(_SKIP_PREFIXES):
             return None
         raise ModelFormatError(f"unexpected tensor {name!r} in checkpoint")
@@ -127,8 +127,6 @@ class WeightSink:
 
     def check_complete(self) -> None:
         missing = [n for n in self.params if n not in self.done.params]
-        if self.cfg.tie_word_embeddings:
-            missing = [n for n in missing if n != "lm_head.weight"]
         for layer in self.cfg.moe_layers:
             mask = self.done.experts.get(layer)
             if mask is None or not bool(mask.all()):
@@ -136,6 +134,18 @@ class WeightSink:
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ModelFormatError(f"checkpoint lacks {', '.join(missing[:3])}{more}")
+
+
+def check_headers(files: list[Path]) -> None:
+    """Parse every file's safetensors header (cheap) so corrupt files fail before loading starts."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as exc:
+            raise ModelFormatError(f"cannot read {file.name}: {exc}") from None
 
 
 def read_tensors(files: list[Path]):

@@ -30,6 +30,41 @@ def _has_tokenizer(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
+def check_spec(spec: str) -> None:
+    """Cheap validation of a model spec (config and weight files listed; no weights read)."""
+    from agentrt.config import ModelConfig
+    from agentrt.models.loader import check_headers, checkpoint_files
+
+    if spec == "tiny":
+        return
+    if spec.startswith(SYNTHETIC_PREFIX):
+        from agentrt.models.synthetic import resolve_size
+
+        resolve_size(spec[len(SYNTHETIC_PREFIX) :])
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {spec!r} not found: give a HF-format directory, 'tiny', or 'synthetic:NAME'"
+        )
+    ModelConfig.from_hf(path)
+    check_headers(checkpoint_files(path))
+
+
+def tokenizer_dir_of(spec: str) -> Path | None:
+    """Where the tokenizer of `spec` lives (without loading the model), or None."""
+    from agentrt.models.tiny import ensure_tiny
+
+    if spec == "tiny":
+        return ensure_tiny()
+    if spec.startswith(SYNTHETIC_PREFIX):
+        from agentrt.models.synthetic import resolve_size
+
+        return ensure_tiny() if resolve_size(spec[len(SYNTHETIC_PREFIX) :]) in _TINY_SIZES else None
+    path = Path(spec).expanduser()
+    return path if path.is_dir() and _has_tokenizer(path) else None
+
+
 def open_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> ModelSource:
     """Load `spec` onto `device` in `dtype`."""
     from agentrt.models.loader import load_model
@@ -43,8 +78,7 @@ def open_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: 
 
         size = resolve_size(spec[len(SYNTHETIC_PREFIX) :])
         model = build_in_memory(size, device, dtype, seed=seed)
-        tok = ensure_tiny() if size in _TINY_SIZES else None
-        return ModelSource(model, spec, None, tok)
+        return ModelSource(model, spec, None, tokenizer_dir_of(spec))
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotFoundError(

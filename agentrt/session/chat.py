@@ -8,7 +8,9 @@ code serves streaming and non-streaming calls. Malformed tool-call JSON is retur
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,29 +91,55 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
         role = msg.get("role")
         if role not in ROLES:
             raise InvalidArgumentError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        clean = dict(msg)
+        clean = copy.deepcopy(msg)
         clean["role"] = "system" if role == "developer" else role
         clean["content"] = _text_of(msg.get("content"), f"messages[{i}]")
+        if clean.get("tool_calls"):
+            clean["tool_calls"] = [_normalize_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(clean["tool_calls"])]
         out.append(clean)
     return out
 
 
-def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None, **template_kwargs) -> str:
+def _normalize_call(call: Any, where: str) -> dict[str, Any]:
+    """Check an OpenAI tool call; JSON-string arguments become a dict (templates iterate them)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidArgumentError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            fn["arguments"] = parsed
+    return call
+
+
+def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None, generation_prompt: bool = True) -> str:
     """Render messages (+ tools) with the tokenizer's chat template, ending with the assistant header."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("the tokenizer has no chat template; pass chat_template=FILE")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **template_kwargs
+            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
         )
     except Exception as exc:  # noqa: BLE001 - template errors are user input errors
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(text, str):
+        raise ChatTemplateError("chat template did not render to text")
     return text
 
 
-def opens_in_reasoning(prompt: str) -> bool:
-    """True when the rendered prompt leaves a `<think>` block open (the model continues reasoning)."""
-    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+def opens_in_reasoning(generation_prompt: str) -> bool:
+    """True when the assistant header the template appends leaves `<think>` open."""
+    return generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE)
+
+
+def generation_suffix(tokenizer, messages: list[dict[str, Any]], tools, prompt: str) -> str:
+    """The part of `prompt` that the generation prompt added (the assistant header)."""
+    base = render(tokenizer, messages, tools, generation_prompt=False)
+    return prompt[len(base) :] if prompt.startswith(base) else ""
 
 
 # ----------------------------------------------------------------------------- detokenisation
@@ -141,6 +169,13 @@ class Detokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         return full[len(done) :]
 
+    def finish(self) -> str:
+        """Whatever is still held back (an incomplete character at the end decodes as U+FFFD)."""
+        done = self._decode(self.ids[self.prefix : self.read])
+        full = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return full[len(done) :]
+
 
 # ----------------------------------------------------------------------------- output parser
 
@@ -156,18 +191,58 @@ def _holdback(text: str, markers: Sequence[str]) -> int:
     return best
 
 
-def parse_tool_call(body: str) -> dict[str, Any] | None:
-    """`{"name": ..., "arguments": ...}` -> OpenAI tool call, or None when malformed."""
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _schema_types(tools: list[dict] | None, name: str) -> dict[str, Any]:
+    for tool in tools or []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if isinstance(fn, dict) and fn.get("name") == name:
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            return {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
+    return {}
+
+
+def _xml_value(text: str, declared: Any) -> Any:
+    value = text[1:] if text.startswith("\n") else text
+    value = value[:-1] if value.endswith("\n") else value
+    if declared == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _parse_body(body: str, tools: list[dict] | None) -> tuple[str, Any] | None:
+    """(name, arguments) from a JSON body or an XML-style `<function=NAME><parameter=K>V...` body."""
+    if body.startswith("<function="):
+        match = _FUNCTION.fullmatch(body)
+        if match is None:
+            return None
+        name = match[1].strip()
+        types = _schema_types(tools, name)
+        args = {k.strip(): _xml_value(v, types.get(k.strip())) for k, v in _PARAMETER.findall(match[2])}
+        return name, args
     try:
         data = json.loads(body)
     except ValueError:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
-    args = data.get("arguments", {})
+    return data["name"], data.get("arguments", {})
+
+
+def parse_tool_call(body: str, tools: list[dict] | None = None) -> dict[str, Any] | None:
+    """Tool-call body -> OpenAI tool call, or None when malformed."""
+    parsed = _parse_body(body.strip(), tools)
+    if parsed is None:
+        return None
+    name, args = parsed
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": data["name"], "arguments": args}}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
 @dataclass
@@ -180,6 +255,7 @@ class OutputParser:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # schemas, to type XML-style parameters
 
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text
@@ -212,17 +288,18 @@ class OutputParser:
         return True
 
     def _emit(self, text: str, events: list[ChatEvent]) -> None:
-        if self.at_section_start:
+        kind = "reasoning" if self.mode == "reasoning" else "content"
+        parts = self.reasoning if kind == "reasoning" else self.content
+        if self.at_section_start and not parts:  # newlines after a marker start nothing new
             text = text.lstrip("\n")
         if not text:
             return
         self.at_section_start = False
-        kind = "reasoning" if self.mode == "reasoning" else "content"
-        (self.reasoning if kind == "reasoning" else self.content).append(text)
+        parts.append(text)
         events.append(ChatEvent(kind, text))
 
     def _finish_call(self, body: str, events: list[ChatEvent]) -> None:
-        call = parse_tool_call(body.strip())
+        call = parse_tool_call(body, self.tools)
         if call is None:
             self.mode = "content"
             self.at_section_start = False

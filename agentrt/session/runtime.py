@@ -20,6 +20,7 @@ from agentrt.session.chat import (
     ChatResult,
     Detokenizer,
     OutputParser,
+    generation_suffix,
     normalize_messages,
     opens_in_reasoning,
     render,
@@ -31,10 +32,13 @@ CACHE_MODES = ("semantic", "prefix", "off")
 def _check_device(device: str) -> str:
     import torch
 
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise InvalidArgumentError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    index = device[5:] if device.startswith("cuda:") else None
+    if device not in ("cpu", "cuda") and not (index or "").isdigit():
+        raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InvalidArgumentError("device 'cuda' requested but CUDA is not available on this machine")
+    if index is not None and int(index) >= torch.cuda.device_count():
+        raise InvalidArgumentError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 
@@ -61,6 +65,7 @@ class Runtime:
         self.cache = cache
         self.seed = seed
         self._stop_ids: tuple[int, ...] | None = None
+        self._state = None  # one live sequence, reused so its buffers (and CUDA graph) persist
 
     @classmethod
     def open(
@@ -78,10 +83,14 @@ class Runtime:
         linear_attn: str = "auto",
         prefill_chunk: int = 2048,
         eager: bool = False,
+        require_tokenizer: bool = False,
     ) -> Runtime:
-        """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`."""
+        """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
+
+        The tokenizer is loaded first (`require_tokenizer` fails fast, before any weights load).
+        """
         from agentrt.models import torch_dtype
-        from agentrt.models.registry import open_model
+        from agentrt.models.registry import check_spec, open_model, tokenizer_dir_of
         from agentrt.session.tokenizer import load_tokenizer
 
         _check_unsupported(cache, vram_budget, expert_cache_slots)
@@ -93,9 +102,12 @@ class Runtime:
             prefill_chunk=prefill_chunk,
             cuda_graphs=not eager,
         )
-        source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
-        tok_dir = tokenizer or source.tokenizer_dir
+        check_spec(model)
+        tok_dir = tokenizer or tokenizer_dir_of(model)
+        if tok_dir is None and require_tokenizer:
+            raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
         tok = load_tokenizer(tok_dir, chat_template) if tok_dir else None
+        source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
         return cls(Engine(source.model, config), tok, source.name, cache, seed)
 
     # ------------------------------------------------------------------ token level
@@ -110,9 +122,15 @@ class Runtime:
         stop_token_ids: Sequence[int] | None = None,
     ) -> list[int]:
         """Generate up to `max_tokens` new token ids after `prompt_token_ids`."""
-        params = SamplingParams(max_tokens, temperature, top_p, self._seed(seed), tuple(stop_token_ids or ()))
-        state = self.engine.new_state()
-        return self.engine.generate(state, list(prompt_token_ids), params).token_ids
+        params = _params(max_tokens, temperature, top_p, self._seed(seed), tuple(stop_token_ids or ()))
+        return self.engine.generate(self._fresh_state(), list(prompt_token_ids), params).token_ids
+
+    def _fresh_state(self):
+        """The runtime's live sequence, emptied (buffers and CUDA graph are kept)."""
+        if self._state is None:
+            self._state = self.engine.new_state()
+        self._state.reset()
+        return self._state
 
     def _seed(self, seed: int | None) -> int:
         return self.seed if seed is None else seed
@@ -145,11 +163,13 @@ class Runtime:
     ) -> ChatResult | Iterator[ChatEvent]:
         """One assistant turn for OpenAI-shaped `messages`; `stream=True` yields `ChatEvent`s."""
         tok = self._require_tokenizer()
-        prompt = render(tok, normalize_messages(messages), tools)
+        msgs = normalize_messages(messages)
+        tools = _check_tools(tools)
+        prompt = render(tok, msgs, tools)
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
-        params = SamplingParams(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        events = self._chat_events(prompt_ids, params, stops, opens_in_reasoning(prompt))
+        params = _params(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
+        reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt))
+        events = self._chat_events(prompt_ids, params, _check_stop(stop), reasoning, tools)
         if stream:
             return events
         for event in events:
@@ -157,12 +177,12 @@ class Runtime:
                 return event.result
         raise RuntimeError("chat ended without a result")  # unreachable
 
-    def _chat_events(self, prompt_ids, params: SamplingParams, stops: list[str], reasoning: bool) -> Iterator[ChatEvent]:
+    def _chat_events(self, prompt_ids, params: SamplingParams, stops: list[str], reasoning: bool, tools) -> Iterator[ChatEvent]:
         gen = Generation()
-        parser = OutputParser(mode="reasoning" if reasoning else "content")
+        parser = OutputParser(mode="reasoning" if reasoning else "content", tools=tools)
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
-        state = self.engine.new_state()
-        for token in self.engine.stream(state, prompt_ids, params, gen):
+        hit = False
+        for token in self.engine.stream(self._fresh_state(), prompt_ids, params, gen):
             if token in params.stop_token_ids:
                 break
             piece, hit = text.push(detok.push(token))
@@ -170,7 +190,9 @@ class Runtime:
             if hit:
                 gen.finish_reason = "stop"
                 break
-        yield from parser.feed(text.flush())
+        if not hit:
+            yield from parser.feed(text.push(detok.finish())[0])
+            yield from parser.feed(text.flush())
         yield from parser.finish()
         yield ChatEvent("done", result=self._result(parser, gen))
 
@@ -205,6 +227,36 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _params(max_tokens, temperature, top_p, seed, stop_ids) -> SamplingParams:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise InvalidArgumentError(f"max_tokens must be an integer, got {max_tokens!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    return SamplingParams(max_tokens, float(temperature), float(top_p), seed, stop_ids)
+
+
+def _check_stop(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return []
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise InvalidArgumentError("stop must be a string or a list of strings")
+    return list(stops)
+
+
+def _check_tools(tools) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgumentError("tools must be a list of objects")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidArgumentError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+    return tools or None
 
 
 class _StopScanner:
