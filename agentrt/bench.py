@@ -44,14 +44,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _engines(spec, device, dtype, kernels: Sequence[str], chunk: int, seed: int, graphs: Sequence[str] = ("on",)):
+def _engines(
+    spec,
+    device,
+    dtype,
+    kernels: Sequence[str],
+    chunk: int,
+    seed: int,
+    graphs: Sequence[str] = ("on",),
+):
     """Load once; yield (kernel, engine) for every kernel x CUDA-graph setting, sharing weights."""
     dtype = dtype or EngineConfig.default_dtype(device)
     source = open_model(spec, device, torch_dtype(dtype), seed=seed)
     for graph in graphs:
         for kernel in kernels:
-            cfg = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=kernel,
-                               cuda_graphs=graph == "on")  # fmt: skip
+            cfg = EngineConfig(
+                device=device,
+                dtype=dtype,
+                prefill_chunk=chunk,
+                linear_attn=kernel,
+                cuda_graphs=graph == "on",
+            )
             yield kernel, Engine(source.model, cfg)
 
 
@@ -81,25 +94,51 @@ def prefill(spec, device, dtype, kernels, lengths, chunk, repeat, seed) -> dict[
             _time_prefill(engine, ids[: min(length, chunk)], device)  # warm-up (kernels, autotune)
             times = [_time_prefill(engine, ids, device) for _ in range(repeat)]
             best = statistics.median(times)
-            runs.append({
-                "linear_attn": kernel, "backend": engine.linear_backend, "prompt_tokens": length,
-                "median_s": best, "tok_s": length / best, "all_s": times, "peak_gpu_gib": _peak_gib(device),
-            })  # fmt: skip
-    return {"bench": "prefill", "model": spec, "device": device, "dtype": dtype or EngineConfig.default_dtype(device),
-            "prefill_chunk": chunk, "machine": machine(), "runs": runs, "ratios": _ratios(runs, "prompt_tokens")}  # fmt: skip
+            runs.append(
+                {
+                    "linear_attn": kernel,
+                    "backend": engine.linear_backend,
+                    "prompt_tokens": length,
+                    "median_s": best,
+                    "tok_s": length / best,
+                    "all_s": times,
+                    "peak_gpu_gib": _peak_gib(device),
+                }
+            )
+    return {
+        "bench": "prefill",
+        "model": spec,
+        "device": device,
+        "dtype": dtype or EngineConfig.default_dtype(device),
+        "prefill_chunk": chunk,
+        "machine": machine(),
+        "runs": runs,
+        "ratios": _ratios(runs, "prompt_tokens"),
+    }
 
 
-def decode(spec, device, dtype, kernels, prompt_len, tokens, seed, graphs=("on",)) -> dict[str, Any]:
+def decode(
+    spec, device, dtype, kernels, prompt_len, tokens, seed, graphs=("on",)
+) -> dict[str, Any]:
     """Greedy decode tok/s after a `prompt_len` prompt, per kernel and CUDA-graph setting."""
     runs = []
     for kernel, engine in _engines(spec, device, dtype, kernels, 2048, seed, graphs):
         runs.append(_decode_run(engine, kernel, prompt_len, tokens, seed, device))
         engine.decode_graph = None  # free the captured graph before the next configuration
-    return {"bench": "decode", "model": spec, "device": device, "dtype": dtype or EngineConfig.default_dtype(device),
-            "machine": machine(), "runs": runs, "ratios": _ratios(runs, "prompt_tokens")}  # fmt: skip
+    return {
+        "bench": "decode",
+        "model": spec,
+        "device": device,
+        "dtype": dtype or EngineConfig.default_dtype(device),
+        "machine": machine(),
+        "runs": runs,
+        "ratios": _ratios(runs, "prompt_tokens"),
+    }
 
 
-def _decode_run(engine: Engine, kernel: str, prompt_len: int, tokens: int, seed: int, device: str) -> dict:
+def _decode_run(
+    engine: Engine, kernel: str, prompt_len: int, tokens: int, seed: int, device: str
+) -> dict:
     ids = random_ids(engine.cfg.vocab_size, prompt_len, seed)
     state = engine.new_state(capacity=prompt_len + tokens + 8)
     token = int(engine.prefill(state, ids).argmax())
@@ -111,9 +150,16 @@ def _decode_run(engine: Engine, kernel: str, prompt_len: int, tokens: int, seed:
         token = int(engine.decode_step(state, token).argmax())
     elapsed = time.perf_counter() - t0
     graph = engine.decode_graph is not None and engine.decode_graph.enabled
-    return {"linear_attn": kernel, "backend": engine.linear_backend, "cuda_graph": graph,
-            "prompt_tokens": prompt_len, "tokens": tokens, "tok_s": tokens / elapsed,
-            "ms_per_token": 1000 * elapsed / tokens, "peak_gpu_gib": _peak_gib(device)}  # fmt: skip
+    return {
+        "linear_attn": kernel,
+        "backend": engine.linear_backend,
+        "cuda_graph": graph,
+        "prompt_tokens": prompt_len,
+        "tokens": tokens,
+        "tok_s": tokens / elapsed,
+        "ms_per_token": 1000 * elapsed / tokens,
+        "peak_gpu_gib": _peak_gib(device),
+    }
 
 
 def _ratios(runs: list[dict], key: str) -> dict[str, float]:
@@ -121,12 +167,22 @@ def _ratios(runs: list[dict], key: str) -> dict[str, float]:
     out = {}
     label = lambda r: r["backend"] + ("" if r.get("cuda_graph", True) else "-eager")  # noqa: E731
     for run in runs:
-        same = [r for r in runs if r[key] == run[key] and r.get("cuda_graph") == run.get("cuda_graph")]
+        same = [
+            r for r in runs if r[key] == run[key] and r.get("cuda_graph") == run.get("cuda_graph")
+        ]
         base = next((r for r in same if r["backend"] == "torch"), None)
         if base is not None and run is not base:
             out[f"{label(run)}_vs_{label(base)}@{run[key]}"] = run["tok_s"] / base["tok_s"]
-        eager = next((r for r in runs if r[key] == run[key] and r["backend"] == run["backend"]
-                      and r.get("cuda_graph") is False), None)  # fmt: skip
+        eager = next(
+            (
+                r
+                for r in runs
+                if r[key] == run[key]
+                and r["backend"] == run["backend"]
+                and r.get("cuda_graph") is False
+            ),
+            None,
+        )
         if run.get("cuda_graph") and eager is not None:
             out[f"{run['backend']}_graph_vs_eager@{run[key]}"] = run["tok_s"] / eager["tok_s"]
     return out
@@ -143,21 +199,39 @@ def accuracy(spec, device, dtype, kernels, length, seed, eager=False) -> dict[st
     model = copy_model(ref_model, device, torch_dtype(dtype))
     runs = []
     for kernel in kernels:
-        eng = Engine(model, EngineConfig(device=device, dtype=dtype, linear_attn=kernel, cuda_graphs=not eager))
+        eng = Engine(
+            model,
+            EngineConfig(device=device, dtype=dtype, linear_attn=kernel, cuda_graphs=not eager),
+        )
         logits = eng.prefill(eng.new_state(), ids, all_logits=True).float().cpu()
         greedy = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=32)).token_ids
         runs.append(_compare(kernel, eng.linear_backend, logits, ref_logits, greedy, ref_greedy))
-    return {"bench": "accuracy", "model": spec, "device": device, "dtype": dtype, "prompt_tokens": length,
-            "reference": "cpu float32, torch kernels", "machine": machine(), "runs": runs}  # fmt: skip
+    return {
+        "bench": "accuracy",
+        "model": spec,
+        "device": device,
+        "dtype": dtype,
+        "prompt_tokens": length,
+        "reference": "cpu float32, torch kernels",
+        "machine": machine(),
+        "runs": runs,
+    }
 
 
 def _compare(kernel, backend, logits, ref, greedy, ref_greedy) -> dict[str, Any]:
     diff = (logits - ref).abs()
-    same = next((i for i, (a, b) in enumerate(zip(greedy, ref_greedy)) if a != b), len(ref_greedy))
+    same = next(
+        (i for i, (a, b) in enumerate(zip(greedy, ref_greedy, strict=False)) if a != b),
+        len(ref_greedy),
+    )
     return {
-        "linear_attn": kernel, "backend": backend,
-        "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-        "max_abs_ref": float(ref.abs().max()), "rel_max_diff": float(diff.max() / ref.abs().max()),
+        "linear_attn": kernel,
+        "backend": backend,
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "max_abs_ref": float(ref.abs().max()),
+        "rel_max_diff": float(diff.max() / ref.abs().max()),
         "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-        "greedy_tokens_identical_prefix": same, "greedy_tokens": len(ref_greedy),
-    }  # fmt: skip
+        "greedy_tokens_identical_prefix": same,
+        "greedy_tokens": len(ref_greedy),
+    }

@@ -17,7 +17,10 @@ import click
 from agentrt.errors import AgentrtError
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
-MODEL_HELP = "A HF-format directory, 'tiny' (embedded default), or 'synthetic:NAME' (e.g. synthetic:qwen3.5-35b-a3b)."
+MODEL_HELP = (
+    "A HF-format directory, 'tiny' (embedded default), or 'synthetic:NAME' "
+    "(e.g. synthetic:qwen3.5-35b-a3b)."
+)
 
 
 class _Group(click.Group):
@@ -47,21 +50,56 @@ def model_options(fn):
     options = [
         click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                     help="Weights/activations dtype (default: float32 on cpu, bfloat16 on cuda)."),
-        click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
-                     help="Tokenizer directory overriding the model's own."),
-        click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
-                     help="Jinja chat template file overriding the tokenizer's."),
-        click.option("--cache", type=click.Choice(["semantic", "prefix", "off"]), default="off", show_default=True,
-                     help="State cache mode (only 'off' is available in this build)."),
-        click.option("--linear-attn", type=click.Choice(["auto", "torch", "fla"]), default="auto", show_default=True,
-                     help="Gated-delta-rule kernels: fla (CUDA + flash-linear-attention) or pure torch."),
-        click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
-                     help="Tokens per prefill chunk."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Sampling / synthetic-weights seed."),
-        click.option("--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."),
-    ]  # fmt: skip
+        click.option(
+            "--dtype",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default=None,
+            help="Weights/activations dtype (default: float32 on cpu, bfloat16 on cuda).",
+        ),
+        click.option(
+            "--tokenizer",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="Tokenizer directory overriding the model's own.",
+        ),
+        click.option(
+            "--chat-template",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Jinja chat template file overriding the tokenizer's.",
+        ),
+        click.option(
+            "--cache",
+            type=click.Choice(["semantic", "prefix", "off"]),
+            default="off",
+            show_default=True,
+            help="State cache mode (only 'off' is available in this build).",
+        ),
+        click.option(
+            "--linear-attn",
+            type=click.Choice(["auto", "torch", "fla"]),
+            default="auto",
+            show_default=True,
+            help="Gated-delta-rule kernels: fla (CUDA + flash-linear-attention) or pure torch.",
+        ),
+        click.option(
+            "--prefill-chunk",
+            type=click.IntRange(min=1),
+            default=2048,
+            show_default=True,
+            help="Tokens per prefill chunk.",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Sampling / synthetic-weights seed.",
+        ),
+        click.option(
+            "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
+        ),
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -72,10 +110,17 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
 
     return Runtime.open(
         require_tokenizer=require_tokenizer,
-        model=opts["model"], device=resolve_device(opts["device"]), dtype=opts["dtype"], cache=opts["cache"],
-        seed=opts["seed"], tokenizer=opts["tokenizer"], chat_template=opts["chat_template"],
-        linear_attn=opts["linear_attn"], prefill_chunk=opts["prefill_chunk"], eager=opts["eager"],
-    )  # fmt: skip
+        model=opts["model"],
+        device=resolve_device(opts["device"]),
+        dtype=opts["dtype"],
+        cache=opts["cache"],
+        seed=opts["seed"],
+        tokenizer=opts["tokenizer"],
+        chat_template=opts["chat_template"],
+        linear_attn=opts["linear_attn"],
+        prefill_chunk=opts["prefill_chunk"],
+        eager=opts["eager"],
+    )
 
 
 def write_json(path: str | None, data) -> None:
@@ -110,18 +155,34 @@ def main() -> None:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path,
-              help="Write the result as JSON.")
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=_json_path,
+    help="Write the result as JSON.",
+)
 def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, **opts) -> None:
     """Run one chat turn for MESSAGE and stream the reply to the terminal."""
     rt = open_runtime(opts, require_tokenizer=True)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
-    events = rt.chat(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=list(stop), stream=True)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": message}
+    ]
+    events = rt.chat(
+        messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=list(stop),
+        stream=True,
+    )
     result = _print_stream(events)
     t, u = result.timings, result.usage
     rate = u["completion_tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
     click.echo(
-        f"[{u['prompt_tokens']} prompt tokens, {u['completion_tokens']} generated, ttft {t['ttft_s']:.3f}s, "
+        f"[{u['prompt_tokens']} prompt tokens, {u['completion_tokens']} generated, "
+        f"ttft {t['ttft_s']:.3f}s, "
         f"{rate:.1f} tok/s, finish: {result.finish_reason}]",
         err=True,
     )
@@ -157,15 +218,27 @@ def model() -> None:
 
 
 @model.command("make")
-@click.option("--arch", type=click.Choice(["qwen3_5_moe", "qwen3_moe"]), default=None,
-              help="Architecture (implied by real size names).")
-@click.option("--size", required=True, help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b.")
-@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option(
+    "--arch",
+    type=click.Choice(["qwen3_5_moe", "qwen3_moe"]),
+    default=None,
+    help="Architecture (implied by real size names).",
+)
+@click.option(
+    "--size", required=True, help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b."
+)
+@click.option(
+    "-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
-              help="Stored dtype (default: float32 for tiny sizes, bfloat16 for real sizes).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default=None,
+    help="Stored dtype (default: float32 for tiny sizes, bfloat16 for real sizes).",
+)
 @click.option("--force", is_flag=True, help="Write into a non-empty directory.")
-def model_make(arch, size, out, seed, dtype, force) -> None:  # fmt: skip
+def model_make(arch, size, out, seed, dtype, force) -> None:
     """Write a seeded random-weight checkpoint with exact shapes (HF format)."""
     from agentrt.models.synthetic import resolve_size, write_checkpoint
     from agentrt.models.tiny import build_tiny
@@ -178,16 +251,20 @@ def model_make(arch, size, out, seed, dtype, force) -> None:  # fmt: skip
         build_tiny(out_dir, name)
     else:
         with click.progressbar(length=1, label=f"writing {name}", file=sys.stderr) as bar:
+
             def progress(done: int, total: int) -> None:
                 bar.length = total
                 bar.update(done - bar.pos)
+
             write_checkpoint(name, out_dir, seed=seed, dtype=dtype, progress=progress)
     click.echo(f"wrote {name} to {out_dir}")
 
 
 @model.command("info")
 @click.argument("model_spec")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path)
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
+)
 def model_info(model_spec: str, json_out) -> None:
     """Describe MODEL_SPEC (a directory, 'tiny' or 'synthetic:NAME') without loading weights."""
     from agentrt.models.info import describe
@@ -210,13 +287,24 @@ def _bench_options(fn):
     options = [
         click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None),
-        click.option("--linear-attn", default="auto", show_default=True, callback=_csv_choice("auto", "torch", "fla"),
-                     help="Comma-separated list of kernels to compare: auto, torch, fla."),
+        click.option(
+            "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None
+        ),
+        click.option(
+            "--linear-attn",
+            default="auto",
+            show_default=True,
+            callback=_csv_choice("auto", "torch", "fla"),
+            help="Comma-separated list of kernels to compare: auto, torch, fla.",
+        ),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."),
-        click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path),
-    ]  # fmt: skip
+        click.option(
+            "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
+        ),
+        click.option(
+            "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
+        ),
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -233,7 +321,9 @@ def _csv_choice(*choices: str):
         items = _csv(value)
         bad = [i for i in items if i not in choices]
         if bad or not items:
-            raise click.BadParameter(f"expected a comma-separated list of {', '.join(choices)}, got {value!r}")
+            raise click.BadParameter(
+                f"expected a comma-separated list of {', '.join(choices)}, got {value!r}"
+            )
         return items
 
     return parse
@@ -245,7 +335,9 @@ def _csv_ints(ctx, param, value: str) -> list[int]:
     except ValueError:
         items = []
     if not items or min(items) < 1:
-        raise click.BadParameter(f"expected a comma-separated list of positive integers, got {value!r}")
+        raise click.BadParameter(
+            f"expected a comma-separated list of positive integers, got {value!r}"
+        )
     return items
 
 
@@ -256,29 +348,53 @@ def _report(report: dict, json_out: str | None) -> None:
 
 @bench.command("prefill")
 @_bench_options
-@click.option("--lengths", default="2048,8192", show_default=True, callback=_csv_ints,
-              help="Comma-separated prompt lengths.")
+@click.option(
+    "--lengths",
+    default="2048,8192",
+    show_default=True,
+    callback=_csv_ints,
+    help="Comma-separated prompt lengths.",
+)
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
-def bench_prefill(model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat) -> None:
+def bench_prefill(
+    model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat
+) -> None:
     """Prefill throughput (tok/s) for each prompt length and linear-attention kernel."""
     from agentrt import bench as b
 
-    _report(b.prefill(model, resolve_device(device), dtype, linear_attn, lengths, prefill_chunk, repeat, seed), json_out)
+    _report(
+        b.prefill(
+            model, resolve_device(device), dtype, linear_attn, lengths, prefill_chunk, repeat, seed
+        ),
+        json_out,
+    )
 
 
 @bench.command("decode")
 @_bench_options
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--graphs", default="on", show_default=True, callback=_csv_choice("on", "off"),
-              help="Comma-separated CUDA-graph settings: on, off.")
-def bench_decode(model, device, dtype, linear_attn, seed, eager, json_out, prompt_len, tokens, graphs) -> None:
+@click.option(
+    "--graphs",
+    default="on",
+    show_default=True,
+    callback=_csv_choice("on", "off"),
+    help="Comma-separated CUDA-graph settings: on, off.",
+)
+def bench_decode(
+    model, device, dtype, linear_attn, seed, eager, json_out, prompt_len, tokens, graphs
+) -> None:
     """Greedy decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting."""
     from agentrt import bench as b
 
     modes = ["off"] if eager else graphs
-    _report(b.decode(model, resolve_device(device), dtype, linear_attn, prompt_len, tokens, seed, modes), json_out)
+    _report(
+        b.decode(
+            model, resolve_device(device), dtype, linear_attn, prompt_len, tokens, seed, modes
+        ),
+        json_out,
+    )
 
 
 @bench.command("accuracy")
@@ -288,7 +404,9 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
     from agentrt import bench as b
 
-    _report(b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out)
+    _report(
+        b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

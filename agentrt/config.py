@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses and the one place where `AGENTRT_*` environment variables are read.
+"""Frozen configuration dataclasses, and the one place where `AGENTRT_*` environment variables
+are read.
 
 `ModelConfig` is the architecture-neutral description of a checkpoint that every model file builds
 from (`ModelConfig.from_hf` reads a Hugging Face `config.json`, including the nested `text_config`
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,15 +106,6 @@ class ModelConfig:
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden_size * self.moe_intermediate_size
 
-    def canonical(self) -> dict[str, Any]:
-        """A JSON-safe dict of every field that changes the computation (used in fingerprints)."""
-        data = asdict(self)
-        data.pop("extra")
-        data["layer_types"] = list(self.layer_types)
-        data["dense_layers"] = list(self.dense_layers)
-        data["eos_token_ids"] = list(self.eos_token_ids)
-        return data
-
     def with_changes(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
 
@@ -167,7 +159,9 @@ def _rope(text: dict) -> tuple[float, float]:
     scaling = text.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise ModelFormatError("config.json: rope_parameters / rope_scaling must be objects")
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    rope_type = (
+        params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    )
     if rope_type not in ("default", "mrope"):
         raise UnsupportedArchitectureError(f"rope type {rope_type!r} is not supported yet")
     theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
@@ -248,7 +242,9 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim") or 4),
             eos_token_ids=_eos_ids(text.get("eos_token_id")),
             weight_prefix=prefix,
-            torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            torch_dtype=str(
+                text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+            ),
         )
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
         raise ModelFormatError(f"malformed config.json: {type(exc).__name__}: {exc}") from None
@@ -256,16 +252,31 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     return cfg
 
 
-_POSITIVE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
-             "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings")  # fmt: skip
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "max_position_embeddings",
+)
 
 
 def _validate(cfg: ModelConfig) -> None:
     bad = [name for name in _POSITIVE if getattr(cfg, name) <= 0]
     if bad:
         raise ModelFormatError(f"config.json: {', '.join(bad)} must be positive")
-    if cfg.is_hybrid and min(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= 0:
-        raise ModelFormatError("config.json: linear-attention head counts and dims must be positive")
+    if (
+        cfg.is_hybrid
+        and min(cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= 0
+    ):
+        raise ModelFormatError(
+            "config.json: linear-attention head counts and dims must be positive"
+        )
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelFormatError("num_attention_heads must be a multiple of num_key_value_heads")
     if cfg.num_experts_per_tok > cfg.num_experts:
@@ -294,9 +305,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise InvalidArgumentError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+            raise InvalidArgumentError(
+                f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}"
+            )
         if self.linear_attn not in ("auto", "torch", "fla"):
-            raise InvalidArgumentError(f"linear_attn must be auto, torch or fla, got {self.linear_attn!r}")
+            raise InvalidArgumentError(
+                f"linear_attn must be auto, torch or fla, got {self.linear_attn!r}"
+            )
         if self.prefill_chunk < 1:
             raise InvalidArgumentError("prefill_chunk must be >= 1")
 

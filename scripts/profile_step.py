@@ -10,7 +10,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from agentrt.config import EngineConfig, FULL, LINEAR
+from agentrt.config import FULL, LINEAR, EngineConfig
 from agentrt.engine import Engine
 from agentrt.models import build_empty
 from agentrt.models.synthetic import init_value, model_config, named_tensors
@@ -18,7 +18,11 @@ from agentrt.models.synthetic import init_value, model_config, named_tensors
 
 def build(size: str, layers: int):
     cfg = model_config(size)
-    types = tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)) if cfg.is_hybrid else (FULL,) * layers
+    types = (
+        tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers))
+        if cfg.is_hybrid
+        else (FULL,) * layers
+    )
     cfg = cfg.with_changes(num_layers=layers, layer_types=types)
     model = build_empty(cfg, "cuda", torch.bfloat16)
     with torch.inference_mode():
@@ -42,7 +46,10 @@ def main() -> None:
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     model = build(size, layers)
     for kernel in ("fla", "torch"):
-        eng = Engine(model, EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, cuda_graphs=False))
+        eng = Engine(
+            model,
+            EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, cuda_graphs=False),
+        )
         ids = torch.randint(0, 1000, (2048,)).tolist()
         state = eng.new_state(capacity=4096)
         eng.prefill(state, ids)
@@ -51,7 +58,11 @@ def main() -> None:
             eng.prefill(state, ids)
             torch.cuda.synchronize()
         print(f"=== prefill 2048 tokens, {layers} layers, {kernel}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=18, max_name_column_width=70
+            )
+        )
         for _ in range(3):
             eng.decode_step(state, 5)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -59,7 +70,11 @@ def main() -> None:
                 eng.decode_step(state, 5)
             torch.cuda.synchronize()
         print(f"=== decode x5, {layers} layers, {kernel}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=18, max_name_column_width=70
+            )
+        )
     experts = model.experts
     layer = sorted(experts.gate_up)[0]
     e, h = experts.gate_up[layer].shape[0], experts.gate_up[layer].shape[2]
@@ -72,7 +87,10 @@ def main() -> None:
         for name in ("grouped_mm", "gathered", "looped"):
             if name == "gathered" and tokens > 64:
                 continue
-            row[name + "_ms"] = round(timed(lambda: getattr(experts, name)(layer, x, ids, w)), 3)
+            fn = getattr(experts, name)
+            row[name + "_ms"] = round(
+                timed(lambda fn=fn, x=x, ids=ids, w=w: fn(layer, x, ids, w)), 3
+            )
         print("experts", row)
 
 

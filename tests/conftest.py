@@ -23,11 +23,22 @@ def agentrt_home(tmp_path_factory):
 
 def _q35_text_kwargs() -> dict:
     return dict(
-        vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        num_experts=8, num_experts_per_tok=3, max_position_embeddings=4096,
-    )  # fmt: skip
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        max_position_embeddings=4096,
+    )
 
 
 def _save(model, path: Path) -> Path:
@@ -50,10 +61,20 @@ def hf_qwen3(tmp_path_factory) -> Path:
 
     torch.manual_seed(2)
     cfg = Qwen3MoeConfig(
-        vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, moe_intermediate_size=32, intermediate_size=96, num_experts=8, num_experts_per_tok=3,
-        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=4096,
-    )  # fmt: skip
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        max_position_embeddings=4096,
+    )
     return _save(Qwen3MoeForCausalLM(cfg), tmp_path_factory.mktemp("hf-qwen3"))
 
 
@@ -63,9 +84,17 @@ def hf_qwen3_tied(tmp_path_factory) -> Path:
 
     torch.manual_seed(4)
     cfg = Qwen3MoeConfig(
-        vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+    )
     return _save(Qwen3MoeForCausalLM(cfg), tmp_path_factory.mktemp("hf-qwen3-tied"))
 
 

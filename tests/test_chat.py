@@ -31,10 +31,20 @@ def _splits(text: str):
     [
         ("<think>\nplan it\n</think>\n\nHello there.", "plan it", "Hello there.", []),
         (f"Let me look.\n<tool_call>{CALL}</tool_call>", None, "Let me look.", ["read_file"]),
-        (f"<think>x</think><tool_call>\n{CALL}\n</tool_call><tool_call>{CALL}</tool_call>", "x", None, ["read_file"] * 2),
+        (
+            f"<think>x</think><tool_call>\n{CALL}\n</tool_call><tool_call>{CALL}</tool_call>",
+            "x",
+            None,
+            ["read_file"] * 2,
+        ),
         ("no markup at all <thin", None, "no markup at all <thin", []),
-        ("<tool_call>{not json}</tool_call> after", None, "<tool_call>{not json}</tool_call> after", []),
-        ("<tool_call>{\"name\": \"x\"", None, "<tool_call>{\"name\": \"x\"", []),
+        (
+            "<tool_call>{not json}</tool_call> after",
+            None,
+            "<tool_call>{not json}</tool_call> after",
+            [],
+        ),
+        ('<tool_call>{"name": "x"', None, '<tool_call>{"name": "x"', []),
     ],
 )
 def test_parser_is_split_invariant(text, reasoning, content, calls):
@@ -53,7 +63,10 @@ def test_prompt_that_opens_reasoning():
     assert opens_in_reasoning("<|im_start|>assistant\n<think>\n")
     assert not opens_in_reasoning("<think>a</think><|im_start|>assistant\n")
     _, events = _parse(["still thinking</think>answer"], mode="reasoning")
-    assert [(e.type, e.text) for e in events] == [("reasoning", "still thinking"), ("content", "answer")]
+    assert [(e.type, e.text) for e in events] == [
+        ("reasoning", "still thinking"),
+        ("content", "answer"),
+    ]
 
 
 def test_stop_scanner_cuts_and_holds_back():
@@ -93,28 +106,59 @@ def test_runtime_chat_stop_string():
 def test_xml_style_tool_call_body_is_parsed_with_schema_types():
     from agentrt.session.chat import parse_tool_call
 
-    tools = [{"type": "function", "function": {"name": "run", "parameters": {"properties": {
-        "cmd": {"type": "string"}, "timeout": {"type": "integer"}, "code": {"type": "string"}}}}}]  # fmt: skip
-    body = "\n<function=run>\n<parameter=cmd>\nls -la\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n" \
-           "<parameter=code>\n42\n</parameter>\n</function>\n"  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "parameters": {
+                    "properties": {
+                        "cmd": {"type": "string"},
+                        "timeout": {"type": "integer"},
+                        "code": {"type": "string"},
+                    }
+                },
+            },
+        }
+    ]
+    body = (
+        "\n<function=run>\n<parameter=cmd>\nls -la\n</parameter>\n"
+        "<parameter=timeout>\n30\n</parameter>\n"
+        "<parameter=code>\n42\n</parameter>\n</function>\n"
+    )
     call = parse_tool_call(body, tools)
     assert call["function"]["name"] == "run"
-    assert json.loads(call["function"]["arguments"]) == {"cmd": "ls -la", "timeout": 30, "code": "42"}
+    assert json.loads(call["function"]["arguments"]) == {
+        "cmd": "ls -la",
+        "timeout": 30,
+        "code": "42",
+    }
     assert parse_tool_call("<function=run><parameter=x>1</parameter>", tools) is None
 
 
 def test_string_tool_arguments_reach_templates_as_objects():
     from agentrt.session.chat import normalize_messages
 
-    msgs = [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]  # fmt: skip
+    msgs = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            ],
+        }
+    ]
     out = normalize_messages(msgs)
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
-    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # caller's data untouched
+    assert (
+        msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    )  # caller's data untouched
     from agentrt.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError):
-        normalize_messages([{"role": "assistant", "content": "", "tool_calls": [{"function": "nope"}]}])
+        normalize_messages(
+            [{"role": "assistant", "content": "", "tool_calls": [{"function": "nope"}]}]
+        )
 
 
 def test_literal_think_tag_in_user_text_does_not_start_reasoning():
@@ -143,7 +187,13 @@ def test_bad_argument_types_are_typed_errors():
 
     rt = Runtime.open()
     msgs = [{"role": "user", "content": "hi"}]
-    for kwargs in ({"stop": [1]}, {"stop": 5}, {"max_tokens": "5"}, {"tools": "x"}, {"temperature": "hot"}):
+    for kwargs in (
+        {"stop": [1]},
+        {"stop": 5},
+        {"max_tokens": "5"},
+        {"tools": "x"},
+        {"temperature": "hot"},
+    ):
         with pytest.raises(InvalidArgumentError):
             rt.chat(msgs, **kwargs)
     with pytest.raises(InvalidArgumentError):

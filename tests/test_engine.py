@@ -63,7 +63,10 @@ def test_snapshot_import_then_suffix_reproduces_logits(ckpt):
     params = SamplingParams(max_tokens=12)
     again = eng.new_state()
     again.import_(snap)
-    assert eng.generate(again, ids[97:], params).token_ids == eng.generate(eng.new_state(), ids, params).token_ids
+    assert (
+        eng.generate(again, ids[97:], params).token_ids
+        == eng.generate(eng.new_state(), ids, params).token_ids
+    )
 
 
 def test_hybrid_export_needs_a_captured_position(hf_checkpoints):
@@ -92,8 +95,12 @@ def test_moe_gather_and_grouped_paths_agree(hf_checkpoints):
     x = torch.randn(9, 64, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(9)])
     w = torch.rand(9, 3, generator=g)
-    assert torch.allclose(experts.gathered(layer, x, ids, w), experts.looped(layer, x, ids, w), atol=1e-6)
-    assert torch.allclose(experts.grouped_mm(layer, x, ids, w), experts.looped(layer, x, ids, w), atol=1e-6)
+    assert torch.allclose(
+        experts.gathered(layer, x, ids, w), experts.looped(layer, x, ids, w), atol=1e-6
+    )
+    assert torch.allclose(
+        experts.grouped_mm(layer, x, ids, w), experts.looped(layer, x, ids, w), atol=1e-6
+    )
 
 
 def test_decode_matches_prefill_logits(ckpt):
@@ -111,7 +118,9 @@ def test_stop_token_ends_generation(ckpt):
     eng = open_engine(ckpt)
     ids = random_ids(20, seed=16)
     free = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=10)).token_ids
-    stopped = eng.generate(eng.new_state(), ids, SamplingParams(max_tokens=10, stop_token_ids=(free[3],)))
+    stopped = eng.generate(
+        eng.new_state(), ids, SamplingParams(max_tokens=10, stop_token_ids=(free[3],))
+    )
     first = free.index(free[3])
     assert stopped.token_ids == free[: first + 1] and stopped.finish_reason == "stop"
 
@@ -127,7 +136,9 @@ def test_sampling_is_seeded_and_greedy_is_argmax():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
     assert sample(logits, SamplingParams(), None) == int(logits.argmax())
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
-    draw = lambda: [sample(logits, params, g) for g in [torch.Generator().manual_seed(7)] for _ in range(20)]  # noqa: E731
+    draw = lambda: [
+        sample(logits, params, g) for g in [torch.Generator().manual_seed(7)] for _ in range(20)
+    ]  # noqa: E731
     assert draw() == draw()
     assert len(set(draw())) > 1
 

@@ -51,15 +51,30 @@ def _bad_dirs(tmp_path, hf_qwen3):
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "no_config", "bad_json", "unknown_arch", "no_weights", "corrupt", "wrong_shape"])
+@pytest.mark.parametrize(
+    "case",
+    ["missing", "no_config", "bad_json", "unknown_arch", "no_weights", "corrupt", "wrong_shape"],
+)
 def test_bad_model_dirs(tmp_path, hf_qwen3, case):
     path, exc_type, words = _bad_dirs(tmp_path, hf_qwen3)[case]
     with pytest.raises(exc_type, match=words):
         Runtime.open(model=str(path))
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "chat", "--model", str(path), "--device", "cpu", "hi"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "agentrt.cli",
+            "chat",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
@@ -83,9 +98,21 @@ def test_cli_prompt_too_long(tmp_path):
     cfg = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "chat", "--model", str(small), "--device", "cpu", "word " * 100],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "agentrt.cli",
+            "chat",
+            "--model",
+            str(small),
+            "--device",
+            "cpu",
+            "word " * 100,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: prompt has ") and "Traceback" not in proc.stderr
 
@@ -123,15 +150,40 @@ def test_cuda_requested_without_cuda():
 
 def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "model", "info", "tiny", "--json", str(tmp_path / "no" / "x.json")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+        [
+            sys.executable,
+            "-m",
+            "agentrt.cli",
+            "model",
+            "info",
+            "tiny",
+            "--json",
+            str(tmp_path / "no" / "x.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    )
 
 
 def test_cli_chat_needs_a_tokenizer_before_loading(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "chat", "--model", "synthetic:qwen3-30b-a3b", "--device", "cpu", "hi"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "agentrt.cli",
+            "chat",
+            "--model",
+            "synthetic:qwen3-30b-a3b",
+            "--device",
+            "cpu",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "has no tokenizer" in proc.stderr

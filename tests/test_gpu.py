@@ -12,13 +12,19 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-needs_fla = pytest.mark.skipif(kernels.fla_ops() is None, reason="flash-linear-attention not installed")
+needs_fla = pytest.mark.skipif(
+    kernels.fla_ops() is None, reason="flash-linear-attention not installed"
+)
 
 
 def _inputs(seq_len, dtype, hk=4, hv=8, dk=128, dv=128):
     g = torch.Generator(device="cuda").manual_seed(seq_len)
     mk = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    q, k, v = mk(seq_len, hk, dk).to(dtype), mk(seq_len, hk, dk).to(dtype), mk(seq_len, hv, dv).to(dtype)
+    q, k, v = (
+        mk(seq_len, hk, dk).to(dtype),
+        mk(seq_len, hk, dk).to(dtype),
+        mk(seq_len, hv, dv).to(dtype),
+    )
     decay = -torch.rand(seq_len, hv, generator=g, device="cuda") * 2
     beta = torch.rand(seq_len, hv, generator=g, device="cuda").to(dtype)
     return q, k, v, decay, beta, mk(hv, dk, dv) * 0.1
@@ -72,13 +78,21 @@ def test_cuda_graph_decode_matches_eager(kernel):
     from agentrt.models.registry import open_model
 
     model = open_model("tiny", "cuda", torch.bfloat16).model
-    engines = [Engine(model, EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, cuda_graphs=g))
-               for g in (True, False)]  # fmt: skip
+    engines = [
+        Engine(
+            model, EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, cuda_graphs=g)
+        )
+        for g in (True, False)
+    ]
     states = [e.new_state() for e in engines]
     prompt = list(range(10, 1010))  # 1000 tokens: decoding crosses the 1024-slot KV growth step
-    for eng, state in zip(engines, states):
+    for eng, state in zip(engines, states, strict=True):
         eng.prefill(state, prompt)
     for tok in range(50, 90):
-        graph_logits, eager_logits = (e.decode_step(s, tok) for e, s in zip(engines, states))
-        assert (graph_logits - eager_logits).abs().max().item() < 0.05 * eager_logits.abs().max().item()
+        graph_logits, eager_logits = (
+            e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)
+        )
+        assert (
+            graph_logits - eager_logits
+        ).abs().max().item() < 0.05 * eager_logits.abs().max().item()
     assert engines[0].decode_graph.enabled

@@ -57,7 +57,9 @@ def test_causal_conv_carries_state():
     channels, kernel = 6, 4
     x = torch.randn(channels, 30, generator=g)
     weight = torch.randn(channels, 1, kernel, generator=g)
-    ref = F.silu(F.conv1d(F.pad(x, (kernel - 1, 0)).unsqueeze(0), weight, groups=channels)).squeeze(0)
+    ref = F.silu(F.conv1d(F.pad(x, (kernel - 1, 0)).unsqueeze(0), weight, groups=channels)).squeeze(
+        0
+    )
     state = torch.zeros(channels, kernel - 1)
     out1, padded = kernels.causal_conv(x[:, :11].T, state, weight)  # time-major [T, C]
     out2, _ = kernels.causal_conv(x[:, 11:].T, padded[-(kernel - 1) :].T, weight)

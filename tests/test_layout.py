@@ -41,11 +41,17 @@ def test_import_direction():
 
 
 def test_every_module_has_a_docstring():
-    missing = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if ast.get_docstring(ast.parse(p.read_text())) is None]
+    missing = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if ast.get_docstring(ast.parse(p.read_text())) is None
+    ]
     assert not missing, missing
 
 
 def test_import_agentrt_is_light():
     code = "import sys, agentrt; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["False", "False"]

@@ -1,4 +1,4 @@
-"""Parity with the transformers oracle (fp32, CPU) on tiny random checkpoints from save_pretrained."""
+"""Parity with the transformers oracle (fp32, CPU) on tiny random save_pretrained checkpoints."""
 
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ def test_greedy_generate_matches_transformers(hf_checkpoints, arch):
     ids = random_ids(40, seed=6)
     with torch.no_grad():
         out = _hf_model(path).generate(
-            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+            torch.tensor([ids]),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            pad_token_id=0,
         )
     expected = out[0, len(ids) :].tolist()
     rt = Runtime.open(model=str(path), device="cpu")

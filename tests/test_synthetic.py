@@ -12,12 +12,22 @@ import torch
 from util import open_engine, random_ids
 
 from agentrt.models.loader import load_model
-from agentrt.models.synthetic import build_in_memory, model_config, parameter_counts, write_checkpoint
+from agentrt.models.synthetic import (
+    build_in_memory,
+    model_config,
+    parameter_counts,
+    write_checkpoint,
+)
 
 
 def test_real_shapes():
     q35 = model_config("qwen3.5-35b-a3b")
-    assert (q35.num_layers, len(q35.linear_layers), q35.num_experts, q35.num_experts_per_tok) == (40, 30, 256, 8)
+    assert (q35.num_layers, len(q35.linear_layers), q35.num_experts, q35.num_experts_per_tok) == (
+        40,
+        30,
+        256,
+        8,
+    )
     counts = parameter_counts(q35)
     assert 34e9 < counts["total"] < 36e9 and 3e9 < counts["active_per_token"] < 4e9
     q3 = model_config("qwen3-30b-a3b")
@@ -32,7 +42,11 @@ def test_written_checkpoint_loads_in_transformers(tmp_path, size):
     path = write_checkpoint(size, tmp_path / size)
     ids = random_ids(90, vocab=2048, seed=3)
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+        ref = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            .eval()(torch.tensor([ids]))
+            .logits[0]
+        )
     eng = open_engine(path)
     assert (eng.prefill(eng.new_state(), ids, all_logits=True) - ref).abs().max().item() < 1e-4
 
@@ -45,7 +59,9 @@ def test_sharded_equals_single_and_in_memory(tmp_path):
     a, b = load_model(single, "cpu", torch.float32), load_model(sharded, "cpu", torch.float32)
     c = build_in_memory("tiny-qwen3-moe", "cpu", torch.float32, seed=5)
     for name, tensor in a.state_dict().items():
-        assert torch.equal(tensor, b.state_dict()[name]) and torch.equal(tensor, c.state_dict()[name]), name
+        assert torch.equal(tensor, b.state_dict()[name]) and torch.equal(
+            tensor, c.state_dict()[name]
+        ), name
     for layer in a.experts.gate_up:
         assert torch.equal(a.experts.gate_up[layer], c.experts.gate_up[layer])
 
@@ -58,25 +74,55 @@ def test_different_seed_gives_different_weights(tmp_path):
 
 def test_model_make_and_info_cli(tmp_path):
     out = tmp_path / "made"
-    run = lambda *args: subprocess.run([sys.executable, "-m", "agentrt.cli", *args], capture_output=True, text=True, timeout=300)  # noqa: E731
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "agentrt.cli", *args], capture_output=True, text=True, timeout=300
+    )  # noqa: E731
     made = run("model", "make", "--arch", "qwen3_moe", "--size", "tiny", "-o", str(out))
     assert made.returncode == 0, made.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     again = run("model", "make", "--size", "tiny", "-o", str(out))
     assert again.returncode == 2 and "not empty" in again.stderr
-    wrong = run("model", "make", "--arch", "qwen3_moe", "--size", "qwen3.5-35b-a3b", "-o", str(tmp_path / "x"))
+    wrong = run(
+        "model",
+        "make",
+        "--arch",
+        "qwen3_moe",
+        "--size",
+        "qwen3.5-35b-a3b",
+        "-o",
+        str(tmp_path / "x"),
+    )
     assert wrong.returncode == 2 and "error:" in wrong.stderr
     info = run("model", "info", str(out), "--json", str(tmp_path / "info.json"))
     assert info.returncode == 0, info.stderr
     data = json.loads((tmp_path / "info.json").read_text())
-    assert data["architecture"] == "qwen3_moe" and data["tokenizer"] is True and data["chat_template"] is True
+    assert (
+        data["architecture"] == "qwen3_moe"
+        and data["tokenizer"] is True
+        and data["chat_template"] is True
+    )
     chat = run("chat", "--model", str(out), "--device", "cpu", "--max-tokens", "4", "hi")
     assert chat.returncode == 0 and "4 generated" in chat.stderr, chat.stderr
 
 
 def test_bench_prefill_cli_prints_json(tmp_path):
-    cmd = [sys.executable, "-m", "agentrt.cli", "bench", "prefill", "--device", "cpu", "--lengths", "64,130",
-           "--repeat", "1", "--prefill-chunk", "50", "--json", str(tmp_path / "p.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentrt.cli",
+        "bench",
+        "prefill",
+        "--device",
+        "cpu",
+        "--lengths",
+        "64,130",
+        "--repeat",
+        "1",
+        "--prefill-chunk",
+        "50",
+        "--json",
+        str(tmp_path / "p.json"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "p.json").read_text())

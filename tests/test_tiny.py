@@ -14,12 +14,30 @@ from agentrt.session.tokenizer import load_tokenizer
 MESSAGES = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "list the files"},
-    {"role": "assistant", "content": None, "reasoning_content": "Use list_dir.",
-     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "list_dir", "arguments": '{"path": "."}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Use list_dir.",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "list_dir", "arguments": '{"path": "."}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "a.py\nb.py"},
-]  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "list_dir", "description": "List a directory",
-          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "list_dir",
+            "description": "List a directory",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _hashes(directory: Path) -> dict[str, str]:
@@ -29,7 +47,12 @@ def _hashes(directory: Path) -> dict[str, str]:
 def test_tiny_builds_byte_identically(tmp_path):
     first, second = build_tiny(tmp_path / "a"), build_tiny(tmp_path / "b")
     hashes = _hashes(first)
-    assert set(hashes) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert set(hashes) == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     assert hashes == _hashes(second)
 
 
@@ -43,14 +66,23 @@ def test_tiny_tokenizer_has_single_token_specials():
 
 def test_tiny_template_renders_tools_reasoning_and_outputs():
     tok = load_tokenizer(ensure_tiny())
-    text = tok.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
     assert text.startswith("<|im_start|>system\nYou are a coding agent.\n\n# Tools")
     assert '"name": "list_dir"' in text
-    assert "<think>\nUse list_dir.\n</think>\n" in text  # reasoning after the last user turn is kept
-    assert '<tool_call>{"name": "list_dir", "arguments": {"path": "."}}</tool_call><|im_end|>' in text
+    assert (
+        "<think>\nUse list_dir.\n</think>\n" in text
+    )  # reasoning after the last user turn is kept
+    assert (
+        '<tool_call>{"name": "list_dir", "arguments": {"path": "."}}</tool_call><|im_end|>' in text
+    )
     assert "<|im_start|>tool\n<tool_output>a.py\nb.py</tool_output><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
-    later = MESSAGES + [{"role": "assistant", "content": "Two files."}, {"role": "user", "content": "ok"}]
+    later = MESSAGES + [
+        {"role": "assistant", "content": "Two files."},
+        {"role": "user", "content": "ok"},
+    ]
     text2 = tok.apply_chat_template(later, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "<think>" not in text2  # earlier reasoning is dropped once a new user turn arrives
 
@@ -58,9 +90,24 @@ def test_tiny_template_renders_tools_reasoning_and_outputs():
 def test_cli_chat_on_fresh_home(tmp_path):
     env = dict(os.environ, AGENTRT_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", "chat", "--model", "tiny", "--device", "cpu", "--max-tokens", "8", "hi"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "agentrt.cli",
+            "chat",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "8",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "building the embedded 'tiny' model" in proc.stderr
     assert "8 generated" in proc.stderr

@@ -16,4 +16,6 @@ def open_engine(path, chunk: int = 2048):
     from agentrt.models.loader import load_model
 
     model = load_model(path, "cpu", torch.float32)
-    return Engine(model, EngineConfig(device="cpu", dtype="float32", prefill_chunk=chunk, linear_attn="torch"))
+    return Engine(
+        model, EngineConfig(device="cpu", dtype="float32", prefill_chunk=chunk, linear_attn="torch")
+    )

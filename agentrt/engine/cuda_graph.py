@@ -32,7 +32,9 @@ class _Captured:
 def _buffers_key(state: SequenceState) -> tuple[int, ...]:
     ptrs = []
     for cache in state.caches:
-        tensors = (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.conv, cache.recurrent)
+        tensors = (
+            (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.conv, cache.recurrent)
+        )
         ptrs += [t.data_ptr() for t in tensors]
         ptrs.append(tensors[0].shape[1] if isinstance(cache, KVCache) else 0)
     return tuple(ptrs)
@@ -47,7 +49,9 @@ class DecodeGraph:
         self.enabled = True
         self.current: _Captured | None = None
 
-    def _static_step(self, state: SequenceState, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _static_step(
+        self, state: SequenceState, token: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
         hidden = self.model(token, state.caches, pos)
         return self.model.logits(hidden)[0]
 
@@ -59,7 +63,7 @@ class DecodeGraph:
         with torch.cuda.stream(stream):
             self._static_step(state, token, pos)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        for cache, (conv, rec) in zip(state.linear_caches(), saved):
+        for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
             cache.conv.copy_(conv)
             cache.recurrent.copy_(rec)
 
@@ -74,7 +78,7 @@ class DecodeGraph:
         return _Captured(key, graph, token, pos, logits)
 
     def step(self, state: SequenceState, token_id: int) -> torch.Tensor | None:
-        """Logits after feeding `token_id` at position `state.num_tokens`, or None if graphs are off.
+        """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off).
 
         KV capacity for the new position must already be reserved.
         """
@@ -86,7 +90,11 @@ class DecodeGraph:
                 self.current = self._capture(state, key)
         except Exception as exc:  # noqa: BLE001 - any capture problem: fall back to eager decode
             self.enabled, self.current = False, None
-            print(f"agentrt: CUDA graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly", file=sys.stderr)
+            print(
+                f"agentrt: CUDA graph capture failed ({type(exc).__name__}: {exc}); "
+                "decoding eagerly",
+                file=sys.stderr,
+            )
             return None
         cap = self.current
         cap.token.fill_(token_id)

@@ -63,7 +63,9 @@ class Engine:
         return self.cfg.max_position_embeddings
 
     def new_state(self, capacity: int = 0) -> SequenceState:
-        caches = new_layer_caches(self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens)
+        caches = new_layer_caches(
+            self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens
+        )
         return SequenceState(self.cfg, caches)
 
     def synchronize(self) -> None:
@@ -73,13 +75,16 @@ class Engine:
     def check_fits(self, num_tokens: int) -> None:
         if num_tokens >= self.max_context:
             raise PromptTooLongError(
-                f"prompt has {num_tokens} tokens but the model's context is {self.max_context} tokens"
+                f"prompt has {num_tokens} tokens but the model's context is "
+                f"{self.max_context} tokens"
             )
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size:
-                raise InvalidArgumentError(f"token ids must be integers in [0, {self.cfg.vocab_size}), got {t!r}")
+                raise InvalidArgumentError(
+                    f"token ids must be integers in [0, {self.cfg.vocab_size}), got {t!r}"
+                )
 
     def _tensor(self, ids: Sequence[int]) -> torch.Tensor:
         self._check_ids(ids)
@@ -87,7 +92,11 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(
-        self, state: SequenceState, token_ids: Sequence[int], capture: Iterable[int] = (), all_logits: bool = False
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        capture: Iterable[int] = (),
+        all_logits: bool = False,
     ) -> torch.Tensor:
         """Append `token_ids` to `state`; record linear states at absolute positions in `capture`.
 
@@ -98,6 +107,7 @@ class Engine:
         start = state.num_tokens
         self.check_fits(start + len(token_ids))
         ids = self._tensor(token_ids)
+        state.clear_captures()
         wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
         chunk, outputs = self.config.prefill_chunk, []
         for offset in range(0, len(token_ids), chunk):
@@ -128,7 +138,11 @@ class Engine:
         return logits
 
     def stream(
-        self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams, gen: Generation | None = None
+        self,
+        state: SequenceState,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        gen: Generation | None = None,
     ) -> Iterator[int]:
         """Prefill `prompt_ids` after the state's tokens, then yield sampled tokens one by one.
 
@@ -146,7 +160,9 @@ class Engine:
         gen.timings.prefill_s = time.perf_counter() - t0
         yield from self._decode_loop(state, logits, params, rng, gen, t0)
 
-    def _decode_loop(self, state, logits, params: SamplingParams, rng, gen: Generation, t0: float) -> Iterator[int]:
+    def _decode_loop(
+        self, state, logits, params: SamplingParams, rng, gen: Generation, t0: float
+    ) -> Iterator[int]:
         stops = set(params.stop_token_ids)
         t_first = None
         while len(gen.token_ids) < params.max_tokens:
@@ -166,7 +182,9 @@ class Engine:
             logits = self.decode_step(state, token)
         gen.finish_reason = "length"
 
-    def generate(self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    def generate(
+        self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> Generation:
         gen = Generation()
         for _ in self.stream(state, prompt_ids, params, gen):
             pass

@@ -31,30 +31,29 @@ class Snapshot:
         tensors = [t for pair in self.kv for t in pair] + self.conv + self.recurrent
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def to(self, device) -> Snapshot:
-        move = lambda t: t.to(device, copy=True)  # noqa: E731
-        return Snapshot(
-            self.num_tokens,
-            [(move(k), move(v)) for k, v in self.kv],
-            [move(c) for c in self.conv],
-            [move(r) for r in self.recurrent],
-            self.token_ids,
-        )
 
-
-def new_layer_caches(cfg: ModelConfig, device, dtype: torch.dtype, capacity: int, grow: int) -> list[LayerCache]:
+def new_layer_caches(
+    cfg: ModelConfig, device, dtype: torch.dtype, capacity: int, grow: int
+) -> list[LayerCache]:
     caches: list[LayerCache] = []
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     conv_dim = 2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     for layer in range(cfg.num_layers):
         if layer in cfg.attention_layers:
-            caches.append(KVCache.empty(cfg.num_kv_heads, cfg.head_dim, capacity, device, dtype, grow))
+            caches.append(
+                KVCache.empty(cfg.num_kv_heads, cfg.head_dim, capacity, device, dtype, grow)
+            )
         else:
             caches.append(
                 LinearCache.zeros(
-                    conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
-                    cfg.linear_key_head_dim, cfg.linear_value_head_dim, device, dtype,
-                )  # fmt: skip
+                    conv_dim,
+                    cfg.linear_conv_kernel_dim,
+                    cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim,
+                    cfg.linear_value_head_dim,
+                    device,
+                    dtype,
+                )
             )
     return caches
 
@@ -84,14 +83,19 @@ class SequenceState:
     def can_export(self, pos: int) -> bool:
         if not 0 <= pos <= self.num_tokens:
             return False
-        return pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
+        return (
+            pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
+        )
 
     @torch.inference_mode()
     def export(self, pos: int | None = None) -> Snapshot:
         """An independent copy of the state after the first `pos` tokens (default: all)."""
         pos = self.num_tokens if pos is None else pos
         if not self.can_export(pos):
-            raise ValueError(f"no state at position {pos} (length {self.num_tokens}, captured {self.captured_positions()})")
+            raise ValueError(
+                f"no state at position {pos} (length {self.num_tokens}, "
+                f"captured {self.captured_positions()})"
+            )
         kv = [(c.k[:, :pos].clone(), c.v[:, :pos].clone()) for c in self.kv_caches()]
         linear = self.linear_caches()
         if pos == self.num_tokens:

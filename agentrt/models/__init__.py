@@ -1,4 +1,5 @@
-"""Model zoo: one file per architecture, built from `layers.py`; `build_empty` makes an uninitialised
+"""Model zoo: one file per architecture, built from `layers.py`; `build_empty` makes an
+uninitialised
 model (no weight memory touched twice) on a device, ready for the loader or the synthetic filler.
 This package never imports the engine, offload, state cache or sessions.
 """
@@ -57,7 +58,9 @@ def build_empty(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
 def _init_buffers(model: CausalLM, device) -> None:
     for module in model.modules():
         if isinstance(module, Rotary):
-            fresh = Rotary(model.config.head_dim, model.config.partial_rotary_factor, model.config.rope_theta)
+            fresh = Rotary(
+                model.config.head_dim, model.config.partial_rotary_factor, model.config.rope_theta
+            )
             module.inv_freq = fresh.inv_freq.to(device)
 
 

@@ -23,7 +23,9 @@ class KVCache:
     grow_tokens: int = 1024
 
     @classmethod
-    def empty(cls, num_kv_heads: int, head_dim: int, capacity: int, device, dtype, grow: int) -> KVCache:
+    def empty(
+        cls, num_kv_heads: int, head_dim: int, capacity: int, device, dtype, grow: int
+    ) -> KVCache:
         shape = (num_kv_heads, capacity, head_dim)
         k = torch.zeros(shape, device=device, dtype=dtype)  # zeros: masked slots must stay finite
         return cls(k, torch.zeros_like(k), grow)
@@ -45,7 +47,9 @@ class KVCache:
         v[:, :used].copy_(self.v[:, :used])
         self.k, self.v = k, v
 
-    def write(self, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, start: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `[Hkv, T, D]` keys/values at `start`; return views of all `start + T` positions."""
         end = start + k_new.shape[1]
         self.reserve(end, start)
@@ -69,7 +73,7 @@ class LinearCache:
 
     `conv`: `[conv_dim, kernel-1]` last inputs of the causal conv (model dtype).
     `recurrent`: `[num_v_heads, k_head_dim, v_head_dim]` fp32.
-    `captured`: absolute position -> (conv, recurrent) copies recorded during the last forward.
+    `captured`: absolute position -> (conv, recurrent) copies recorded during the last prefill.
     """
 
     conv: torch.Tensor
@@ -77,7 +81,9 @@ class LinearCache:
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def zeros(cls, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, device, dtype) -> LinearCache:
+    def zeros(
+        cls, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, device, dtype
+    ) -> LinearCache:
         conv = torch.zeros((conv_dim, kernel - 1), device=device, dtype=dtype)
         rec = torch.zeros((heads, dk, dv), device=device, dtype=torch.float32)
         return cls(conv, rec)

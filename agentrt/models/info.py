@@ -62,12 +62,19 @@ def describe(spec: str) -> dict[str, Any]:
     return {
         "model": spec,
         "architecture": cfg.arch,
-        "layers": f"{cfg.num_layers} ({len(cfg.linear_layers)} linear-attention, {len(cfg.attention_layers)} full-attention)",
+        "layers": f"{cfg.num_layers} ({len(cfg.linear_layers)} linear-attention, "
+        f"{len(cfg.attention_layers)} full-attention)",
         "hidden_size": cfg.hidden_size,
         "attention": f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}",
-        "experts": f"{cfg.num_experts} routed, top-{cfg.num_experts_per_tok}, intermediate {cfg.moe_intermediate_size}"
-        + (f", shared {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""),
-        "expert_bytes": f"{cfg.expert_params * itemsize / 2**20:.2f} MiB per expert ({cfg.torch_dtype})",
+        "experts": f"{cfg.num_experts} routed, top-{cfg.num_experts_per_tok}, "
+        f"intermediate {cfg.moe_intermediate_size}"
+        + (
+            f", shared {cfg.shared_expert_intermediate_size}"
+            if cfg.shared_expert_intermediate_size
+            else ""
+        ),
+        "expert_bytes": f"{cfg.expert_params * itemsize / 2**20:.2f} MiB per expert "
+        f"({cfg.torch_dtype})",
         "vocab_size": cfg.vocab_size,
         "context": cfg.max_position_embeddings,
         "params_total": f"{counts['total'] / 1e9:.3f} B",

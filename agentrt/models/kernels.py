@@ -22,7 +22,9 @@ CHUNK = 64
 # ----------------------------------------------------------------------------- causal conv
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over `x [T, C]` continuing from `state [C, K-1]`.
 
     Time-major, as a sum of K shifted products accumulated in fp32 (no transposes, no conv
@@ -90,7 +92,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
     kb = k * beta[..., None]
     # (I + L) with L_ij = beta_i k_i.k_j exp(decay_i - decay_j), i > j; diagonal treated as 1.
     system = (kb @ k.transpose(-1, -2)) * rel
-    solve = functools.partial(torch.linalg.solve_triangular, system, upper=False, unitriangular=True)
+    solve = functools.partial(
+        torch.linalg.solve_triangular, system, upper=False, unitriangular=True
+    )
     u = solve(v * beta[..., None])  # pseudo-values  [H, N, C, dv]
     w = solve(kb * decay.exp()[..., None])  # decayed keys reading the carried state
     attn = (q @ k.transpose(-1, -2)) * rel  # intra-chunk scores incl. diagonal
@@ -121,10 +125,6 @@ def fla_ops():
     return chunk, recurrent
 
 
-def fla_available() -> bool:
-    return torch.cuda.is_available() and fla_ops() is not None
-
-
 def fla_gated_delta_rule(q, k, v, g, beta, state):
     """fla kernels on `[1, T, H, d]` inputs (fla maps value head j to key head j // (Hv/Hk),
     the same grouping as the torch path); the fused recurrent kernel for single tokens."""
@@ -153,7 +153,9 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
         if not (on_cuda and fla_ops() is not None):
             from agentrt.errors import InvalidArgumentError
 
-            raise InvalidArgumentError("linear_attn='fla' needs CUDA and the flash-linear-attention package")
+            raise InvalidArgumentError(
+                "linear_attn='fla' needs CUDA and the flash-linear-attention package"
+            )
         return "fla"
     if requested == "auto" and on_cuda and fla_ops() is not None:
         return "fla"
@@ -161,7 +163,9 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
 
 
 def gated_delta_rule(q, k, v, g, beta, state, backend: str = "torch"):
-    """Run the gated delta rule from `state`; returns (output `[T, Hv, dv]` in v's dtype, final state)."""
+    """Run the gated delta rule from `state`.
+
+    Returns (output `[T, Hv, dv]` in v's dtype, final state `[Hv, dk, dv]` fp32)."""
     if backend == "fla":
         out, final = fla_gated_delta_rule(q, k, v, g, beta, state)
     elif q.shape[0] == 1:

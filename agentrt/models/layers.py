@@ -65,11 +65,15 @@ class Rotary(nn.Module):
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
 
-    def cos_sin(self, start: Position, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, start: Position, length: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(start, torch.Tensor):  # static decode: position held in a device tensor
             pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
         else:
-            pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float)
+            pos = torch.arange(
+                start, start + length, device=self.inv_freq.device, dtype=torch.float
+            )
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -83,8 +87,10 @@ class Rotary(nn.Module):
         return torch.cat([out, rest], dim=-1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False) -> torch.Tensor:
-    """SDPA on `[H, T, D]` queries and `[Hkv, L, D]` keys/values, query head h reading kv head h // G.
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False
+) -> torch.Tensor:
+    """SDPA on `[H, T, D]` queries and `[Hkv, L, D]` keys/values; query head h reads kv head h // G.
 
     Grouped heads are handled without `enable_gqa` (which sends CUDA to the slow math backend):
     a single query position folds the G heads of a group into the position axis (no copy);
@@ -93,7 +99,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: 
     num_heads, q_len, head_dim = q.shape
     group = num_heads // k.shape[0]
     if group > 1 and q_len == 1:
-        out = F.scaled_dot_product_attention(q.view(k.shape[0], group, head_dim), k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            q.view(k.shape[0], group, head_dim), k, v, attn_mask=mask
+        )
         return out.view(num_heads, 1, head_dim)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
@@ -113,7 +121,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 
 class Attention(nn.Module):
-    """Full causal attention with q/k RMSNorm; `output_gate` adds Qwen3.5's sigmoid gate from q_proj."""
+    """Causal attention with q/k RMSNorm; `output_gate`: Qwen3.5's sigmoid gate from q_proj."""
 
     def __init__(self, cfg: ModelConfig, output_gate: bool, zero_centered: bool) -> None:
         super().__init__()
@@ -128,7 +136,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
         self.rotary = Rotary(d, cfg.partial_rotary_factor, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
+    ) -> torch.Tensor:
         seq_len = x.shape[0]
         q = self.q_proj(x).view(seq_len, self.num_heads, -1)  # [T, H, D or 2D]
         gate = None
@@ -184,7 +194,7 @@ class Router(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router + routed experts (held outside the module by `RoutedExperts`) + optional shared expert."""
+    """Router + routed experts (held outside the module tree) + optional shared expert."""
 
     def __init__(self, cfg: ModelConfig, layer: int, experts: RoutedExperts) -> None:
         super().__init__()
@@ -207,7 +217,9 @@ class MoEBlock(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (attention or linear attention), then MLP/MoE."""
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, cfg: ModelConfig, zc: bool) -> None:
+    def __init__(
+        self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, cfg: ModelConfig, zc: bool
+    ) -> None:
         super().__init__()
         self.mixer_name = mixer_name
         self.add_module(mixer_name, mixer)
@@ -215,7 +227,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache, start: Position, captures: Sequence[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache, start: Position, captures: Sequence[int]
+    ) -> torch.Tensor:
         mixer = getattr(self, self.mixer_name)
         x = x + mixer(self.input_layernorm(x), cache, start, captures)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -224,7 +238,9 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; the model files supply the layers."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], experts: RoutedExperts, zc: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layers: list[DecoderLayer], experts: RoutedExperts, zc: bool
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.experts = experts
@@ -243,14 +259,18 @@ class CausalLM(nn.Module):
                 layer.mlp._experts[0] = experts
 
     def forward(
-        self, ids: torch.Tensor, caches: Sequence[LayerCache], start: Position, captures: Sequence[int] = ()
+        self,
+        ids: torch.Tensor,
+        caches: Sequence[LayerCache],
+        start: Position,
+        captures: Sequence[int] = (),
     ) -> torch.Tensor:
         """ids `[T]` at positions start..start+T-1 -> final hidden `[T, hidden]`.
 
         `captures`: offsets r in (0, T] where linear layers record their state after token r-1.
         """
         x = self.embed_tokens(ids)
-        for layer, cache in zip(self.layers, caches):
+        for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cache, start, captures)
         return self.norm(x)
 

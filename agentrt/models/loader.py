@@ -23,7 +23,9 @@ from agentrt.models import build_empty
 from agentrt.models.layers import CausalLM
 
 _FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 _SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _PART = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 
@@ -47,7 +49,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         raise ModelFormatError(f"no *.safetensors weights in {path}")
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise ModelFormatError(f"weight files listed in the index are missing: {', '.join(missing[:3])}")
+        raise ModelFormatError(
+            f"weight files listed in the index are missing: {', '.join(missing[:3])}"
+        )
     return files
 
 
@@ -90,23 +94,33 @@ class WeightSink:
             self._copy(local, self.params[local], tensor)
             self.done.params.add(local)
         else:
-            raise ModelFormatError(f"checkpoint tensor {name!r} matches no parameter of {self.cfg.arch}")
+            raise ModelFormatError(
+                f"checkpoint tensor {name!r} matches no parameter of {self.cfg.arch}"
+            )
 
     def _copy(self, name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
         if tuple(dest.shape) != tuple(src.shape):
-            raise ModelFormatError(f"{name}: shape {tuple(src.shape)} in checkpoint, expected {tuple(dest.shape)}")
+            raise ModelFormatError(
+                f"{name}: shape {tuple(src.shape)} in checkpoint, expected {tuple(dest.shape)}"
+            )
         dest.data.copy_(src)
 
     def _expert_mask(self, layer: int) -> torch.Tensor:
         if layer not in self.model.experts.gate_up:
             raise ModelFormatError(f"checkpoint has experts for layer {layer}, which has none")
-        return self.done.experts.setdefault(layer, torch.zeros(self.cfg.num_experts, 3, dtype=torch.bool))
+        return self.done.experts.setdefault(
+            layer, torch.zeros(self.cfg.num_experts, 3, dtype=torch.bool)
+        )
 
     def _put_fused(self, layer: int, kind: str, tensor: torch.Tensor) -> None:
         mask = self._expert_mask(layer)
         stack = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
         dest = stack[layer]
-        if tensor.dim() == 3 and tensor.shape[1:] == dest.shape[:0:-1] and tensor.shape != dest.shape:
+        if (
+            tensor.dim() == 3
+            and tensor.shape[1:] == dest.shape[:0:-1]
+            and tensor.shape != dest.shape
+        ):
             tensor = tensor.transpose(1, 2)  # some exports store [E, in, out]
         self._copy(f"layer {layer} experts.{kind}", dest, tensor)
         cols = [0, 1] if kind == "gate_up_proj" else [2]
@@ -161,7 +175,9 @@ def read_tensors(files: list[Path]):
             raise ModelFormatError(f"cannot read {file.name}: {exc}") from None
 
 
-def load_model(path: str | Path, device: str | torch.device, dtype: torch.dtype, cfg: ModelConfig | None = None):
+def load_model(
+    path: str | Path, device: str | torch.device, dtype: torch.dtype, cfg: ModelConfig | None = None
+):
     """Load a HF-format model directory onto `device` in `dtype`."""
     path = Path(path)
     files = checkpoint_files(path)

@@ -41,13 +41,23 @@ class RoutedExperts:
         self.use_grouped_mm = _grouped_mm_fn() is not None
 
     @classmethod
-    def empty(cls, layers, num_experts: int, hidden: int, inter: int, device, dtype) -> RoutedExperts:
-        gate_up = {l: torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype) for l in layers}
-        down = {l: torch.empty(num_experts, hidden, inter, device=device, dtype=dtype) for l in layers}
+    def empty(
+        cls, layers, num_experts: int, hidden: int, inter: int, device, dtype
+    ) -> RoutedExperts:
+        gate_up = {
+            layer: torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype)
+            for layer in layers
+        }
+        down = {
+            layer: torch.empty(num_experts, hidden, inter, device=device, dtype=dtype)
+            for layer in layers
+        }
         return cls(gate_up, down)
 
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` = sum_j weights[:, j] * expert_{ids[:, j]}(x)."""
+    def __call__(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]`: sum_j w[:, j] * expert[ids[:, j]](x)."""
         if self.use_grouped_mm:
             try:
                 return self.grouped_mm(layer, x, ids, weights)
@@ -65,13 +75,15 @@ class RoutedExperts:
 
     @staticmethod
     def _combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Un-sort expert outputs `[Tk, H]` and take each token's weighted sum over its k experts."""
+        """Un-sort expert outputs `[Tk, H]`; each token's weighted sum over its k experts."""
         unsorted = torch.empty_like(ys)
         unsorted[order] = ys
         num_tokens, top_k = weights.shape
         return (unsorted.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
-    def grouped_mm(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def grouped_mm(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         grouped = _grouped_mm_fn()
         num_experts = self.gate_up[layer].shape[0]
         order, token_of = self._sort(ids)
@@ -83,7 +95,9 @@ class RoutedExperts:
         ys = grouped((F.silu(gate) * up).contiguous(), self.down[layer].transpose(1, 2), offs=offs)
         return self._combine(ys, order, weights)
 
-    def gathered(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def gathered(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Gather the chosen experts' weights and run them as one batched matmul (no host sync)."""
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1)
@@ -93,7 +107,9 @@ class RoutedExperts:
         out = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [Tk, H]
         return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
-    def looped(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def looped(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Reference: run each used expert once over its sorted tokens (one host sync)."""
         order, token_of = self._sort(ids)
         counts = torch.bincount(ids.reshape(-1), minlength=self.gate_up[layer].shape[0]).tolist()
@@ -103,13 +119,13 @@ class RoutedExperts:
         for expert, count in enumerate(counts):
             if count:
                 end = begin + count
-                ys[begin:end] = expert_ffn(xs[begin:end], self.gate_up[layer][expert], self.down[layer][expert])
+                ys[begin:end] = expert_ffn(
+                    xs[begin:end], self.gate_up[layer][expert], self.down[layer][expert]
+                )
                 begin = end
         return self._combine(ys, order, weights)
 
-    def to(self, device=None, dtype=None) -> RoutedExperts:
-        move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-        return RoutedExperts({l: move(t) for l, t in self.gate_up.items()}, {l: move(t) for l, t in self.down.items()})
-
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.gate_up, self.down) for t in d.values())
+        return sum(
+            t.numel() * t.element_size() for d in (self.gate_up, self.down) for t in d.values()
+        )

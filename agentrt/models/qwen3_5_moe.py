@@ -18,7 +18,14 @@ from torch import nn
 from agentrt.config import ModelConfig
 from agentrt.models import kernels
 from agentrt.models.cache import LinearCache
-from agentrt.models.layers import Attention, CausalLM, DecoderLayer, GatedRMSNorm, build_mlp, is_full_attention
+from agentrt.models.layers import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    GatedRMSNorm,
+    build_mlp,
+    is_full_attention,
+)
 from agentrt.models.moe import RoutedExperts
 
 
@@ -35,7 +42,9 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
@@ -45,9 +54,13 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: LinearCache, start: int, captures: Sequence[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: LinearCache, start: int, captures: Sequence[int]
+    ) -> torch.Tensor:
         seq_len = x.shape[0]
-        conv_out, padded = kernels.causal_conv(self.in_proj_qkv(x), cache.conv, self.conv1d.weight)  # [T, C]
+        conv_out, padded = kernels.causal_conv(
+            self.in_proj_qkv(x), cache.conv, self.conv1d.weight
+        )  # [T, C]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(seq_len, self.num_k_heads, self.dk)
         k = k.reshape(seq_len, self.num_k_heads, self.dk)
@@ -59,14 +72,22 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(seq_len, self.value_dim)
         return self.out_proj(out)
 
-    def _recurrence(self, q, k, v, g, beta, cache: LinearCache, padded, start: int, captures) -> torch.Tensor:
+    def _recurrence(
+        self, q, k, v, g, beta, cache: LinearCache, padded, start: int, captures
+    ) -> torch.Tensor:
         """Run the delta rule segment-wise, recording state after each capture offset."""
         seq_len, width = q.shape[0], self.kernel - 1
         cuts = sorted({c for c in captures if 0 < c < seq_len})
         outs, state, begin = [], cache.recurrent, 0
         for end in [*cuts, seq_len]:
             o, state = kernels.gated_delta_rule(
-                q[begin:end], k[begin:end], v[begin:end], g[begin:end], beta[begin:end], state, self.backend
+                q[begin:end],
+                k[begin:end],
+                v[begin:end],
+                g[begin:end],
+                beta[begin:end],
+                state,
+                self.backend,
             )
             outs.append(o)
             if end in captures:

@@ -13,7 +13,11 @@ from agentrt.models.moe import RoutedExperts
 def build(cfg: ModelConfig, experts: RoutedExperts) -> CausalLM:
     layers = [
         DecoderLayer(
-            "self_attn", Attention(cfg, output_gate=False, zero_centered=False), build_mlp(cfg, i, experts), cfg, zc=False
+            "self_attn",
+            Attention(cfg, output_gate=False, zero_centered=False),
+            build_mlp(cfg, i, experts),
+            cfg,
+            zc=False,
         )
         for i in range(cfg.num_layers)
     ]

@@ -1,7 +1,7 @@
 """Resolve a model spec (`tiny`, `synthetic:NAME`, or a HF-format directory) to a loaded model.
 
-Returns the model plus where its tokenizer lives (if anywhere); tokenizers themselves are loaded
-by the session layer. Knows nothing about engines or sessions.
+`tokenizer_dir_of` says where a spec's tokenizer lives (if anywhere); tokenizers themselves are
+loaded by the session layer. Knows nothing about engines or sessions.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class ModelSource:
     model: CausalLM
     name: str
     path: Path | None  # checkpoint directory (None for in-memory synthetic models)
-    tokenizer_dir: Path | None
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -65,24 +64,26 @@ def tokenizer_dir_of(spec: str) -> Path | None:
     return path if path.is_dir() and _has_tokenizer(path) else None
 
 
-def open_model(spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> ModelSource:
+def open_model(
+    spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0
+) -> ModelSource:
     """Load `spec` onto `device` in `dtype`."""
     from agentrt.models.loader import load_model
     from agentrt.models.tiny import ensure_tiny
 
     if spec == "tiny":
         path = ensure_tiny()
-        return ModelSource(load_model(path, device, dtype), "tiny", path, path)
+        return ModelSource(load_model(path, device, dtype), "tiny", path)
     if spec.startswith(SYNTHETIC_PREFIX):
         from agentrt.models.synthetic import build_in_memory, resolve_size
 
         size = resolve_size(spec[len(SYNTHETIC_PREFIX) :])
         model = build_in_memory(size, device, dtype, seed=seed)
-        return ModelSource(model, spec, None, tokenizer_dir_of(spec))
+        return ModelSource(model, spec, None)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotFoundError(
             f"model {spec!r} not found: give a HF-format directory, 'tiny', or 'synthetic:NAME'"
         )
     model = load_model(path, device, dtype)
-    return ModelSource(model, path.name, path, path if _has_tokenizer(path) else None)
+    return ModelSource(model, path.name, path)

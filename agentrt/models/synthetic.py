@@ -1,6 +1,7 @@
 """Synthetic checkpoints: seeded random weights with the exact shapes of real models.
 
-Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-moe`, and real shapes
+Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-moe`, and real
+shapes
 `qwen3.5-35b-a3b`, `qwen3-30b-a3b`. A checkpoint can be written to disk in HF format (config.json +
 safetensors, sharded per layer for large sizes, fused expert tensors) or built straight into device
 memory for benchmarks (no disk copy). Every tensor has its own seed derived from (seed, name), so a
@@ -27,36 +28,99 @@ from agentrt.models.layers import CausalLM
 
 INIT_STD = 0.02
 _TINY_Q35 = dict(
-    model_type="qwen3_5_moe_text", vocab_size=2048, hidden_size=128, num_hidden_layers=8,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-    max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-    "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32",
-)  # fmt: skip
+    model_type="qwen3_5_moe_text",
+    vocab_size=2048,
+    hidden_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    max_position_embeddings=262144,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    dtype="float32",
+)
 _TINY_Q3 = dict(
-    model_type="qwen3_moe", vocab_size=2048, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
-    intermediate_size=256, norm_topk_prob=True, max_position_embeddings=262144,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, dtype="float32",
-)  # fmt: skip
+    model_type="qwen3_moe",
+    vocab_size=2048,
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=64,
+    intermediate_size=256,
+    norm_topk_prob=True,
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    dtype="float32",
+)
 _Q35_35B = dict(
-    model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
-    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-    max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-    "partial_rotary_factor": 0.25}, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16",
+    model_type="qwen3_5_moe_text",
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    max_position_embeddings=262144,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
     eos_token_id=248044,
-)  # fmt: skip
+)
 _Q3_30B = dict(
-    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-    intermediate_size=6144, norm_topk_prob=True, max_position_embeddings=40960,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, dtype="bfloat16", eos_token_id=151645,
-)  # fmt: skip
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    intermediate_size=6144,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+    eos_token_id=151645,
+)
 
 SIZES: dict[str, dict] = {
     "tiny": _TINY_Q35,
@@ -68,7 +132,7 @@ _ARCH_OF_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_moe": "qwen3_moe"}
 
 
 def resolve_size(size: str, arch: str | None = None) -> str:
-    """Name of the size entry for `--size S [--arch A]`; `tiny` follows the requested architecture."""
+    """Size entry for `--size S [--arch A]`; `tiny` follows the requested architecture."""
     if size == "tiny" and arch == "qwen3_moe":
         size = "tiny-qwen3-moe"
     if size not in SIZES:
@@ -227,4 +291,9 @@ def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
         dense -= model.lm_head.weight.numel()
     routed = len(cfg.moe_layers) * cfg.num_experts * cfg.expert_params
     active = dense + len(cfg.moe_layers) * cfg.num_experts_per_tok * cfg.expert_params
-    return {"total": dense + routed, "routed_experts": routed, "dense": dense, "active_per_token": active}
+    return {
+        "total": dense + routed,
+        "routed_experts": routed,
+        "dense": dense,
+        "active_per_token": active,
+    }

@@ -24,9 +24,16 @@ from agentrt.config import home_dir
 TINY_VERSION = 1
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-    "<tool_call>", "</tool_call>", "<tool_output>", "</tool_output>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_output>",
+    "</tool_output>",
+)
 TEMPLATE_FILE = Path(__file__).with_name("tiny_template.jinja")
 
 _WORDS = """the a an of to in and is it that for on with as this be are was by at from or not have
@@ -39,7 +46,8 @@ some each more most other new old same different because if else while loop path
 repository project build install command commands shell python json text message messages name
 names argument arguments type types field fields schema config settings option options default
 look looks looking see seen show shows found missing add added remove removed update updated
-use used using works working failed failing pass passes passed expected actual line number""".split()
+use used using works working failed failing pass passes passed expected actual line
+number""".split()
 _CODE = """def class return import from self None True False if elif else for while in not and or
 try except finally raise with as lambda yield async await print len range dict list set tuple str
 int float bool open os sys json re path main init __init__ args kwargs assert pytest test_ np
@@ -162,7 +170,10 @@ def ensure_tiny(quiet: bool = False) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"agentrt: building the embedded 'tiny' model in {final} (first use) ...", file=sys.stderr)
+        print(
+            f"agentrt: building the embedded 'tiny' model in {final} (first use) ...",
+            file=sys.stderr,
+        )
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=final.parent))
     try:
         build_tiny(tmp)

@@ -64,7 +64,7 @@ class ChatEvent:
         return self.result.timings if self.result else None
 
 
-# ----------------------------------------------------------------------------- messages and rendering
+# ------------------------------------------------------------------------- messages and rendering
 
 
 def _text_of(content: Any, where: str) -> str | None:
@@ -73,7 +73,11 @@ def _text_of(content: Any, where: str) -> str | None:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise InvalidArgumentError(f"{where}: only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)
@@ -90,12 +94,17 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
             raise InvalidArgumentError(f"messages[{i}] must be an object")
         role = msg.get("role")
         if role not in ROLES:
-            raise InvalidArgumentError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise InvalidArgumentError(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
+            )
         clean = copy.deepcopy(msg)
         clean["role"] = "system" if role == "developer" else role
         clean["content"] = _text_of(msg.get("content"), f"messages[{i}]")
         if clean.get("tool_calls"):
-            clean["tool_calls"] = [_normalize_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(clean["tool_calls"])]
+            clean["tool_calls"] = [
+                _normalize_call(c, f"messages[{i}].tool_calls[{j}]")
+                for j, c in enumerate(clean["tool_calls"])
+            ]
         out.append(clean)
     return out
 
@@ -104,7 +113,9 @@ def _normalize_call(call: Any, where: str) -> dict[str, Any]:
     """Check an OpenAI tool call; JSON-string arguments become a dict (templates iterate them)."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise InvalidArgumentError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+        raise InvalidArgumentError(
+            f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}"
+        )
     args = fn.get("arguments")
     if isinstance(args, str):
         try:
@@ -116,8 +127,13 @@ def _normalize_call(call: Any, where: str) -> dict[str, Any]:
     return call
 
 
-def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None, generation_prompt: bool = True) -> str:
-    """Render messages (+ tools) with the tokenizer's chat template, ending with the assistant header."""
+def render(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None,
+    generation_prompt: bool = True,
+) -> str:
+    """Render messages (+ tools) with the chat template (ending with the assistant header)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("the tokenizer has no chat template; pass chat_template=FILE")
     try:
@@ -158,7 +174,9 @@ class Detokenizer:
         self.read = 0  # ids[prefix:read] decode to text already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -216,14 +234,16 @@ def _xml_value(text: str, declared: Any) -> Any:
 
 
 def _parse_body(body: str, tools: list[dict] | None) -> tuple[str, Any] | None:
-    """(name, arguments) from a JSON body or an XML-style `<function=NAME><parameter=K>V...` body."""
+    """(name, arguments) of a JSON body or an XML-style `<function=N><parameter=K>V...` body."""
     if body.startswith("<function="):
         match = _FUNCTION.fullmatch(body)
         if match is None:
             return None
         name = match[1].strip()
         types = _schema_types(tools, name)
-        args = {k.strip(): _xml_value(v, types.get(k.strip())) for k, v in _PARAMETER.findall(match[2])}
+        args = {
+            k.strip(): _xml_value(v, types.get(k.strip())) for k, v in _PARAMETER.findall(match[2])
+        }
         return name, args
     try:
         data = json.loads(body)
@@ -242,7 +262,11 @@ def parse_tool_call(body: str, tools: list[dict] | None = None) -> dict[str, Any
     name, args = parsed
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 @dataclass
@@ -265,13 +289,19 @@ class OutputParser:
         return events
 
     def _markers(self) -> tuple[str, ...]:
-        return {"content": (THINK_OPEN, CALL_OPEN), "reasoning": (THINK_CLOSE,), "tool_call": (CALL_CLOSE,)}[self.mode]
+        return {
+            "content": (THINK_OPEN, CALL_OPEN),
+            "reasoning": (THINK_CLOSE,),
+            "tool_call": (CALL_CLOSE,),
+        }[self.mode]
 
     def _step(self, events: list[ChatEvent]) -> bool:
         """Consume up to the next marker; return True if a marker was found."""
         hits = [(self.pending.find(m), m) for m in self._markers() if m in self.pending]
         if not hits:
-            if self.mode != "tool_call":  # emit all but a possible marker start and trailing newlines
+            if (
+                self.mode != "tool_call"
+            ):  # emit all but a possible marker start and trailing newlines
                 cut = len(self.pending) - _holdback(self.pending, self._markers())
                 ready = self.pending[:cut].rstrip("\n")
                 self._emit(ready, events)

@@ -8,7 +8,6 @@ expert offloading are separate pieces that plug in here later.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,9 +35,13 @@ def _check_device(device: str) -> str:
     if device not in ("cpu", "cuda") and not (index or "").isdigit():
         raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidArgumentError("device 'cuda' requested but CUDA is not available on this machine")
+        raise InvalidArgumentError(
+            "device 'cuda' requested but CUDA is not available on this machine"
+        )
     if index is not None and int(index) >= torch.cuda.device_count():
-        raise InvalidArgumentError(f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise InvalidArgumentError(
+            f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)"
+        )
     return device
 
 
@@ -47,11 +50,13 @@ def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
         raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
     if cache != "off":
         raise NotSupportedYetError(
-            f"cache={cache!r} is not available in this build yet (the state cache has not landed); use cache='off'"
+            f"cache={cache!r} is not available in this build yet (the state cache has not "
+            "landed); use cache='off'"
         )
     if vram_budget is not None or expert_cache_slots is not None:
         raise NotSupportedYetError(
-            "vram_budget / expert_cache_slots need the expert-offload engine, which has not landed yet"
+            "vram_budget / expert_cache_slots need the expert-offload engine, "
+            "which has not landed yet"
         )
 
 
@@ -122,7 +127,9 @@ class Runtime:
         stop_token_ids: Sequence[int] | None = None,
     ) -> list[int]:
         """Generate up to `max_tokens` new token ids after `prompt_token_ids`."""
-        params = _params(max_tokens, temperature, top_p, self._seed(seed), tuple(stop_token_ids or ()))
+        params = _params(
+            max_tokens, temperature, top_p, self._seed(seed), tuple(stop_token_ids or ())
+        )
         return self.engine.generate(self._fresh_state(), list(prompt_token_ids), params).token_ids
 
     def _fresh_state(self):
@@ -142,12 +149,16 @@ class Runtime:
         from agentrt.session.tokenizer import stop_token_ids
 
         if self._stop_ids is None:
-            self._stop_ids = stop_token_ids(self._require_tokenizer(), self.engine.cfg.eos_token_ids)
+            self._stop_ids = stop_token_ids(
+                self._require_tokenizer(), self.engine.cfg.eos_token_ids
+            )
         return self._stop_ids
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
-            raise ChatTemplateError(f"model {self.model_name!r} has no tokenizer; pass tokenizer=DIR")
+            raise ChatTemplateError(
+                f"model {self.model_name!r} has no tokenizer; pass tokenizer=DIR"
+            )
         return self.tokenizer
 
     def chat(
@@ -177,7 +188,9 @@ class Runtime:
                 return event.result
         raise RuntimeError("chat ended without a result")  # unreachable
 
-    def _chat_events(self, prompt_ids, params: SamplingParams, stops: list[str], reasoning: bool, tools) -> Iterator[ChatEvent]:
+    def _chat_events(
+        self, prompt_ids, params: SamplingParams, stops: list[str], reasoning: bool, tools
+    ) -> Iterator[ChatEvent]:
         gen = Generation()
         parser = OutputParser(mode="reasoning" if reasoning else "content", tools=tools)
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
@@ -206,7 +219,11 @@ class Runtime:
             tool_calls=parser.tool_calls,
             token_ids=list(gen.token_ids),
             finish_reason=finish,
-            usage={"prompt_tokens": gen.prompt_tokens, "cached_tokens": 0, "completion_tokens": len(gen.token_ids)},
+            usage={
+                "prompt_tokens": gen.prompt_tokens,
+                "cached_tokens": 0,
+                "completion_tokens": len(gen.token_ids),
+            },
             timings=gen.timings.as_dict(),
         )
 
@@ -255,7 +272,9 @@ def _check_tools(tools) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidArgumentError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+            raise InvalidArgumentError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}"
+            )
     return tools or None
 
 
@@ -275,7 +294,10 @@ class _StopScanner:
         if hits:
             out, self.pending = self.pending[: min(hits)], ""
             return out, True
-        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        keep = max(
+            (n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])),
+            default=0,
+        )
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(out) :]
         return out, False

@@ -25,7 +25,7 @@ def _declared_class(path: Path) -> str | None:
 
 
 def load_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLike | None = None):
-    """Load the tokenizer in directory `path`; `chat_template` is a Jinja file overriding its template."""
+    """Load the tokenizer in `path`; `chat_template`: a Jinja file overriding its template."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     path = Path(path).expanduser()
@@ -38,7 +38,9 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLike | N
             from transformers import AutoTokenizer as cls
         tokenizer = cls.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure here is a malformed tokenizer dir
-        raise ModelFormatError(f"cannot load tokenizer from {path}: {type(exc).__name__}: {exc}") from None
+        raise ModelFormatError(
+            f"cannot load tokenizer from {path}: {type(exc).__name__}: {exc}"
+        ) from None
     if chat_template is not None:
         tokenizer.chat_template = _read_template(Path(chat_template))
     return tokenizer
