@@ -1,8 +1,8 @@
 """The `agentrt` command line (click). Every command has `--help`; user errors print one line
 (`error: ...`) and exit with status 2, never a traceback.
 
-Commands in this build: `chat`, `model make`, `model info`, `bench prefill`, `bench decode`,
-`bench accuracy`. (serve, run, replay, trace, cache and the offload benchmarks arrive with their
+Commands in this build: `chat`, `model make|info`, `bench prefill|decode|accuracy|statecache`,
+`cache ls|stats|gc|clear`. (serve, run, replay, trace and the offload benchmarks arrive with their
 issues; see README.)
 """
 
@@ -71,9 +71,29 @@ def model_options(fn):
         click.option(
             "--cache",
             type=click.Choice(["semantic", "prefix", "off"]),
-            default="off",
+            default="semantic",
             show_default=True,
-            help="State cache mode (only 'off' is available in this build).",
+            help="State reuse: semantic (checkpoints at boundaries, persisted), prefix (reuse the "
+            "live state only when the prompt extends it), off.",
+        ),
+        click.option(
+            "--state-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="State cache directory (default: ~/.cache/agentrt/state).",
+        ),
+        click.option(
+            "--state-max-gb",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="Cap on stored checkpoints in GiB; the least valuable are evicted (default 20).",
+        ),
+        click.option(
+            "--boundary",
+            "boundaries",
+            multiple=True,
+            help="Override a checkpoint boundary: KIND=TEXT (repeatable; TEXT may use \\n). "
+            "Kinds: think_end, tool_call_end, tool_output_end, message_end, turn_start.",
         ),
         click.option(
             "--linear-attn",
@@ -107,9 +127,13 @@ def model_options(fn):
 
 def open_runtime(opts: dict, require_tokenizer: bool = False):
     from agentrt import Runtime
+    from agentrt.session.boundaries import parse_overrides
 
     return Runtime.open(
         require_tokenizer=require_tokenizer,
+        state_dir=opts["state_dir"],
+        state_max_gb=opts["state_max_gb"],
+        boundaries=parse_overrides(opts["boundaries"]) or None,
         model=opts["model"],
         device=resolve_device(opts["device"]),
         dtype=opts["dtype"],
@@ -182,10 +206,11 @@ def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, *
     rate = u["completion_tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
     click.echo(
         f"[{u['prompt_tokens']} prompt tokens, {u['completion_tokens']} generated, "
-        f"ttft {t['ttft_s']:.3f}s, "
+        f"{u['cached_tokens']} cached, ttft {t['ttft_s']:.3f}s, "
         f"{rate:.1f} tok/s, finish: {result.finish_reason}]",
         err=True,
     )
+    rt.close()
     write_json(json_out, result.__dict__)
 
 
@@ -407,6 +432,105 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     _report(
         b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out
     )
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@main.group()
+def cache() -> None:
+    """Inspect and manage the state cache (checkpoints of KV + recurrent state)."""
+
+
+def _state_dir_option(fn):
+    return click.option(
+        "--state-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="State cache directory (default: ~/.cache/agentrt/state).",
+    )(fn)
+
+
+def _open_store(state_dir: str | None, must_exist: bool = True):
+    from agentrt.config import StateCacheConfig, default_state_dir
+    from agentrt.statecache.store import Store
+
+    path = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    if must_exist and not (path / "data.mdb").is_file():
+        raise AgentrtError(f"no state cache in {path}")
+    return Store(path, StateCacheConfig().max_bytes)
+
+
+@cache.command("ls")
+@_state_dir_option
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
+)
+def cache_ls(state_dir, json_out) -> None:
+    """List stored checkpoints, most recently used first."""
+    from agentrt.statecache.report import list_rows
+
+    store = _open_store(state_dir)
+    rows = list_rows(store)
+    store.close()
+    for row in rows:
+        click.echo(
+            f"{row['key']}  {row['model'][:24]:<24} {row['tokens']:>8} tok  {row['kind']:<16}"
+            f" {row['mib']:>9.2f} MiB  hits {row['hits']:>4}  used {row['last_used']}"
+        )
+    click.echo(f"{len(rows)} checkpoint(s)", err=True)
+    write_json(json_out, rows)
+
+
+@cache.command("stats")
+@_state_dir_option
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
+)
+def cache_stats(state_dir, json_out) -> None:
+    """Totals: records, chunks, bytes, hits, per model."""
+    from agentrt.statecache.report import stats
+
+    store = _open_store(state_dir)
+    info = stats(store)
+    store.close()
+    for key, value in info.items():
+        click.echo(f"{key:>16}: {value}")
+    write_json(json_out, info)
+
+
+@cache.command("gc")
+@_state_dir_option
+@click.option(
+    "--max-gb", type=click.FloatRange(min=0), default=None, help="Evict down to this size."
+)
+@click.option("--verify", is_flag=True, help="Check every payload's checksum; delete bad records.")
+def cache_gc(state_dir, max_gb, verify) -> None:
+    """Evict to a size cap, drop unreferenced chunks, optionally verify payloads."""
+    from agentrt.statecache.report import verify_all
+
+    store = _open_store(state_dir)
+    evicted = store.evict(int(max_gb * 2**30)) if max_gb is not None else 0
+    orphans = store.collect_orphans()
+    bad = verify_all(store) if verify else 0
+    store.close()
+    click.echo(
+        f"evicted {evicted} record(s), removed {orphans} orphan chunk(s), {bad} corrupt deleted"
+    )
+
+
+@cache.command("clear")
+@_state_dir_option
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def cache_clear(state_dir, yes) -> None:
+    """Delete every stored checkpoint."""
+    store = _open_store(state_dir)
+    if not yes and not click.confirm(f"delete all checkpoints in {store.path}?"):
+        store.close()
+        raise click.Abort()
+    store.clear()
+    store.close()
+    click.echo("cleared")
 
 
 if __name__ == "__main__":  # pragma: no cover

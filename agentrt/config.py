@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,12 @@ class ModelConfig:
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def canonical(self) -> dict[str, Any]:
+        """JSON-safe dict of every field that changes the computation (for fingerprints)."""
+        data = asdict(self)
+        data.pop("extra")
+        return json.loads(json.dumps(data))
 
     def with_changes(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
@@ -318,3 +324,54 @@ class EngineConfig:
     @staticmethod
     def default_dtype(device: str) -> str:
         return "float32" if device == "cpu" else "bfloat16"
+
+
+# ----------------------------------------------------------------------------- state cache config
+
+GIB = 2**30
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'16GiB', '512MB', '2g', 1.5e9 -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    units = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6}
+    units |= {
+        "mib": 2**20,
+        "g": GIB,
+        "gb": 10**9,
+        "gib": GIB,
+        "t": 2**40,
+        "tb": 10**12,
+        "tib": 2**40,
+    }
+    raw = str(text).strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number) :]
+    try:
+        return int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise InvalidArgumentError(f"cannot read {text!r} as a size (e.g. 16GiB, 512MB)") from None
+
+
+def default_state_dir() -> Path:
+    return home_dir() / "state"
+
+
+@dataclass(frozen=True)
+class StateCacheConfig:
+    """Settings of the semantic state cache (DESIGN §6)."""
+
+    state_dir: Path = field(default_factory=default_state_dir)
+    max_bytes: int = 20 * GIB  # cap on stored payloads (--state-max-gb)
+    ram_bytes: int = 2 * GIB  # RAM tier of recent checkpoints
+    min_distance: int = 128  # minimum tokens between two checkpoints taken in one pass
+    queue_size: int = 8  # background writer queue; a full queue drops checkpoints
+    compress_level: int = 1
+    workers: int = 4  # decompression threads
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0 or self.ram_bytes < 0:
+            raise InvalidArgumentError("state cache sizes must be positive")
+        if self.min_distance < 0 or self.queue_size < 1 or self.workers < 1:
+            raise InvalidArgumentError("invalid state cache settings")

@@ -81,7 +81,7 @@ def test_stop_scanner_cuts_and_holds_back():
 
 
 def test_runtime_chat_stream_matches_non_stream():
-    rt = Runtime.open()
+    rt = Runtime.open(cache="off")
     messages = [{"role": "user", "content": "read a.py please"}]
     result = rt.chat(messages, max_tokens=24)
     events = list(rt.chat(messages, max_tokens=24, stream=True))

@@ -8,6 +8,7 @@ import torch
 from util import open_engine, random_ids
 
 from agentrt.engine import SamplingParams
+from agentrt.engine.reuse import PrefixReuse
 from agentrt.engine.sampling import sample, top_p_filter
 
 N = 230
@@ -63,10 +64,9 @@ def test_snapshot_import_then_suffix_reproduces_logits(ckpt):
     params = SamplingParams(max_tokens=12)
     again = eng.new_state()
     again.import_(snap)
-    assert (
-        eng.generate(again, ids[97:], params).token_ids
-        == eng.generate(eng.new_state(), ids, params).token_ids
-    )
+    reused = eng.generate(again, ids, params, reuse=PrefixReuse())
+    assert reused.cached_tokens == 97 and reused.checkpoint == "live"
+    assert reused.token_ids == eng.generate(eng.new_state(), ids, params).token_ids
 
 
 def test_hybrid_export_needs_a_captured_position(hf_checkpoints):

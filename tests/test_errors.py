@@ -118,8 +118,6 @@ def test_cli_prompt_too_long(tmp_path):
 
 
 def test_unsupported_options_are_named():
-    with pytest.raises(NotSupportedYetError, match="state cache"):
-        Runtime.open(cache="semantic")
     with pytest.raises(InvalidArgumentError, match="cache must be"):
         Runtime.open(cache="bogus")
     with pytest.raises(NotSupportedYetError, match="offload"):

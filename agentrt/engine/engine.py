@@ -16,6 +16,7 @@ import torch
 
 from agentrt.config import EngineConfig
 from agentrt.engine.cuda_graph import DecodeGraph
+from agentrt.engine.reuse import NoReuse
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.errors import InvalidArgumentError, PromptTooLongError
@@ -36,11 +37,13 @@ class Timings:
 
 @dataclass
 class Generation:
-    """Outcome of one generation: new tokens, why it stopped, timings."""
+    """Outcome of one generation: new tokens, why it stopped, state reuse, timings."""
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose state was reused, not recomputed
+    checkpoint: str | None = None  # kind of the reused state ("live", a boundary kind, "block")
     timings: Timings = field(default_factory=Timings)
 
 
@@ -143,25 +146,30 @@ class Engine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         gen: Generation | None = None,
+        reuse: NoReuse | None = None,
     ) -> Iterator[int]:
-        """Prefill `prompt_ids` after the state's tokens, then yield sampled tokens one by one.
-
-        `gen` (if given) is filled in as generation proceeds: finish reason and timings.
-        """
+        """Run `prompt_ids` (the whole prompt) on `state`, reusing what `reuse` can, then yield
+        sampled tokens one by one. `gen` (if given) is filled in as generation proceeds."""
         gen = gen if gen is not None else Generation()
-        gen.prompt_tokens = state.num_tokens + len(prompt_ids)
-        self.check_fits(gen.prompt_tokens)
-        rng = make_generator(params.seed, self.device)
-        t0 = time.perf_counter()
+        reuse = reuse or NoReuse()
         if not prompt_ids:
             raise InvalidArgumentError("generation needs a non-empty prompt")
-        logits = self.prefill(state, prompt_ids)
+        gen.prompt_tokens = len(prompt_ids)
+        self.check_fits(gen.prompt_tokens)
+        self._check_ids(prompt_ids)
+        rng = make_generator(params.seed, self.device)
+        t0 = time.perf_counter()
+        start, gen.checkpoint = reuse.begin(state, prompt_ids)
+        gen.cached_tokens = start
+        positions = reuse.capture_positions(prompt_ids, start)
+        logits = self.prefill(state, prompt_ids[start:], capture=positions)
+        reuse.after_prefill(state, prompt_ids, positions)
         self.synchronize()
         gen.timings.prefill_s = time.perf_counter() - t0
-        yield from self._decode_loop(state, logits, params, rng, gen, t0)
+        yield from self._decode_loop(state, logits, params, rng, gen, t0, reuse)
 
     def _decode_loop(
-        self, state, logits, params: SamplingParams, rng, gen: Generation, t0: float
+        self, state, logits, params, rng, gen: Generation, t0: float, reuse
     ) -> Iterator[int]:
         stops = set(params.stop_token_ids)
         t_first = None
@@ -180,12 +188,17 @@ class Engine:
             if state.num_tokens + 1 >= self.max_context:
                 break
             logits = self.decode_step(state, token)
+            reuse.after_token(state)
         gen.finish_reason = "length"
 
     def generate(
-        self, state: SequenceState, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        state: SequenceState,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        reuse: NoReuse | None = None,
     ) -> Generation:
         gen = Generation()
-        for _ in self.stream(state, prompt_ids, params, gen):
+        for _ in self.stream(state, prompt_ids, params, gen, reuse):
             pass
         return gen

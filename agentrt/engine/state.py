@@ -14,22 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.config import ModelConfig
-from agentrt.models.cache import KVCache, LayerCache, LinearCache
-
-
-@dataclass
-class Snapshot:
-    """State after `num_tokens` tokens: KV per attention layer, conv/recurrent per linear layer."""
-
-    num_tokens: int
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # [Hkv, num_tokens, D] each
-    conv: list[torch.Tensor]  # [conv_dim, K-1]
-    recurrent: list[torch.Tensor]  # [Hv, dk, dv] fp32
-    token_ids: tuple[int, ...]
-
-    def num_bytes(self) -> int:
-        tensors = [t for pair in self.kv for t in pair] + self.conv + self.recurrent
-        return sum(t.numel() * t.element_size() for t in tensors)
+from agentrt.models.cache import KVCache, LayerCache, LinearCache, Snapshot
 
 
 def new_layer_caches(
@@ -87,6 +72,15 @@ class SequenceState:
             pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
         )
 
+    def linear_at(self, pos: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Conv and recurrent states after `pos` tokens (live tensors: copy before mutating)."""
+        linear = self.linear_caches()
+        if pos == self.num_tokens:
+            return [c.conv for c in linear], [c.recurrent for c in linear]
+        if linear and pos not in linear[0].captured:
+            raise ValueError(f"no linear state captured at position {pos}")
+        return [c.captured[pos][0] for c in linear], [c.captured[pos][1] for c in linear]
+
     @torch.inference_mode()
     def export(self, pos: int | None = None) -> Snapshot:
         """An independent copy of the state after the first `pos` tokens (default: all)."""
@@ -97,13 +91,8 @@ class SequenceState:
                 f"captured {self.captured_positions()})"
             )
         kv = [(c.k[:, :pos].clone(), c.v[:, :pos].clone()) for c in self.kv_caches()]
-        linear = self.linear_caches()
-        if pos == self.num_tokens:
-            conv = [c.conv.clone() for c in linear]
-            rec = [c.recurrent.clone() for c in linear]
-        else:
-            conv = [c.captured[pos][0].clone() for c in linear]
-            rec = [c.captured[pos][1].clone() for c in linear]
+        conv, rec = self.linear_at(pos)
+        conv, rec = [c.clone() for c in conv], [r.clone() for r in rec]
         return Snapshot(pos, kv, conv, rec, tuple(self.token_ids[:pos]))
 
     @torch.inference_mode()

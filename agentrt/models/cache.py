@@ -3,8 +3,8 @@
 `KVCache` holds one attention layer's keys and values (preallocated, grown in steps); `LinearCache`
 holds one linear-attention layer's causal-conv state and fp32 recurrent state, plus the states it
 captured at requested positions during the last prefill. The engine's `SequenceState` owns a list of
-these (one per layer) and builds snapshots from them; this module knows nothing about snapshots,
-sessions or storage.
+these (one per layer); a `Snapshot` is an independent copy of all of them after some number of
+tokens (what the state cache stores and restores). Nothing here knows about sessions or storage.
 """
 
 from __future__ import annotations
@@ -95,3 +95,18 @@ class LinearCache:
 
 
 LayerCache = KVCache | LinearCache
+
+
+@dataclass
+class Snapshot:
+    """State after `num_tokens` tokens: KV per attention layer, conv/recurrent per linear layer."""
+
+    num_tokens: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # [Hkv, num_tokens, D] each
+    conv: list[torch.Tensor]  # [conv_dim, K-1]
+    recurrent: list[torch.Tensor]  # [Hv, dk, dv] fp32
+    token_ids: tuple[int, ...]
+
+    def num_bytes(self) -> int:
+        tensors = [t for pair in self.kv for t in pair] + self.conv + self.recurrent
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -10,6 +10,7 @@ Every mistake in the directory becomes a `ModelFormatError` naming the problem.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -160,6 +161,25 @@ def check_headers(files: list[Path]) -> None:
                 handle.keys()
         except (SafetensorError, OSError) as exc:
             raise ModelFormatError(f"cannot read {file.name}: {exc}") from None
+
+
+def file_identity(path: Path, sample: int = 1 << 20, strides: int = 8) -> str:
+    """Cheap identity of a weight file: size, its start, end and a few strided samples."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        for offset in sorted(
+            {0, max(size - sample, 0), *(size * i // strides for i in range(1, strides))}
+        ):
+            f.seek(offset)
+            h.update(f.read(sample if offset in (0, max(size - sample, 0)) else 65536))
+    return h.hexdigest()
+
+
+def weights_identity(path: Path) -> list[tuple[str, str]]:
+    """(file name, content sample digest) of every weight file: enough to tell checkpoints apart."""
+    return [(f.name, file_identity(f)) for f in checkpoint_files(path)]
 
 
 def read_tensors(files: list[Path]):

@@ -23,6 +23,7 @@ class ModelSource:
     model: CausalLM
     name: str
     path: Path | None  # checkpoint directory (None for in-memory synthetic models)
+    identity: dict  # JSON-safe identity of the weights (for state-cache fingerprints)
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -68,22 +69,25 @@ def open_model(
     spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0
 ) -> ModelSource:
     """Load `spec` onto `device` in `dtype`."""
-    from agentrt.models.loader import load_model
+    from agentrt.models.loader import load_model, weights_identity
     from agentrt.models.tiny import ensure_tiny
 
     if spec == "tiny":
         path = ensure_tiny()
-        return ModelSource(load_model(path, device, dtype), "tiny", path)
+        return ModelSource(
+            load_model(path, device, dtype), "tiny", path, {"files": weights_identity(path)}
+        )
     if spec.startswith(SYNTHETIC_PREFIX):
         from agentrt.models.synthetic import build_in_memory, resolve_size
 
         size = resolve_size(spec[len(SYNTHETIC_PREFIX) :])
         model = build_in_memory(size, device, dtype, seed=seed)
-        return ModelSource(model, spec, None)
+        ident = {"synthetic": size, "seed": seed, "device": torch.device(device).type}
+        return ModelSource(model, spec, None, ident)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelNotFoundError(
             f"model {spec!r} not found: give a HF-format directory, 'tiny', or 'synthetic:NAME'"
         )
     model = load_model(path, device, dtype)
-    return ModelSource(model, path.name, path)
+    return ModelSource(model, path.name, path, {"files": weights_identity(path)})

@@ -35,6 +35,7 @@ class ChatResult:
     finish_reason: str | None
     usage: dict[str, int]
     timings: dict[str, float]
+    checkpoint: str | None = None  # kind of reused state: "live", a boundary kind, "block"
 
     def message(self) -> dict[str, Any]:
         """The assistant message in OpenAI shape (for appending to `messages`)."""

@@ -2,17 +2,19 @@
 tokenizer, and serves `generate` (token ids in, token ids out) and `chat` (OpenAI-shaped messages
 in, content / reasoning / tool calls out, optionally streamed).
 
-This build keeps no state between calls (`cache="off"`); the semantic state cache, prefix reuse and
-expert offloading are separate pieces that plug in here later.
+State reuse between calls follows `cache=`: `semantic` (the state cache, default), `prefix`
+(live-state reuse only) or `off`. Expert offloading plugs in here later.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from agentrt.config import EngineConfig
+from agentrt.config import EngineConfig, StateCacheConfig
 from agentrt.engine import Engine, Generation, SamplingParams
+from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError, NotSupportedYetError
 from agentrt.session.chat import (
     ChatEvent,
@@ -48,11 +50,6 @@ def _check_device(device: str) -> str:
 def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
     if cache not in CACHE_MODES:
         raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
-    if cache != "off":
-        raise NotSupportedYetError(
-            f"cache={cache!r} is not available in this build yet (the state cache has not "
-            "landed); use cache='off'"
-        )
     if vram_budget is not None or expert_cache_slots is not None:
         raise NotSupportedYetError(
             "vram_budget / expert_cache_slots need the expert-offload engine, "
@@ -63,11 +60,12 @@ def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
 class Runtime:
     """A model ready to generate: `Runtime.open(...)`, then `generate` / `chat`, then `close`."""
 
-    def __init__(self, engine: Engine, tokenizer, name: str, cache: str, seed: int) -> None:
+    def __init__(self, engine: Engine, tokenizer, name: str, reuse: NoReuse, seed: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = name
-        self.cache = cache
+        self.reuse = reuse
+        self.cache = reuse.mode
         self.seed = seed
         self._stop_ids: tuple[int, ...] | None = None
         self._state = None  # one live sequence, reused so its buffers (and CUDA graph) persist
@@ -78,7 +76,7 @@ class Runtime:
         model: str = "tiny",
         device: str = "cpu",
         dtype: str | None = None,
-        cache: str = "off",
+        cache: str = "semantic",
         state_dir: str | None = None,
         vram_budget: str | int | None = None,
         expert_cache_slots: int | None = None,
@@ -89,6 +87,9 @@ class Runtime:
         prefill_chunk: int = 2048,
         eager: bool = False,
         require_tokenizer: bool = False,
+        state_max_gb: float | None = None,
+        boundaries: dict[str, str | list[str]] | None = None,
+        min_checkpoint_distance: int | None = None,
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -113,7 +114,10 @@ class Runtime:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
         tok = load_tokenizer(tok_dir, chat_template) if tok_dir else None
         source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
-        return cls(Engine(source.model, config), tok, source.name, cache, seed)
+        engine = Engine(source.model, config)
+        cache_config = _cache_config(state_dir, state_max_gb, min_checkpoint_distance)
+        reuse = _make_reuse(cache, engine, source, tok, boundaries, cache_config)
+        return cls(engine, tok, source.name, reuse, seed)
 
     # ------------------------------------------------------------------ token level
 
@@ -130,13 +134,13 @@ class Runtime:
         params = _params(
             max_tokens, temperature, top_p, self._seed(seed), tuple(stop_token_ids or ())
         )
-        return self.engine.generate(self._fresh_state(), list(prompt_token_ids), params).token_ids
+        gen = self.engine.generate(self._live_state(), list(prompt_token_ids), params, self.reuse)
+        return gen.token_ids
 
-    def _fresh_state(self):
-        """The runtime's live sequence, emptied (buffers and CUDA graph are kept)."""
+    def _live_state(self):
+        """The runtime's one live sequence (buffers and CUDA graph persist across requests)."""
         if self._state is None:
             self._state = self.engine.new_state()
-        self._state.reset()
         return self._state
 
     def _seed(self, seed: int | None) -> int:
@@ -195,7 +199,7 @@ class Runtime:
         parser = OutputParser(mode="reasoning" if reasoning else "content", tools=tools)
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
         hit = False
-        for token in self.engine.stream(self._fresh_state(), prompt_ids, params, gen):
+        for token in self.engine.stream(self._live_state(), prompt_ids, params, gen, self.reuse):
             if token in params.stop_token_ids:
                 break
             piece, hit = text.push(detok.push(token))
@@ -221,14 +225,19 @@ class Runtime:
             finish_reason=finish,
             usage={
                 "prompt_tokens": gen.prompt_tokens,
-                "cached_tokens": 0,
+                "cached_tokens": gen.cached_tokens,
                 "completion_tokens": len(gen.token_ids),
             },
+            checkpoint=gen.checkpoint,
             timings=gen.timings.as_dict(),
         )
 
     def close(self) -> None:
-        """Release the model (GPU memory is returned to the allocator)."""
+        """Flush pending checkpoints and release the model (GPU memory back to the allocator)."""
+        if self.reuse is not None:
+            self.reuse.close()
+        self.reuse = None  # type: ignore[assignment]
+        self._state = None
         self.engine = None  # type: ignore[assignment]
         self.tokenizer = None
         try:
@@ -244,6 +253,42 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cache_config(state_dir, state_max_gb, min_distance) -> StateCacheConfig:
+    changes: dict[str, Any] = {}
+    if state_dir is not None:
+        changes["state_dir"] = Path(state_dir).expanduser()
+    if state_max_gb is not None:
+        changes["max_bytes"] = int(float(state_max_gb) * 2**30)
+    if min_distance is not None:
+        changes["min_distance"] = int(min_distance)
+    return StateCacheConfig(**changes)
+
+
+def _make_reuse(mode: str, engine: Engine, source, tokenizer, boundaries, config) -> NoReuse:
+    """The reuse policy of a cache mode (semantic: open the state cache for this model)."""
+    if mode == "off":
+        return NoReuse()
+    if mode == "prefix":
+        return PrefixReuse()
+    from agentrt.session.boundaries import resolve
+    from agentrt.statecache import StateCache
+    from agentrt.statecache.keys import fingerprint
+    from agentrt.statecache.manager import layout_for
+
+    cfg, dtype = engine.cfg, engine.dtype
+    parts = {"config": cfg.canonical(), "dtype": str(dtype), "weights": source.identity}
+    cache = StateCache(
+        config,
+        fingerprint(parts),
+        source.name,
+        layout_for(cfg, dtype),
+        resolve(tokenizer, boundaries),
+        block_edges=not cfg.is_hybrid,
+        device=engine.device,
+    )
+    return SemanticReuse(cache)
 
 
 def _params(max_tokens, temperature, top_p, seed, stop_ids) -> SamplingParams:

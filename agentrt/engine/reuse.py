@@ -1,0 +1,103 @@
+"""State reuse between requests: the three cache modes of DESIGN §2.
+
+- `off`: every request starts from an empty state.
+- `prefix` (baseline, what most runtimes do for hybrid models): keep the single live state of the
+  previous request and reuse it when the new prompt extends it exactly; attention-only models may
+  also cut it back to the longest common prefix.
+- `semantic`: the live state when it applies, else the longest checkpoint in the `StateCache`;
+  checkpoints are captured at boundaries during prefill and after generated `</think>` /
+  `</tool_call>` tokens.
+
+The engine calls `begin` before prefill, `after_prefill`, and `after_token` after each fed token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agentrt.engine.state import SequenceState
+from agentrt.statecache import StateCache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class NoReuse:
+    mode = "off"
+
+    def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
+        """Make `state` hold a prefix of `prompt`; return (its length, checkpoint kind)."""
+        state.reset()
+        return 0, None
+
+    def capture_positions(self, prompt: Sequence[int], start: int) -> dict[int, str]:
+        return {}
+
+    def after_prefill(
+        self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
+    ) -> None:
+        pass
+
+    def after_token(self, state: SequenceState) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PrefixReuse(NoReuse):
+    mode = "prefix"
+
+    def live_length(self, state: SequenceState, prompt: Sequence[int]) -> int:
+        """How much of the live state can serve `prompt` (at least one token is left to prefill)."""
+        common = min(common_prefix(state.token_ids, prompt), len(prompt) - 1)
+        if common == state.num_tokens or not state.linear_caches():
+            return max(common, 0)
+        return 0  # hybrid state that is not an exact prefix cannot be cut back
+
+    def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
+        keep = self.live_length(state, prompt)
+        if keep == 0:
+            state.reset()
+        else:
+            state.truncate(keep)
+        return keep, "live" if keep else None
+
+
+class SemanticReuse(PrefixReuse):
+    mode = "semantic"
+
+    def __init__(self, cache: StateCache) -> None:
+        self.cache = cache
+
+    def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
+        live = self.live_length(state, prompt)
+        hit = self.cache.lookup(prompt, min_pos=live)
+        if hit is None:
+            return super().begin(state, prompt)
+        state.import_(hit.snapshot)
+        return hit.pos, hit.kind
+
+    def capture_positions(self, prompt: Sequence[int], start: int) -> dict[int, str]:
+        return self.cache.capture_positions(prompt, start)
+
+    def after_prefill(
+        self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
+    ) -> None:
+        for pos, kind in positions.items():
+            conv, rec = state.linear_at(pos)
+            self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec)
+
+    def after_token(self, state: SequenceState) -> None:
+        kind = self.cache.boundaries.ends_with(state.token_ids)
+        if kind is not None:
+            conv, rec = state.linear_at(state.num_tokens)
+            self.cache.save(state.token_ids, state.num_tokens, kind, state.kv_caches(), conv, rec)
+
+    def close(self) -> None:
+        self.cache.close()

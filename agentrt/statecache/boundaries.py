@@ -1,0 +1,55 @@
+"""Boundaries: named kinds of token-id sequences after which checkpoints are taken.
+
+Kinds: `think_end`, `tool_call_end`, `tool_output_end`, `message_end`, `turn_start`. Each kind has
+one or more token-id sequences (resolved from text per tokenizer by the session layer). A
+boundary at position p means "the state after the first p tokens", i.e. p is the index just past
+the sequence's last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+BOUNDARY_KINDS = ("think_end", "tool_call_end", "tool_output_end", "message_end", "turn_start")
+DECODE_KINDS = ("think_end", "tool_call_end")  # captured when generated tokens complete them
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """kind -> token-id sequences; `find` scans a token list once."""
+
+    sequences: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sequences) - set(BOUNDARY_KINDS)
+        if unknown:
+            raise ValueError(f"unknown boundary kinds: {sorted(unknown)}")
+        by_last: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+        for kind, seqs in self.sequences.items():
+            for seq in seqs:
+                if seq:
+                    by_last.setdefault(seq[-1], []).append((tuple(seq), kind))
+        object.__setattr__(self, "_by_last", by_last)
+
+    def find(self, ids: Sequence[int], start: int = 0) -> list[tuple[int, str]]:
+        """(position, kind) for every boundary ending at index >= start, ascending."""
+        found = []
+        by_last = self._by_last  # type: ignore[attr-defined]
+        for i in range(start, len(ids)):
+            for seq, kind in by_last.get(ids[i], ()):
+                n = len(seq)
+                if i + 1 >= n and tuple(ids[i + 1 - n : i + 1]) == seq:
+                    found.append((i + 1, kind))
+                    break
+        return found
+
+    def ends_with(self, ids: Sequence[int], kinds: Iterable[str] = DECODE_KINDS) -> str | None:
+        """The kind (among `kinds`) of a sequence that `ids` ends with, if any."""
+        if not ids:
+            return None
+        wanted = set(kinds)
+        for seq, kind in self._by_last.get(ids[-1], ()):  # type: ignore[attr-defined]
+            if kind in wanted and len(ids) >= len(seq) and tuple(ids[-len(seq) :]) == seq:
+                return kind
+        return None

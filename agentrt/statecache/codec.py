@@ -1,0 +1,171 @@
+"""Payload encoding: tensors <-> bytes, zstd compression with checksums, and the record header.
+
+A payload value is `MAGIC | crc32(compressed) | raw length | zstd frame (with its own content
+checksum)`. Any mismatch raises `CorruptPayload`. `Layout` describes the model state shapes so
+that a KV chunk (all attention layers, 256 tokens) or a record blob (tail KV + conv + recurrent
+states) can be cut back into tensors.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+
+import msgspec
+import torch
+import zstandard
+
+from agentrt.statecache.keys import BLOCK, FORMAT_VERSION
+
+MAGIC = b"ART1"
+_HEAD = struct.Struct("<4sIQ")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_local = threading.local()
+
+
+class CorruptPayload(Exception):
+    """A stored payload failed its checksum or could not be decoded."""
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """Shapes of one model's state (enough to decode any payload of it)."""
+
+    num_attn: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    num_linear: int
+    conv_shape: tuple[int, int]
+    conv_dtype: str
+    rec_shape: tuple[int, int, int]
+
+    def kv_token_bytes(self) -> int:
+        itemsize = _DTYPES[self.kv_dtype].itemsize
+        return 2 * self.num_attn * self.kv_heads * self.head_dim * itemsize
+
+
+class Record(msgspec.Struct):
+    """Header of one checkpoint (msgspec/msgpack in LMDB)."""
+
+    fingerprint: bytes
+    label: str
+    n_tokens: int
+    kind: str
+    chunk_keys: list[bytes]
+    blob_bytes: int
+    chunk_bytes: int
+    created: float
+    last_used: float
+    hits: int = 0
+    version: int = FORMAT_VERSION
+
+
+def encode_record(record: Record) -> bytes:
+    return msgspec.msgpack.encode(record)
+
+
+def decode_record(data: bytes) -> Record:
+    try:
+        return msgspec.msgpack.decode(data, type=Record)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptPayload(f"bad record header: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- compression
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True)
+    return cache[level]
+
+
+def pack(raw: bytes | memoryview, level: int = 1) -> bytes:
+    comp = _compressor(level).compress(raw)
+    return _HEAD.pack(MAGIC, zlib.crc32(comp), len(raw)) + comp
+
+
+def unpack(value: bytes | memoryview) -> bytearray:
+    """Verify and decompress a payload into a fresh (writable) buffer."""
+    view = memoryview(value)
+    if len(view) < _HEAD.size:
+        raise CorruptPayload("payload too short")
+    magic, crc, raw_len = _HEAD.unpack(view[: _HEAD.size])
+    comp = view[_HEAD.size :]
+    if magic != MAGIC or zlib.crc32(comp) != crc:
+        raise CorruptPayload("payload checksum mismatch")
+    out = bytearray(raw_len)
+    filled = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(comp) as reader:
+            while True:
+                n = (
+                    reader.readinto(memoryview(out)[filled:])
+                    if filled < raw_len
+                    else len(reader.read(1))
+                )
+                if n == 0:
+                    break
+                filled += n
+    except zstandard.ZstdError as exc:
+        raise CorruptPayload(f"payload does not decompress: {exc}") from None
+    if filled != raw_len:
+        raise CorruptPayload("payload length mismatch")
+    return out
+
+
+# ----------------------------------------------------------------------------- tensors <-> bytes
+
+
+def tensors_to_bytes(tensors: Sequence[torch.Tensor]) -> bytes:
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def _take(
+    raw: memoryview, offset: int, shape: Sequence[int], dtype: str
+) -> tuple[torch.Tensor, int]:
+    dt = _DTYPES[dtype]
+    count = 1
+    for s in shape:
+        count *= s
+    size = count * dt.itemsize
+    if offset + size > len(raw):
+        raise CorruptPayload("payload shorter than its layout")
+    t = torch.frombuffer(raw[offset : offset + size], dtype=torch.uint8).view(dt).view(*shape)
+    return t, offset + size
+
+
+def chunk_tensors(raw: bytes, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A KV chunk payload -> per attention layer (k, v), each `[Hkv, BLOCK, D]` (read-only)."""
+    return _kv(memoryview(raw), 0, layout, BLOCK)[0]
+
+
+def _kv(raw: memoryview, offset: int, layout: Layout, tokens: int):
+    shape = (layout.kv_heads, tokens, layout.head_dim)
+    out = []
+    for _ in range(layout.num_attn):
+        k, offset = _take(raw, offset, shape, layout.kv_dtype)
+        v, offset = _take(raw, offset, shape, layout.kv_dtype)
+        out.append((k, v))
+    return out, offset
+
+
+def blob_tensors(raw: bytes, layout: Layout, tail: int):
+    """A record blob -> (tail KV per attention layer, conv and recurrent per linear layer)."""
+    view = memoryview(raw)
+    kv, offset = _kv(view, 0, layout, tail)
+    conv, rec = [], []
+    for _ in range(layout.num_linear):
+        c, offset = _take(view, offset, layout.conv_shape, layout.conv_dtype)
+        conv.append(c)
+    for _ in range(layout.num_linear):
+        r, offset = _take(view, offset, layout.rec_shape, "float32")
+        rec.append(r)
+    if offset != len(view):
+        raise CorruptPayload("payload longer than its layout")
+    return kv, conv, rec

@@ -1,0 +1,427 @@
+"""`StateCache`: capture admission, the background writer, the RAM tier, lookup and restore.
+
+Saving: the caller hands over live device tensors (KV caches and the linear-layer states at a
+position); only the KV chunks the store lacks and the record's own tail/linear states are copied
+to host (pinned, non-blocking, ordered on the current stream), then a bounded queue feeds one
+writer thread that compresses and commits each checkpoint in one LMDB transaction. A full queue
+drops the checkpoint (counted); prefill never waits on disk.
+
+Restoring: candidates are the boundaries of the new prompt (plus 256-token block edges for
+attention-only models), longest first; the first record whose payloads verify is decoded on
+worker threads into (pinned) host tensors and returned as a `Snapshot`. Corrupt records are
+deleted and the next candidate is tried. Recent payloads also live in an in-process RAM tier.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrt.config import ModelConfig, StateCacheConfig
+from agentrt.models.cache import KVCache, Snapshot
+from agentrt.statecache.boundaries import Boundaries
+from agentrt.statecache.codec import (
+    CorruptPayload,
+    Layout,
+    Record,
+    blob_tensors,
+    chunk_tensors,
+    pack,
+    tensors_to_bytes,
+    unpack,
+)
+from agentrt.statecache.keys import BLOCK, FORMAT_VERSION, PrefixKeys
+from agentrt.statecache.store import Store
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def layout_for(cfg: ModelConfig, dtype: torch.dtype) -> Layout:
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    conv_dim = 2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    rec = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return Layout(
+        num_attn=len(cfg.attention_layers),
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        kv_dtype=DTYPE_NAMES[dtype],
+        num_linear=len(cfg.linear_layers),
+        conv_shape=(conv_dim, cfg.linear_conv_kernel_dim - 1),
+        conv_dtype=DTYPE_NAMES[dtype],
+        rec_shape=rec,
+    )
+
+
+@dataclass
+class Hit:
+    pos: int
+    kind: str
+    snapshot: Snapshot
+    source: str  # "ram" | "lmdb"
+
+
+@dataclass
+class _Job:
+    key: bytes
+    pos: int
+    kind: str
+    chunk_keys: list[bytes]
+    lo: int  # first token held in `kv`
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # host copies of tokens [lo, pos)
+    conv: list[torch.Tensor]
+    rec: list[torch.Tensor]
+    event: torch.cuda.Event | None
+    new_chunks: list[bytes] = field(default_factory=list)
+
+
+class _RamTier:
+    """LRU of decoded payloads (chunks and blobs), bounded by bytes, shared by threads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.items: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: bytes):
+        with self.lock:
+            item = self.items.get(key)
+            if item is None:
+                return None
+            self.items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: bytes, value: object, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        with self.lock:
+            if key in self.items:
+                self.bytes -= self.items.pop(key)[1]
+            self.items[key] = (value, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                self.bytes -= self.items.popitem(last=False)[1][1]
+
+    def drop(self, key: bytes) -> None:
+        with self.lock:
+            item = self.items.pop(key, None)
+            if item is not None:
+                self.bytes -= item[1]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StateCache:
+    """Checkpoints of one model in one state directory."""
+
+    def __init__(
+        self,
+        config: StateCacheConfig,
+        fingerprint: bytes,
+        label: str,
+        layout: Layout,
+        boundaries: Boundaries,
+        block_edges: bool,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.fp = fingerprint
+        self.label = label
+        self.layout = layout
+        self.boundaries = boundaries
+        self.block_edges = block_edges
+        self.device = device
+        self.store = Store(config.state_dir, config.max_bytes)
+        self.ram = _RamTier(config.ram_bytes)
+        self.stats: Counter[str] = Counter()
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._known: set[bytes] = set()  # chunk keys present in LMDB
+        self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
+        self._pool = ThreadPoolExecutor(
+            max_workers=config.workers, thread_name_prefix="agentrt-restore"
+        )
+        self._writer = threading.Thread(target=self._write_loop, name="agentrt-writer", daemon=True)
+        self._writer.start()
+        self._closed = False
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ capture
+
+    def capture_positions(self, ids: Sequence[int], start: int) -> dict[int, str]:
+        """Boundaries in ids[start:] worth a checkpoint: the last one always, others at least
+        `min_distance` tokens apart (from each other and from `start`), none already stored."""
+        keys = PrefixKeys(self.fp, ids)
+        chosen: dict[int, str] = {}
+        last = None
+        for pos, kind in reversed(self.boundaries.find(ids, start)):
+            if pos <= start:
+                continue
+            if last is not None and (
+                last - pos < self.config.min_distance or pos - start < self.config.min_distance
+            ):
+                continue
+            if self._stored(keys.key(pos)):
+                continue
+            chosen[pos] = kind
+            last = pos
+        return dict(sorted(chosen.items()))
+
+    def _stored(self, key: bytes) -> bool:
+        return self.ram.get(key) is not None or self.store.has_record(key)
+
+    def save(
+        self,
+        ids: Sequence[int],
+        pos: int,
+        kind: str,
+        kv_caches: Sequence[KVCache],
+        conv: Sequence[torch.Tensor],
+        rec: Sequence[torch.Tensor],
+    ) -> bool:
+        """Queue a checkpoint of the state after `ids[:pos]` (device tensors are copied now)."""
+        keys = PrefixKeys(self.fp, ids)
+        key = keys.key(pos)
+        if self._stored(key):
+            self.stats["skipped_existing"] += 1
+            return False
+        chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
+        new = self._new_chunks(chunk_keys)
+        lo = min((chunk_keys.index(ck) * BLOCK for ck in new), default=(pos // BLOCK) * BLOCK)
+        job = self._copy_out(key, pos, kind, chunk_keys, lo, kv_caches, conv, rec)
+        job.new_chunks = new
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.stats["dropped_queue_full"] += 1
+            return False
+        with self._lock:
+            self._pending.update(new)
+        return True
+
+    def _new_chunks(self, chunk_keys: list[bytes]) -> list[bytes]:
+        with self._lock:
+            unsure = [ck for ck in chunk_keys if ck not in self._known and ck not in self._pending]
+        missing = set(self.store.missing_chunks(unsure)) if unsure else set()
+        with self._lock:
+            self._known.update(ck for ck in unsure if ck not in missing)
+        return [ck for ck in unsure if ck in missing]
+
+    def _copy_out(self, key, pos, kind, chunk_keys, lo, kv_caches, conv, rec) -> _Job:
+        on_cuda = self.device.type == "cuda"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            if not on_cuda:
+                return t.detach().clone()
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out.copy_(t, non_blocking=True)
+            return out
+
+        with torch.inference_mode():
+            kv = [(host(c.k[:, lo:pos]), host(c.v[:, lo:pos])) for c in kv_caches]
+            conv_h, rec_h = [host(c) for c in conv], [host(r) for r in rec]
+            event = None
+            if on_cuda:
+                event = torch.cuda.Event()
+                event.record()
+        return _Job(key, pos, kind, chunk_keys, lo, kv, conv_h, rec_h, event)
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._write(job)
+            except Exception as exc:  # noqa: BLE001 - the writer must survive any single failure
+                self.stats["write_errors"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if job is not None:
+                    with self._lock:
+                        self._pending.difference_update(job.new_chunks)
+                self._queue.task_done()
+
+    def _chunk_from_job(self, job: _Job, index: int) -> list[torch.Tensor] | None:
+        start = index * BLOCK - job.lo
+        if start < 0:
+            return None
+        return [t[:, start : start + BLOCK] for pair in job.kv for t in pair]
+
+    def _write(self, job: _Job) -> None:
+        if job.event is not None:
+            job.event.synchronize()
+        tail = job.pos - (job.pos // BLOCK) * BLOCK
+        tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
+        blob = tail_kv + job.conv + job.rec
+        self.ram.put(job.key, (job.kind, blob), _nbytes(blob))
+        payloads = {}
+        for ck in self.store.missing_chunks(job.chunk_keys):
+            index = job.chunk_keys.index(ck)
+            tensors = self._chunk_from_job(job, index) or self.ram.get(ck)
+            if tensors is None:
+                self.stats["dropped_missing_chunk"] += 1
+                with self._lock:
+                    self._known.discard(ck)
+                return
+            payloads[ck] = pack(tensors_to_bytes(tensors), self.config.compress_level)
+        for index, ck in enumerate(job.chunk_keys):
+            tensors = self._chunk_from_job(job, index)
+            if tensors is not None:
+                self.ram.put(ck, tensors, _nbytes(tensors))
+        blob_payload = pack(tensors_to_bytes(blob), self.config.compress_level)
+        now = time.time()
+        chunk_bytes = sum(map(len, payloads.values()))
+        record = Record(
+            self.fp,
+            self.label,
+            job.pos,
+            job.kind,
+            job.chunk_keys,
+            len(blob_payload),
+            chunk_bytes,
+            now,
+            now,
+        )
+        result = self.store.put_checkpoint(job.key, record, payloads, blob_payload)
+        self.stats[f"write_{result}"] += 1
+        if result == "written":
+            self.stats["bytes_written"] += len(blob_payload) + chunk_bytes
+            with self._lock:
+                self._known.update(job.chunk_keys)
+
+    def flush(self) -> None:
+        """Wait until every queued checkpoint is written."""
+        if not self._closed:
+            self._queue.join()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        self._pool.shutdown()
+        self.store.close()
+        atexit.unregister(self.close)
+
+    # ------------------------------------------------------------------ lookup and restore
+
+    def candidates(self, ids: Sequence[int], min_pos: int = 0) -> list[tuple[int, str]]:
+        """Positions where a stored checkpoint could apply, longest first (< len(ids))."""
+        found = {p: k for p, k in self.boundaries.find(ids) if min_pos < p < len(ids)}
+        if self.block_edges:
+            for p in range(BLOCK, len(ids), BLOCK):
+                if p > min_pos:
+                    found.setdefault(p, "block")
+        return sorted(found.items(), reverse=True)
+
+    def lookup(self, ids: Sequence[int], min_pos: int = 0) -> Hit | None:
+        """The longest verified checkpoint for a prefix of `ids` longer than `min_pos`."""
+        keys = PrefixKeys(self.fp, ids)
+        for pos, kind in self.candidates(ids, min_pos):
+            hit = self._restore(keys, pos, kind, ids)
+            if hit is not None:
+                self.stats[f"hits_{hit.source}"] += 1
+                self.stats["restored_tokens"] += pos
+                return hit
+        self.stats["misses"] += 1
+        return None
+
+    def _restore(self, keys: PrefixKeys, pos: int, kind: str, ids: Sequence[int]) -> Hit | None:
+        key = keys.key(pos)
+        cached = self.ram.get(key)
+        source = "ram"
+        if cached is None:
+            record = self.store.get_record(key)
+            if record is None:
+                return None
+            if (
+                record.fingerprint != self.fp
+                or record.version != FORMAT_VERSION
+                or record.n_tokens != pos
+            ):
+                return None
+            kind, source = record.kind, "lmdb"
+        else:
+            kind = cached[0]
+        try:
+            snapshot = self._assemble(
+                key, pos, [keys.chunk_key(c) for c in range(pos // BLOCK)], cached, ids
+            )
+        except CorruptPayload:
+            self.stats["corrupt_deleted"] += 1
+            self.ram.drop(key)
+            self.store.delete(key)
+            return None
+        except KeyError:  # a payload vanished (evicted by another process)
+            return None
+        if source == "lmdb":
+            self.store.touch(key)
+        return Hit(pos, kind, snapshot, source)
+
+    def _alloc(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _assemble(self, key: bytes, pos: int, chunk_keys: list[bytes], cached, ids) -> Snapshot:
+        lay = self.layout
+        kv_dtype = getattr(torch, lay.kv_dtype)
+        shape = (lay.kv_heads, pos, lay.head_dim)
+        kv = [
+            (self._alloc(shape, kv_dtype), self._alloc(shape, kv_dtype))
+            for _ in range(lay.num_attn)
+        ]
+        ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
+        need = [ck for ck, t in ram_chunks.items() if t is None]
+        blob = cached[1] if cached is not None else None
+        raws, blob_raw = (
+            self.store.read_payloads(key, need) if (need or blob is None) else ([], None)
+        )
+        if any(r is None for r in raws) or (blob is None and blob_raw is None):
+            raise KeyError("payload missing")
+        raw_of = dict(zip(need, raws, strict=True))
+        jobs = [(c, ck) for c, ck in enumerate(chunk_keys)]
+        list(
+            self._pool.map(
+                lambda job: self._fill_chunk(kv, job[0], ram_chunks[job[1]], raw_of.get(job[1])),
+                jobs,
+            )
+        )
+        conv, rec = self._fill_blob(kv, pos, blob, blob_raw)
+        return Snapshot(pos, kv, conv, rec, tuple(ids[:pos]))
+
+    def _fill_chunk(self, kv, index: int, tensors, raw: bytes | None) -> None:
+        if tensors is None:
+            pairs = chunk_tensors(unpack(raw), self.layout)
+            tensors = [t for pair in pairs for t in pair]
+        lo = index * BLOCK
+        for i, (k, v) in enumerate(kv):
+            k[:, lo : lo + BLOCK].copy_(tensors[2 * i])
+            v[:, lo : lo + BLOCK].copy_(tensors[2 * i + 1])
+
+    def _fill_blob(self, kv, pos: int, blob, raw: bytes | None):
+        tail = pos - (pos // BLOCK) * BLOCK
+        if blob is None:
+            tail_kv, conv, rec = blob_tensors(unpack(raw), self.layout, tail)
+            blob = [t for pair in tail_kv for t in pair] + conv + rec
+        n_kv = 2 * self.layout.num_attn
+        for i, (k, v) in enumerate(kv):
+            k[:, pos - tail : pos].copy_(blob[2 * i])
+            v[:, pos - tail : pos].copy_(blob[2 * i + 1])
+        linear = blob[n_kv:]
+        n_lin = self.layout.num_linear
+        return [t.clone() for t in linear[:n_lin]], [t.clone() for t in linear[n_lin:]]

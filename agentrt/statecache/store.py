@@ -1,0 +1,275 @@
+"""LMDB storage of checkpoints: records, content-addressed KV chunks (reference counted) and
+per-record blobs, each checkpoint written in one transaction.
+
+Databases: `records` (prefix key -> msgpack `Record`), `chunks` (chunk key -> payload), `refs`
+(chunk key -> number of records using it), `blobs` (prefix key -> payload), `meta` (totals).
+The map starts small and doubles when full, up to the configured cap plus headroom; past that,
+writes evict the least valuable records first. Several processes may share one directory
+(LMDB's single-writer lock; a map grown by another process is adopted on the next transaction).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
+
+T = TypeVar("T")
+_U64 = struct.Struct("<Q")
+_MIN_MAP = 64 * 2**20
+_TOTAL = b"payload_bytes"
+
+
+def _u64(value: bytes | None) -> int:
+    return _U64.unpack(value)[0] if value else 0
+
+
+class _SharedEnv:
+    """One LMDB environment per directory per process (LMDB allows no second one), shared by
+    every `Store` on that directory; `lock` serialises transactions and map resizes."""
+
+    opened: dict[str, _SharedEnv] = {}
+    registry_lock = threading.Lock()
+
+    def __init__(self, path: Path, map_size: int) -> None:
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=8, max_readers=512, subdir=True)
+        self.lock = threading.RLock()
+        self.users = 0
+
+    @classmethod
+    def acquire(cls, path: Path, map_size: int) -> _SharedEnv:
+        key = str(path.resolve())
+        with cls.registry_lock:
+            shared = cls.opened.get(key)
+            if shared is None:
+                shared = cls.opened[key] = cls(path, map_size)
+            shared.users += 1
+            return shared
+
+    def release(self, path: Path) -> None:
+        with self.registry_lock:
+            self.users -= 1
+            if self.users == 0:
+                self.opened.pop(str(path.resolve()), None)
+                self.env.close()
+
+
+class Store:
+    """One state directory."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.max_bytes = max_bytes
+        self.map_limit = int(max_bytes * 1.5) + _MIN_MAP
+        existing = (path / "data.mdb").stat().st_size if (path / "data.mdb").exists() else 0
+        size = min(self.map_limit, max(_MIN_MAP, existing))
+        self.shared = _SharedEnv.acquire(path, size)
+        self.env = self.shared.env
+        self.closed = False
+        self.records = self.env.open_db(b"records")
+        self.chunks = self.env.open_db(b"chunks")
+        self.refs = self.env.open_db(b"refs")
+        self.blobs = self.env.open_db(b"blobs")
+        self.meta = self.env.open_db(b"meta")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.shared.release(self.path)
+
+    # ------------------------------------------------------------------ transactions
+
+    def _txn(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
+        """Run `fn` in a transaction; adopt map growth by other processes, grow when full."""
+        for _ in range(64):
+            try:
+                with self.shared.lock, self.env.begin(write=write) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                with self.shared.lock:
+                    self.env.set_mapsize(0)
+            except lmdb.MapFullError:
+                if not self._grow():
+                    self.evict(int(self.total_bytes() * 0.8))
+        raise RuntimeError("state cache: could not complete an LMDB transaction")
+
+    def _grow(self) -> bool:
+        with self.shared.lock:
+            current = self.env.info()["map_size"]
+            if current >= self.map_limit:
+                return False
+            self.env.set_mapsize(min(self.map_limit, current * 2))
+            return True
+
+    # ------------------------------------------------------------------ reads
+
+    def get_record(self, key: bytes) -> Record | None:
+        data = self._txn(lambda txn: txn.get(key, db=self.records))
+        return decode_record(data) if data is not None else None
+
+    def has_record(self, key: bytes) -> bool:
+        return self._txn(lambda txn: txn.get(key, db=self.records)) is not None
+
+    def missing_chunks(self, keys: list[bytes]) -> list[bytes]:
+        return self._txn(lambda txn: [k for k in keys if txn.get(k, db=self.chunks) is None])
+
+    def read_payloads(
+        self, key: bytes, chunk_keys: list[bytes]
+    ) -> tuple[list[bytes | None], bytes | None]:
+        """Copies of the chunk payloads (None where absent) and the blob of one record."""
+
+        def read(txn):
+            chunks = [txn.get(k, db=self.chunks) for k in chunk_keys]
+            return chunks, txn.get(key, db=self.blobs)
+
+        return self._txn(read)
+
+    def total_bytes(self) -> int:
+        return self._txn(lambda txn: _u64(txn.get(_TOTAL, db=self.meta)))
+
+    def list_records(self) -> list[tuple[bytes, Record]]:
+        def read(txn):
+            out = []
+            for key, data in txn.cursor(db=self.records):
+                try:
+                    out.append((bytes(key), decode_record(data)))
+                except CorruptPayload:
+                    continue
+            return out
+
+        return self._txn(read)
+
+    def stats(self) -> dict[str, Any]:
+        def read(txn):
+            return {
+                "records": txn.stat(self.records)["entries"],
+                "chunks": txn.stat(self.chunks)["entries"],
+                "payload_bytes": _u64(txn.get(_TOTAL, db=self.meta)),
+            }
+
+        info = self._txn(read)
+        info["map_bytes"] = self.env.info()["map_size"]
+        info["file_bytes"] = (self.path / "data.mdb").stat().st_size
+        return info
+
+    # ------------------------------------------------------------------ writes
+
+    def put_checkpoint(
+        self, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes
+    ) -> str:
+        """Write one checkpoint atomically. Returns "written", "exists" or "missing_chunk"."""
+        if self.total_bytes() + len(blob) + sum(map(len, chunks.values())) > self.max_bytes:
+            self.evict(int(self.max_bytes * 0.8))
+        return self._txn(lambda txn: self._put(txn, key, record, chunks, blob), write=True)
+
+    def _put(self, txn, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes) -> str:
+        if txn.get(key, db=self.records) is not None:
+            return "exists"
+        absent = [ck for ck in record.chunk_keys if txn.get(ck, db=self.chunks) is None]
+        if any(ck not in chunks for ck in absent):
+            return "missing_chunk"  # nothing written: the empty transaction commits harmlessly
+        for ck in absent:
+            txn.put(ck, chunks[ck], db=self.chunks)
+        for ck in record.chunk_keys:
+            txn.put(ck, _U64.pack(_u64(txn.get(ck, db=self.refs)) + 1), db=self.refs)
+        txn.put(key, blob, db=self.blobs)
+        txn.put(key, encode_record(record), db=self.records)
+        added = len(blob) + sum(len(chunks[ck]) for ck in absent)
+        total = _u64(txn.get(_TOTAL, db=self.meta)) + added
+        txn.put(_TOTAL, _U64.pack(total), db=self.meta)
+        return "written"
+
+    def touch(self, key: bytes) -> None:
+        """Count a hit and refresh last_used."""
+
+        def update(txn):
+            data = txn.get(key, db=self.records)
+            if data is None:
+                return
+            rec = decode_record(data)
+            rec.hits += 1
+            rec.last_used = time.time()
+            txn.put(key, encode_record(rec), db=self.records)
+
+        self._txn(update, write=True)
+
+    def delete(self, key: bytes) -> bool:
+        return self._txn(lambda txn: self._delete(txn, key), write=True)
+
+    def _delete(self, txn, key: bytes) -> bool:
+        data = txn.get(key, db=self.records)
+        if data is None:
+            return False
+        freed = len(txn.get(key, db=self.blobs) or b"")
+        txn.delete(key, db=self.records)
+        txn.delete(key, db=self.blobs)
+        try:
+            chunk_keys = decode_record(data).chunk_keys
+        except CorruptPayload:
+            chunk_keys = []
+        for ck in chunk_keys:
+            refs = _u64(txn.get(ck, db=self.refs)) - 1
+            if refs > 0:
+                txn.put(ck, _U64.pack(refs), db=self.refs)
+                continue
+            freed += len(txn.get(ck, db=self.chunks) or b"")
+            txn.delete(ck, db=self.refs)
+            txn.delete(ck, db=self.chunks)
+        total = max(_u64(txn.get(_TOTAL, db=self.meta)) - freed, 0)
+        txn.put(_TOTAL, _U64.pack(total), db=self.meta)
+        return True
+
+    # ------------------------------------------------------------------ eviction
+
+    @staticmethod
+    def score(record: Record, now: float) -> float:
+        """Value of a record: recompute cost saved per byte, decayed by age (1 h half-life)."""
+        per_byte = record.n_tokens / max(record.blob_bytes + record.chunk_bytes, 1)
+        return per_byte * (1 + record.hits) * 0.5 ** ((now - record.last_used) / 3600)
+
+    def evict(self, target_bytes: int) -> int:
+        """Delete the lowest-scoring records until stored payloads fit `target_bytes`."""
+        now, removed = time.time(), 0
+        ranked = sorted(self.list_records(), key=lambda kr: self.score(kr[1], now))
+        for key, _ in ranked:
+            if self.total_bytes() <= target_bytes:
+                break
+            removed += self.delete(key)
+        return removed
+
+    def collect_orphans(self) -> int:
+        """Remove chunks no record references (left by interrupted bookkeeping)."""
+
+        def sweep(txn):
+            used = set()
+            for _, data in txn.cursor(db=self.records):
+                try:
+                    used.update(decode_record(data).chunk_keys)
+                except CorruptPayload:
+                    continue
+            orphans = [bytes(k) for k, _ in txn.cursor(db=self.chunks) if bytes(k) not in used]
+            freed = 0
+            for ck in orphans:
+                freed += len(txn.get(ck, db=self.chunks))
+                txn.delete(ck, db=self.chunks)
+                txn.delete(ck, db=self.refs)
+            total = max(_u64(txn.get(_TOTAL, db=self.meta)) - freed, 0)
+            txn.put(_TOTAL, _U64.pack(total), db=self.meta)
+            return len(orphans)
+
+        return self._txn(sweep, write=True)
+
+    def clear(self) -> None:
+        def drop(txn):
+            for db in (self.records, self.chunks, self.refs, self.blobs, self.meta):
+                txn.drop(db, delete=False)
+
+        self._txn(drop, write=True)
