@@ -116,3 +116,11 @@ def hf_checkpoints(hf_qwen35, hf_qwen3, hf_qwen35_multimodal, hf_qwen3_tied) -> 
         "qwen3_5_moe_multimodal": hf_qwen35_multimodal,
         "qwen3_moe_tied": hf_qwen3_tied,
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """The attention-only tiny model (`tiny-qwen3-moe`) with the tiny tokenizer and template."""
+    from agentrt.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny-qwen3") / "model", "tiny-qwen3-moe")

@@ -19,3 +19,49 @@ def open_engine(path, chunk: int = 2048):
     return Engine(
         model, EngineConfig(device="cpu", dtype="float32", prefill_chunk=chunk, linear_attn="torch")
     )
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "run", "description": "Run a shell command",
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}},
+]  # fmt: skip
+
+
+def _call(i: int, name: str, args: str) -> dict:
+    return {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def agent_requests(tag: str = "", output_len: int = 400) -> list[list[dict]]:
+    """The requests a coding-agent framework sends over one session (full history each time),
+    including the edits frameworks make: reasoning dropped once a new user turn arrives (by the
+    template) and an old tool output truncated (by the framework)."""
+    out1 = f"def main():\n    return 1  # {tag}\n" * (output_len // 25)
+    out2 = f"tests passed {tag}\n" * (output_len // 20)
+    history = [
+        {"role": "system", "content": f"You are a coding agent. {tag}"},
+        {"role": "user", "content": f"Fix the bug in main.py {tag}"},
+    ]
+    requests = [list(history)]
+    history += [
+        {"role": "assistant", "content": "", "reasoning_content": "Read the file first.",
+         "tool_calls": [_call(1, "read_file", '{"path": "main.py"}')]},
+        {"role": "tool", "tool_call_id": "c1", "content": out1},
+    ]  # fmt: skip
+    requests.append(list(history))
+    history += [
+        {"role": "assistant", "content": "Now run the tests.", "reasoning_content": "Looks fine.",
+         "tool_calls": [_call(2, "run", '{"cmd": "pytest -q"}')]},
+        {"role": "tool", "tool_call_id": "c2", "content": out2},
+    ]  # fmt: skip
+    requests.append(list(history))
+    history += [
+        {"role": "assistant", "content": "The bug is fixed."},
+        {"role": "user", "content": "Also add a docstring."},
+    ]
+    requests.append(list(history))  # earlier reasoning disappears from the rendered prompt
+    truncated = [dict(m) for m in history]
+    truncated[3]["content"] = out1[:60] + "\n[... truncated]"
+    requests.append(truncated)  # the framework truncates an old tool output
+    return requests

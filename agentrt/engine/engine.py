@@ -185,8 +185,8 @@ class Engine:
                 yield token
                 return
             yield token
-            if state.num_tokens + 1 >= self.max_context:
-                break
+            if len(gen.token_ids) >= params.max_tokens or state.num_tokens + 1 >= self.max_context:
+                break  # the last sampled token is never fed: no wasted forward pass
             logits = self.decode_step(state, token)
             reuse.after_token(state)
         gen.finish_reason = "length"

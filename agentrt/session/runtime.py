@@ -8,6 +8,7 @@ State reuse between calls follows `cache=`: `semantic` (the state cache, default
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ class Runtime:
         require_tokenizer: bool = False,
         state_max_gb: float | None = None,
         boundaries: dict[str, str | list[str]] | None = None,
-        min_checkpoint_distance: int | None = None,
+        state_cache: StateCacheConfig | None = None,
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -115,7 +116,7 @@ class Runtime:
         tok = load_tokenizer(tok_dir, chat_template) if tok_dir else None
         source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
         engine = Engine(source.model, config)
-        cache_config = _cache_config(state_dir, state_max_gb, min_checkpoint_distance)
+        cache_config = _cache_config(state_cache, state_dir, state_max_gb)
         reuse = _make_reuse(cache, engine, source, tok, boundaries, cache_config)
         return cls(engine, tok, source.name, reuse, seed)
 
@@ -255,15 +256,14 @@ class Runtime:
         self.close()
 
 
-def _cache_config(state_dir, state_max_gb, min_distance) -> StateCacheConfig:
+def _cache_config(base: StateCacheConfig | None, state_dir, state_max_gb) -> StateCacheConfig:
+    """`state_cache` (all settings) with `state_dir` / `state_max_gb` applied on top."""
     changes: dict[str, Any] = {}
     if state_dir is not None:
         changes["state_dir"] = Path(state_dir).expanduser()
     if state_max_gb is not None:
         changes["max_bytes"] = int(float(state_max_gb) * 2**30)
-    if min_distance is not None:
-        changes["min_distance"] = int(min_distance)
-    return StateCacheConfig(**changes)
+    return dataclasses.replace(base or StateCacheConfig(), **changes)
 
 
 def _make_reuse(mode: str, engine: Engine, source, tokenizer, boundaries, config) -> NoReuse:

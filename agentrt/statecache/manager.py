@@ -325,10 +325,20 @@ class StateCache:
         """Positions where a stored checkpoint could apply, longest first (< len(ids))."""
         found = {p: k for p, k in self.boundaries.find(ids) if min_pos < p < len(ids)}
         if self.block_edges:
-            for p in range(BLOCK, len(ids), BLOCK):
-                if p > min_pos:
+            for p in range(BLOCK, self._chunked_prefix(ids) + 1, BLOCK):
+                if min_pos < p < len(ids):
                     found.setdefault(p, "block")
         return sorted(found.items(), reverse=True)
+
+    def _chunked_prefix(self, ids: Sequence[int]) -> int:
+        """Length of the longest prefix of whole blocks whose KV chunks are all stored."""
+        keys = PrefixKeys(self.fp, ids)
+        chunk_keys = [keys.chunk_key(c) for c in range((len(ids) - 1) // BLOCK)]
+        absent = set(self.store.missing_chunks(chunk_keys))
+        for index, ck in enumerate(chunk_keys):
+            if ck in absent and self.ram.get(ck) is None:
+                return index * BLOCK
+        return len(chunk_keys) * BLOCK
 
     def lookup(self, ids: Sequence[int], min_pos: int = 0) -> Hit | None:
         """The longest verified checkpoint for a prefix of `ids` longer than `min_pos`."""
@@ -343,41 +353,45 @@ class StateCache:
         return None
 
     def _restore(self, keys: PrefixKeys, pos: int, kind: str, ids: Sequence[int]) -> Hit | None:
+        """Restore the checkpoint at `pos` (a record, or for attention-only models bare chunks
+        at a block edge); None when absent or corrupt (corrupt records are deleted)."""
         key = keys.key(pos)
-        cached = self.ram.get(key)
-        source = "ram"
-        if cached is None:
-            record = self.store.get_record(key)
-            if record is None:
-                return None
-            if (
-                record.fingerprint != self.fp
-                or record.version != FORMAT_VERSION
-                or record.n_tokens != pos
-            ):
-                return None
-            kind, source = record.kind, "lmdb"
+        entry = self.ram.get(key)  # (kind, blob tensors) from this process
+        source = "ram" if entry is not None else "lmdb"
+        record = self.store.get_record(key) if entry is None else None
+        if entry is not None:
+            kind = entry[0]
+        elif record is not None and self._valid(record, pos):
+            kind = record.kind
+        elif record is None and self.block_edges and pos % BLOCK == 0:
+            kind = "block"  # KV chunks alone hold the state of an attention-only model
         else:
-            kind = cached[0]
+            return None
+        chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
         try:
-            snapshot = self._assemble(
-                key, pos, [keys.chunk_key(c) for c in range(pos // BLOCK)], cached, ids
-            )
+            snapshot = self._assemble(key, pos, chunk_keys, entry, ids, needs_blob=kind != "block")
         except CorruptPayload:
             self.stats["corrupt_deleted"] += 1
             self.ram.drop(key)
             self.store.delete(key)
             return None
-        except KeyError:  # a payload vanished (evicted by another process)
+        except KeyError:  # a payload vanished (evicted, possibly by another process)
             return None
-        if source == "lmdb":
+        if record is not None:
             self.store.touch(key)
         return Hit(pos, kind, snapshot, source)
+
+    def _valid(self, record: Record, pos: int) -> bool:
+        return (
+            record.fingerprint == self.fp
+            and record.version == FORMAT_VERSION
+            and record.n_tokens == pos
+        )
 
     def _alloc(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
-    def _assemble(self, key: bytes, pos: int, chunk_keys: list[bytes], cached, ids) -> Snapshot:
+    def _assemble(self, key, pos, chunk_keys, entry, ids, needs_blob: bool = True) -> Snapshot:
         lay = self.layout
         kv_dtype = getattr(torch, lay.kv_dtype)
         shape = (lay.kv_heads, pos, lay.head_dim)
@@ -387,21 +401,18 @@ class StateCache:
         ]
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
         need = [ck for ck, t in ram_chunks.items() if t is None]
-        blob = cached[1] if cached is not None else None
-        raws, blob_raw = (
-            self.store.read_payloads(key, need) if (need or blob is None) else ([], None)
-        )
-        if any(r is None for r in raws) or (blob is None and blob_raw is None):
+        blob = entry[1] if entry is not None else None
+        raws, blob_raw = self.store.read_payloads(key, need)
+        if any(r is None for r in raws) or (needs_blob and blob is None and blob_raw is None):
             raise KeyError("payload missing")
         raw_of = dict(zip(need, raws, strict=True))
-        jobs = [(c, ck) for c, ck in enumerate(chunk_keys)]
         list(
             self._pool.map(
                 lambda job: self._fill_chunk(kv, job[0], ram_chunks[job[1]], raw_of.get(job[1])),
-                jobs,
+                list(enumerate(chunk_keys)),
             )
         )
-        conv, rec = self._fill_blob(kv, pos, blob, blob_raw)
+        conv, rec = self._fill_blob(kv, pos, blob, blob_raw) if needs_blob else ([], [])
         return Snapshot(pos, kv, conv, rec, tuple(ids[:pos]))
 
     def _fill_chunk(self, kv, index: int, tensors, raw: bytes | None) -> None:

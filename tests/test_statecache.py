@@ -1,0 +1,390 @@
+"""Semantic state cache: transparency (outputs identical to cache="off", cached_tokens exactly
+where a checkpoint could apply), persistence across processes, crash and corruption safety,
+fingerprints, concurrency, eviction, prefix mode, and the `agentrt cache` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+from util import TOOLS, agent_requests
+
+from agentrt import Runtime
+from agentrt.config import StateCacheConfig
+from agentrt.statecache.keys import BLOCK
+from agentrt.statecache.report import verify_all
+from agentrt.statecache.store import Store
+
+HERE = Path(__file__).parent
+
+
+def _config(state_dir: Path, **kw) -> StateCacheConfig:
+    return StateCacheConfig(state_dir=state_dir, min_distance=0, queue_size=10_000, **kw)
+
+
+def _semantic(model: str, state_dir: Path, **kw) -> Runtime:
+    return Runtime.open(model, cache="semantic", state_cache=_config(state_dir, **kw))
+
+
+def _prompt_ids(rt: Runtime, msgs) -> list[int]:
+    text = rt.tokenizer.apply_chat_template(
+        msgs, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    return rt.tokenizer.encode(text, add_special_tokens=False)
+
+
+class _Oracle:
+    """Computes where a checkpoint could apply, from everything the runtime has seen."""
+
+    def __init__(self, boundaries, hybrid: bool) -> None:
+        self.boundaries, self.hybrid = boundaries, hybrid
+        self.saved: list[tuple[list[int], int]] = []  # (sequence, checkpoint position)
+        self.live: list[int] = []
+
+    def expected(self, prompt: list[int]) -> int:
+        best = 0
+        for pos, _ in self.boundaries.find(prompt):
+            if pos < len(prompt) and any(
+                q == pos and s[:pos] == prompt[:pos] for s, q in self.saved
+            ):
+                best = max(best, pos)
+        if not self.hybrid:
+            for pos in range(BLOCK, len(prompt), BLOCK):
+                if any(q >= pos and s[:pos] == prompt[:pos] for s, q in self.saved):
+                    best = max(best, pos)
+        common = 0
+        while common < min(len(self.live), len(prompt) - 1) and self.live[common] == prompt[common]:
+            common += 1
+        if common == len(self.live) or not self.hybrid:
+            best = max(best, common)
+        return best
+
+    def record(self, prompt: list[int], generated: list[int], start: int) -> None:
+        for pos, _ in self.boundaries.find(prompt, start):
+            if pos > start:
+                self.saved.append((prompt, pos))
+        fed = prompt + generated[:-1]
+        for pos in range(len(prompt) + 1, len(fed) + 1):
+            if self.boundaries.ends_with(fed[:pos]):
+                self.saved.append((fed, pos))
+        self.live = fed
+
+
+@pytest.fixture(params=["hybrid", "attention-only"])
+def model(request, tiny_qwen3) -> str:
+    return "tiny" if request.param == "hybrid" else str(tiny_qwen3)
+
+
+def test_semantic_is_transparent_and_reuses_exactly_where_possible(model, tmp_path):
+    off = Runtime.open(model, cache="off")
+    sem = _semantic(model, tmp_path / "state")
+    oracle = _Oracle(sem.reuse.cache.boundaries, hybrid=sem.engine.cfg.is_hybrid)
+    cached = []
+    for tag in ("a", "b"):
+        for msgs in agent_requests(tag, output_len=700):
+            want = off.chat(msgs, tools=TOOLS, max_tokens=10)
+            got = sem.chat(msgs, tools=TOOLS, max_tokens=10)
+            assert got.token_ids == want.token_ids
+            prompt = _prompt_ids(sem, msgs)
+            assert got.usage["cached_tokens"] == oracle.expected(prompt)
+            oracle.record(prompt, got.token_ids, got.usage["cached_tokens"])
+            cached.append(got.usage["cached_tokens"])
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:5])  # every later turn reuses state
+    stats = sem.reuse.cache.stats
+    sem.close()
+    assert stats["dropped_queue_full"] == 0 and stats["write_errors"] == 0
+
+
+def test_reasoning_dropped_and_truncated_outputs_reuse_earlier_boundaries(tmp_path):
+    sem = _semantic("tiny", tmp_path / "state")
+    results = [sem.chat(m, tools=TOOLS, max_tokens=4) for m in agent_requests("x", output_len=700)]
+    first_prompt = _prompt_ids(sem, agent_requests("x")[0])
+    # new user turn: reasoning of earlier turns vanishes; the state after the first prompt applies
+    assert results[3].usage["cached_tokens"] == len(first_prompt)
+    assert results[3].checkpoint == "turn_start"
+    # truncated old tool output: the checkpoint right before that tool message applies
+    assert results[4].checkpoint == "message_end"
+    sem.close()
+
+
+def _run_script(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
+SECOND_PROCESS = """
+    import json, sys
+    from pathlib import Path
+    from agentrt import Runtime
+    from agentrt.config import StateCacheConfig
+    from util import TOOLS, agent_requests
+    config = StateCacheConfig(state_dir=Path(sys.argv[1]), min_distance=0)
+    rt = Runtime.open("tiny", cache="semantic", state_cache=config)
+    res = rt.chat(agent_requests(sys.argv[2], 700)[int(sys.argv[3])], tools=TOOLS, max_tokens=6)
+    print(json.dumps({"cached": res.usage["cached_tokens"], "ids": res.token_ids}))
+"""
+
+
+def test_second_process_reuses_checkpoints(tmp_path):
+    state = tmp_path / "state"
+    sem = _semantic("tiny", state)
+    for msgs in agent_requests("p", 700)[:3]:
+        sem.chat(msgs, tools=TOOLS, max_tokens=6)
+    sem.close()
+    proc = _run_script(SECOND_PROCESS, str(state), "p", "3")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    off = Runtime.open(cache="off").chat(agent_requests("p", 700)[3], tools=TOOLS, max_tokens=6)
+    assert out["cached"] > 0 and out["ids"] == off.token_ids
+
+
+WRITER = """
+    import sys, random
+    from pathlib import Path
+    from agentrt import Runtime
+    from agentrt.config import StateCacheConfig
+    from util import TOOLS, agent_requests
+    state, log = Path(sys.argv[1]), Path(sys.argv[2])
+    config = StateCacheConfig(state_dir=state, min_distance=0, queue_size=10_000)
+    rt = Runtime.open("tiny", cache="semantic", state_cache=config)
+    print("ready", flush=True)
+    for i in range(10_000):
+        tag = f"{sys.argv[3]}-{i}"
+        with log.open("a") as f:
+            f.write(tag + "\\n")
+        for msgs in agent_requests(tag, 500)[:4]:
+            rt.chat(msgs, tools=TOOLS, max_tokens=2)
+"""
+
+
+def test_sigkill_while_writing_never_restores_wrong_state(tmp_path):
+    state, log = tmp_path / "state", tmp_path / "tags.log"
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    rng = random.Random(0)
+    for round_ in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WRITER), str(state), str(log), f"r{round_}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.5, 2.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    store = Store(state, StateCacheConfig().max_bytes)
+    assert store.stats()["records"] > 0
+    assert verify_all(store) == 0  # every committed record decodes and verifies
+    store.close()
+    tags = log.read_text().split()
+    off = Runtime.open(cache="off")
+    sem = _semantic("tiny", state)
+    reused = 0
+    for tag in tags[-3:] + tags[:2]:
+        for msgs in agent_requests(tag, 500)[:4]:
+            got = sem.chat(msgs, tools=TOOLS, max_tokens=3)
+            assert got.token_ids == off.chat(msgs, tools=TOOLS, max_tokens=3).token_ids
+            reused += got.usage["cached_tokens"]
+    assert reused > 0
+    sem.close()
+
+
+def test_corrupted_payload_is_detected_deleted_and_falls_back(tmp_path):
+    state = tmp_path / "state"
+    requests = agent_requests("c", 700)
+    sem = _semantic("tiny", state)
+    for msgs in requests[:3]:
+        sem.chat(msgs, tools=TOOLS, max_tokens=4)
+    sem.close()
+    env = lmdb.open(str(state), max_dbs=8)
+    blobs, records = env.open_db(b"blobs"), env.open_db(b"records")
+    with env.begin(write=True) as txn:
+        keys = [bytes(k) for k, _ in txn.cursor(db=records)]
+        for key in keys:  # flip one byte in every blob
+            value = bytearray(txn.get(key, db=blobs))
+            value[len(value) // 2] ^= 0x40
+            txn.put(key, bytes(value), db=blobs)
+    env.close()
+    sem = _semantic("tiny", state)
+    got = sem.chat(requests[3], tools=TOOLS, max_tokens=4)
+    assert got.usage["cached_tokens"] == 0  # nothing usable is left: full prefill
+    assert (
+        got.token_ids
+        == Runtime.open(cache="off").chat(requests[3], tools=TOOLS, max_tokens=4).token_ids
+    )
+    assert sem.reuse.cache.stats["corrupt_deleted"] >= 1
+    assert not sem.reuse.cache.store.has_record(keys[0]) or len(keys) > 1
+    sem.close()
+
+
+def test_other_model_dtype_or_format_never_matches(tmp_path, monkeypatch, tiny_qwen3):
+    state = tmp_path / "state"
+    requests = agent_requests("f", 700)
+    sem = _semantic("tiny", state)
+    for msgs in requests[:3]:
+        sem.chat(msgs, tools=TOOLS, max_tokens=4)
+    sem.close()
+    other_weights = tmp_path / "tiny-seed1"
+    from agentrt.models.synthetic import write_checkpoint
+    from agentrt.models.tiny import build_tiny, ensure_tiny
+
+    build_tiny(other_weights)
+    write_checkpoint(
+        "tiny",
+        other_weights,
+        seed=1,
+        config_overrides=json.loads((ensure_tiny() / "config.json").read_text()),
+    )
+    for rt in (
+        Runtime.open("tiny", cache="semantic", dtype="bfloat16", state_cache=_config(state)),
+        Runtime.open(str(other_weights), cache="semantic", state_cache=_config(state)),
+    ):
+        assert rt.chat(requests[3], tools=TOOLS, max_tokens=2).usage["cached_tokens"] == 0
+        rt.close()
+    import agentrt.statecache.keys as keys
+
+    monkeypatch.setattr(keys, "FORMAT_VERSION", keys.FORMAT_VERSION + 1)
+    rt = _semantic("tiny", state)
+    assert rt.chat(requests[3], tools=TOOLS, max_tokens=2).usage["cached_tokens"] == 0
+    rt.close()
+    monkeypatch.undo()
+    rt = _semantic("tiny", state)  # the original model still matches
+    assert rt.chat(requests[3], tools=TOOLS, max_tokens=2).usage["cached_tokens"] > 0
+    rt.close()
+
+
+CONCURRENT = """
+    import json, sys
+    from pathlib import Path
+    from agentrt import Runtime
+    from agentrt.config import StateCacheConfig
+    from util import TOOLS, agent_requests
+    config = StateCacheConfig(state_dir=Path(sys.argv[1]), min_distance=0, queue_size=10_000)
+    rt = Runtime.open("tiny", cache="semantic", state_cache=config)
+    for i in range(6):
+        for msgs in agent_requests(f"{sys.argv[2]}-{i}", 500)[:3]:
+            rt.chat(msgs, tools=TOOLS, max_tokens=2)
+    cache = rt.reuse.cache
+    cache.flush()
+    print(json.dumps(dict(cache.stats)))
+    rt.close()
+"""
+
+
+def test_two_processes_share_a_state_dir(tmp_path):
+    state = tmp_path / "state"
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(CONCURRENT), str(state), name],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for name in ("p1", "p2")
+    ]  # fmt: skip
+    stats = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    written = sum(s.get("write_written", 0) for s in stats)
+    assert written > 0 and all(s.get("write_errors", 0) == 0 for s in stats)
+    store = Store(state, StateCacheConfig().max_bytes)
+    assert store.stats()["records"] == written  # nothing lost
+    assert verify_all(store) == 0  # nothing corrupt
+    store.close()
+    sem = _semantic("tiny", state)
+    for name in ("p1", "p2"):
+        assert (
+            sem.chat(agent_requests(f"{name}-0", 500)[2], tools=TOOLS, max_tokens=2).usage[
+                "cached_tokens"
+            ]
+            > 0
+        )
+    sem.close()
+
+
+def test_full_store_evicts_instead_of_failing(tmp_path):
+    state = tmp_path / "state"
+    cap = 2 * 2**20
+    sem = _semantic("tiny", state, max_bytes=cap, ram_bytes=0)
+    for i in range(6):
+        for msgs in agent_requests(f"e{i}", 500)[:3]:
+            sem.chat(msgs, tools=TOOLS, max_tokens=2)
+    cache = sem.reuse.cache
+    cache.flush()
+    assert cache.stats["write_errors"] == 0 and cache.stats["write_written"] > 0
+    assert cache.store.total_bytes() <= cap
+    assert cache.store.stats()["records"] < cache.stats["write_written"]  # some were evicted
+    sem.close()
+
+
+def test_prefix_mode_reuses_only_exact_extensions(tmp_path):
+    from agentrt.engine import SamplingParams
+    from agentrt.engine.reuse import PrefixReuse
+
+    rt = Runtime.open("tiny", cache="prefix")
+    eng, reuse, state = rt.engine, rt.reuse, rt.engine.new_state()
+    assert isinstance(reuse, PrefixReuse)
+    prompt = list(range(10, 300))
+    first = eng.generate(state, prompt, SamplingParams(max_tokens=5), reuse)
+    extended = prompt + first.token_ids + [7, 8, 9]
+    second = eng.generate(state, extended, SamplingParams(max_tokens=5), reuse)
+    assert second.cached_tokens == len(prompt) + 4 and second.checkpoint == "live"
+    edited = list(extended)
+    edited[100] += 1  # an edit inside the history: a hybrid state cannot be cut back
+    assert eng.generate(state, edited, SamplingParams(max_tokens=5), reuse).cached_tokens == 0
+
+
+def test_cache_cli_commands(tmp_path):
+    state = tmp_path / "state"
+    sem = _semantic("tiny", state)
+    for msgs in agent_requests("cli", 500)[:2]:
+        sem.chat(msgs, tools=TOOLS, max_tokens=2)
+    sem.close()
+    cli = [sys.executable, "-m", "agentrt.cli", "cache"]
+
+    def run(*args: str, state_dir: Path = state) -> subprocess.CompletedProcess:
+        cmd = [*cli, *args, "--state-dir", str(state_dir)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    ls = run("ls", "--json", str(tmp_path / "ls.json"))
+    assert ls.returncode == 0 and "turn_start" in ls.stdout
+    rows = json.loads((tmp_path / "ls.json").read_text())
+    assert rows and {"key", "model", "tokens", "kind", "mib", "hits"} <= set(rows[0])
+    stats = run("stats")
+    assert stats.returncode == 0 and "records" in stats.stdout
+    gc = run("gc", "--verify", "--max-gb", "100")
+    assert gc.returncode == 0 and "0 corrupt" in gc.stdout
+    assert run("clear", "--yes").returncode == 0
+    assert "0 checkpoint(s)" in run("ls").stderr
+    missing = run("ls", state_dir=tmp_path / "none")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: no state cache")
+
+
+def test_generated_boundary_tokens_are_checkpointed_during_decode(tmp_path):
+    from agentrt.engine import SamplingParams
+    from agentrt.statecache import Boundaries
+
+    prompt = list(range(20, 400))
+    first = Runtime.open("tiny", cache="off").generate(prompt, max_tokens=3)
+    marker = Boundaries({"tool_call_end": ((first[0],),)})  # pretend the first token closes a call
+    writer = _semantic("tiny", tmp_path / "state")
+    writer.reuse.cache.boundaries = marker
+    assert writer.generate(prompt, max_tokens=3) == first
+    writer.close()
+    reader = _semantic("tiny", tmp_path / "state", ram_bytes=0)
+    reader.reuse.cache.boundaries = marker
+    eng = reader.engine
+    gen = eng.generate(
+        eng.new_state(), prompt + first[:2] + [5], SamplingParams(max_tokens=2), reader.reuse
+    )
+    assert gen.cached_tokens == len(prompt) + 1 and gen.checkpoint == "tool_call_end"
+    reader.close()
