@@ -235,3 +235,142 @@ def _compare(kernel, backend, logits, ref, greedy, ref_greedy) -> dict[str, Any]
         "greedy_tokens_identical_prefix": same,
         "greedy_tokens": len(ref_greedy),
     }
+
+
+# ----------------------------------------------------------------------------- state cache
+
+
+def _timed(device: str, fn):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def statecache(
+    spec, device, dtype, lengths, state_dir, seed, capture_every: int = 2000
+) -> dict[str, Any]:
+    """Checkpoint sizes, writer throughput, restore latency (LMDB / RAM tier) vs recompute, and
+    prefill overhead of capture, for one long random prompt per length."""
+    import shutil
+    from pathlib import Path
+
+    from agentrt.config import StateCacheConfig
+    from agentrt.statecache import Boundaries, StateCache
+    from agentrt.statecache.manager import layout_for
+
+    dtype = dtype or EngineConfig.default_dtype(device)
+    source = open_model(spec, device, torch_dtype(dtype), seed=seed)
+    engine = Engine(source.model, EngineConfig(device=device, dtype=dtype))
+    marker = engine.cfg.vocab_size - 1  # a token that ends a "message": checkpoints go after it
+    bounds = Boundaries({"message_end": ((marker,),)})
+    root = Path(state_dir)
+    shutil.rmtree(root, ignore_errors=True)
+    config = StateCacheConfig(
+        state_dir=root, max_bytes=64 * 2**30, ram_bytes=16 * 2**30, min_distance=0, queue_size=64
+    )
+    layout = layout_for(engine.cfg, engine.dtype)
+
+    def open_cache(ram: int = config.ram_bytes) -> StateCache:
+        cfg = StateCacheConfig(**{**config.__dict__, "ram_bytes": ram})
+        return StateCache(
+            cfg,
+            b"bench-" + spec.encode(),
+            spec,
+            layout,
+            bounds,
+            not engine.cfg.is_hybrid,
+            engine.device,
+        )
+
+    cache = open_cache()
+    runs = []
+    for length in lengths:
+        runs.append(
+            _statecache_run(engine, cache, open_cache, marker, length, seed, capture_every, device)
+        )
+    cache.close()
+    info = {"bench": "statecache", "model": spec, "device": device, "dtype": dtype}
+    return {**info, "machine": machine(), "capture_every": capture_every, "runs": runs}
+
+
+def _statecache_run(
+    engine, cache, open_cache, marker, length, seed, every, device
+) -> dict[str, Any]:
+    ids = random_ids(engine.cfg.vocab_size - 1, length, seed + length)
+    ids[-2] = marker  # boundary: checkpoint at length-1, the last token stays to prefill
+    many = list(range(every, length - 1, every))
+    for p in many:
+        ids[p - 1] = marker
+    target = length - 1
+    state = engine.new_state(capacity=length + 16)
+    engine.prefill(state, ids[:2048])  # warm-up
+    t_plain, logits = _timed(device, lambda: engine.prefill(_reset(state), ids))
+    t_end, _ = _timed(device, lambda: _prefill_capture(engine, cache, _reset(state), ids, [target]))
+    seconds0, raw0 = cache.stats["write_seconds"], cache.stats["raw_bytes_written"]
+    t_write, _ = _timed(device, cache.flush)
+    written_s = cache.stats["write_seconds"] - seconds0
+    written_raw = cache.stats["raw_bytes_written"] - raw0
+    record = cache.store.get_record(_key(cache, ids, target))
+    t_many, _ = _timed(
+        device, lambda: _prefill_capture(engine, cache, _reset(state), ids, many + [target])
+    )
+    cache.flush()
+    t_ram, hit_ram = _timed(device, lambda: _restore(cache, state, ids))
+    fresh = open_cache(0)
+    t_lmdb, hit_lmdb = _timed(device, lambda: _restore(fresh, state, ids))
+    check = engine.prefill(state, ids[target:])
+    fresh.close()
+    raw = layout_bytes(cache.layout, target)
+    return {
+        "prompt_tokens": length, "checkpoint_tokens": target,
+        "recompute_s": t_plain, "prefill_capture_end_s": t_end,
+        "capture_overhead_end": t_end / t_plain - 1,
+        "captures_many": len(many) + 1, "prefill_capture_many_s": t_many,
+        "capture_overhead_many": t_many / t_plain - 1,
+        "writer_flush_s": t_write,
+        "writer_busy_s": written_s,
+        "writer_mib_s": written_raw / 2**20 / written_s if written_s > 0 else None,
+        "snapshot_bytes": record.blob_bytes if record else None,
+        "kv_chunk_bytes": record.chunk_bytes if record else None,
+        "raw_bytes": raw,
+        "restore_ram_s": t_ram, "restore_lmdb_s": t_lmdb,
+        "restore_sources": [hit_ram, hit_lmdb],
+        "speedup_ram": t_plain / t_ram, "speedup_lmdb": t_plain / t_lmdb,
+        "restored_logits_max_abs_diff": float((check.float() - logits.float()).abs().max()),
+    }  # fmt: skip
+
+
+def layout_bytes(layout, tokens: int) -> int:
+    linear = layout.num_linear * (
+        layout.conv_shape[0] * layout.conv_shape[1] * 2
+        + 4 * layout.rec_shape[0] * layout.rec_shape[1] * layout.rec_shape[2]
+    )
+    return tokens * layout.kv_token_bytes() + linear
+
+
+def _reset(state):
+    state.reset()
+    return state
+
+
+def _key(cache, ids, pos):
+    from agentrt.statecache.keys import PrefixKeys
+
+    return PrefixKeys(cache.fp, ids).key(pos)
+
+
+def _prefill_capture(engine, cache, state, ids, positions):
+    engine.prefill(state, ids, capture=positions)
+    for pos in positions:
+        conv, rec = state.linear_at(pos)
+        cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec)
+
+
+def _restore(cache, state, ids) -> str | None:
+    hit = cache.lookup(ids)
+    if hit is None:
+        return None
+    state.import_(hit.snapshot)
+    return hit.source

@@ -434,6 +434,39 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     )
 
 
+@bench.command("statecache")
+@_bench_options
+@click.option(
+    "--lengths",
+    default="8192,32768,65536",
+    show_default=True,
+    callback=_csv_ints,
+    help="Comma-separated prefix lengths.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default="bench-state",
+    show_default=True,
+    help="Scratch state directory (emptied first).",
+)
+@click.option(
+    "--capture-every",
+    type=click.IntRange(min=1),
+    default=2000,
+    show_default=True,
+    help="Spacing of the boundaries in the many-checkpoints prefill.",
+)
+def bench_statecache(
+    model, device, dtype, linear_attn, seed, eager, json_out, lengths, state_dir, capture_every
+):
+    """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead."""
+    from agentrt import bench as b
+
+    dev = resolve_device(device)
+    _report(b.statecache(model, dev, dtype, lengths, state_dir, seed, capture_every), json_out)
+
+
 # ----------------------------------------------------------------------------- cache
 
 

@@ -96,3 +96,33 @@ def test_cuda_graph_decode_matches_eager(kernel):
             graph_logits - eager_logits
         ).abs().max().item() < 0.05 * eager_logits.abs().max().item()
     assert engines[0].decode_graph.enabled
+
+
+def test_state_cache_restore_on_cuda(tmp_path):
+    """Checkpoints captured on CUDA (pinned, non-blocking copies) restore to the same logits."""
+    from agentrt import Runtime
+    from agentrt.config import StateCacheConfig
+    from agentrt.engine import SamplingParams
+
+    cfg = StateCacheConfig(state_dir=tmp_path / "state", min_distance=0)
+    rt = Runtime.open("tiny", device="cuda", cache="semantic", state_cache=cfg)
+    marker = rt.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = list(range(10, 900)) + [marker] + list(range(20, 40))
+    eng = rt.engine
+    full = eng.prefill(eng.new_state(), prompt + [7], all_logits=True)[-1]
+    eng.generate(rt._live_state(), prompt, SamplingParams(max_tokens=2), rt.reuse)
+    rt.reuse.cache.flush()
+    for ram in (rt.reuse.cache.config.ram_bytes, 0):
+        rt2 = Runtime.open(
+            "tiny",
+            device="cuda",
+            cache="semantic",
+            state_cache=StateCacheConfig(**{**cfg.__dict__, "ram_bytes": ram}),
+        )
+        state = rt2.engine.new_state()
+        start, kind = rt2.reuse.begin(state, prompt + [7])
+        assert start == 891 and kind == "message_end"
+        logits = rt2.engine.prefill(state, (prompt + [7])[start:])
+        assert (logits - full).abs().max().item() < 0.1 * full.abs().max().item()
+        rt2.close()
+    rt.close()

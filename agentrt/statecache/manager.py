@@ -264,6 +264,11 @@ class StateCache:
     def _write(self, job: _Job) -> None:
         if job.event is not None:
             job.event.synchronize()
+        t0 = time.perf_counter()
+        self._commit(job)
+        self.stats["write_seconds"] += time.perf_counter() - t0
+
+    def _commit(self, job: _Job) -> None:
         tail = job.pos - (job.pos // BLOCK) * BLOCK
         tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
         blob = tail_kv + job.conv + job.rec
@@ -300,6 +305,10 @@ class StateCache:
         self.stats[f"write_{result}"] += 1
         if result == "written":
             self.stats["bytes_written"] += len(blob_payload) + chunk_bytes
+            self.stats["raw_bytes_written"] += _nbytes(blob) + sum(
+                _nbytes(self._chunk_from_job(job, job.chunk_keys.index(ck)) or [])
+                for ck in payloads
+            )
             with self._lock:
                 self._known.update(job.chunk_keys)
 
