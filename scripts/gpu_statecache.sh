@@ -11,7 +11,7 @@ else
   export PYTHONPATH=$PWD
 fi
 export AGENTRT_HOME=/tmp/agentrt-home PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 -m pytest -q -rs tests/test_gpu.py -k "statecache or graph or chunked" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+python3 -m pytest -q -rs tests/test_gpu.py -k "state_cache or graph or chunked" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
   --lengths 8192,32768,65536 --state-dir /tmp/bench-state --json "$OUT/statecache.json" > "$OUT/statecache.log" 2>&1
 tail -5 "$OUT/statecache.log"
