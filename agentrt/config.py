@@ -369,6 +369,7 @@ class StateCacheConfig:
     queue_size: int = 8  # background writer queue; a full queue drops checkpoints
     compress_level: int = 1
     workers: int = 4  # decompression threads
+    staging_bytes: int = 2 * GIB  # pinned host ring for device->host checkpoint copies (CUDA)
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.ram_bytes < 0:

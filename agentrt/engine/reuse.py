@@ -77,10 +77,13 @@ class SemanticReuse(PrefixReuse):
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         live = self.live_length(state, prompt)
-        hit = self.cache.lookup(prompt, min_pos=live)
+        hit = self.cache.restore_into(prompt, live, state.kv_caches(), state.linear_caches())
         if hit is None:
+            if self.cache.dirty:  # a corrupt candidate overwrote part of the live state
+                state.reset()
+                return 0, None
             return super().begin(state, prompt)
-        state.import_(hit.snapshot)
+        state.adopt(prompt[: hit.pos])
         return hit.pos, hit.kind
 
     def capture_positions(self, prompt: Sequence[int], start: int) -> dict[int, str]:

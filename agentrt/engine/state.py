@@ -9,6 +9,7 @@ The state knows token ids only, never text, and nothing about storage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +110,11 @@ class SequenceState:
             cache.recurrent.copy_(rec, non_blocking=True)
             cache.captured.clear()
         self.token_ids = list(snap.token_ids)
+
+    def adopt(self, token_ids: Sequence[int]) -> None:
+        """Declare that the caches now hold the state after `token_ids` (filled externally)."""
+        self.token_ids = list(token_ids)
+        self.clear_captures()
 
     @torch.inference_mode()
     def truncate(self, pos: int) -> None:

@@ -8,7 +8,7 @@ drops the checkpoint (counted); prefill never waits on disk.
 
 Restoring: candidates are the boundaries of the new prompt (plus 256-token block edges for
 attention-only models), longest first; the first record whose payloads verify is decoded on
-worker threads into (pinned) host tensors and returned as a `Snapshot`. Corrupt records are
+worker threads, each copying its chunks straight into the device KV caches. Corrupt records are
 deleted and the next candidate is tried. Recent payloads also live in an in-process RAM tier.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.config import ModelConfig, StateCacheConfig
-from agentrt.models.cache import KVCache, Snapshot
+from agentrt.models.cache import KVCache, LinearCache
 from agentrt.statecache.boundaries import Boundaries
 from agentrt.statecache.codec import (
     CorruptPayload,
@@ -39,6 +39,7 @@ from agentrt.statecache.codec import (
     unpack,
 )
 from agentrt.statecache.keys import BLOCK, FORMAT_VERSION, PrefixKeys
+from agentrt.statecache.staging import PinnedRing
 from agentrt.statecache.store import Store
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -64,7 +65,6 @@ def layout_for(cfg: ModelConfig, dtype: torch.dtype) -> Layout:
 class Hit:
     pos: int
     kind: str
-    snapshot: Snapshot
     source: str  # "ram" | "lmdb"
 
 
@@ -79,6 +79,7 @@ class _Job:
     conv: list[torch.Tensor]
     rec: list[torch.Tensor]
     event: torch.cuda.Event | None
+    region: tuple[int, int] | None = None  # pinned staging region holding kv/conv/rec
     new_chunks: list[bytes] = field(default_factory=list)
 
 
@@ -145,6 +146,7 @@ class StateCache:
         self.ram = _RamTier(config.ram_bytes)
         self.stats: Counter[str] = Counter()
         self.last_error: str | None = None
+        self.dirty = False  # the last restore_into wrote into the caches and then failed
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # chunk keys present in LMDB
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
@@ -152,10 +154,16 @@ class StateCache:
         self._pool = ThreadPoolExecutor(
             max_workers=config.workers, thread_name_prefix="agentrt-restore"
         )
+        self._ring = PinnedRing(config.staging_bytes) if device.type == "cuda" else None
         self._writer = threading.Thread(target=self._write_loop, name="agentrt-writer", daemon=True)
         self._writer.start()
         self._closed = False
         atexit.register(self.close)
+
+    def wait_staging(self, timeout: float | None = None) -> None:
+        """Block until the pinned staging ring is allocated (it is allocated in the background)."""
+        if self._ring is not None:
+            self._ring.ready.wait(timeout)
 
     # ------------------------------------------------------------------ capture
 
@@ -219,23 +227,42 @@ class StateCache:
         return [ck for ck in unsure if ck in missing]
 
     def _copy_out(self, key, pos, kind, chunk_keys, lo, kv_caches, conv, rec) -> _Job:
-        on_cuda = self.device.type == "cuda"
-
-        def host(t: torch.Tensor) -> torch.Tensor:
-            if not on_cuda:
-                return t.detach().clone()
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            out.copy_(t, non_blocking=True)
-            return out
-
+        """Host copies of what the job needs: into the pinned ring (asynchronous, ordered on the
+        current stream) when there is room, else into ordinary memory (synchronous)."""
         with torch.inference_mode():
-            kv = [(host(c.k[:, lo:pos]), host(c.v[:, lo:pos])) for c in kv_caches]
-            conv_h, rec_h = [host(c) for c in conv], [host(r) for r in rec]
+            sources = (
+                [t for c in kv_caches for t in (c.k[:, lo:pos], c.v[:, lo:pos])]
+                + list(conv)
+                + list(rec)
+            )
+            region = self._ring.alloc(PinnedRing.span(sources)) if self._ring is not None else None
+            if region is None:
+                if self._ring is not None:
+                    self.stats["staging_full"] += 1
+                hosts = [t.to("cpu", copy=True) for t in sources]
+            else:
+                hosts = self._ring.views(region, sources)
+                for host, src in zip(hosts, sources, strict=True):
+                    host.copy_(src, non_blocking=True)
             event = None
-            if on_cuda:
+            if region is not None:
                 event = torch.cuda.Event()
                 event.record()
-        return _Job(key, pos, kind, chunk_keys, lo, kv, conv_h, rec_h, event)
+        n_kv = 2 * len(kv_caches)
+        kv = list(zip(hosts[0:n_kv:2], hosts[1:n_kv:2], strict=True))
+        n_conv = len(conv)
+        return _Job(
+            key,
+            pos,
+            kind,
+            chunk_keys,
+            lo,
+            kv,
+            hosts[n_kv : n_kv + n_conv],
+            hosts[n_kv + n_conv :],
+            event,
+            region,
+        )
 
     # ------------------------------------------------------------------ writer thread
 
@@ -265,6 +292,13 @@ class StateCache:
         if job.event is not None:
             job.event.synchronize()
         t0 = time.perf_counter()
+        try:
+            if job.region is not None:  # keep staged data only as long as needed
+                job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
+                job.conv, job.rec = [c.clone() for c in job.conv], [r.clone() for r in job.rec]
+        finally:
+            if job.region is not None:
+                self._ring.free(job.region)
         self._commit(job)
         self.stats["write_seconds"] += time.perf_counter() - t0
 
@@ -349,11 +383,20 @@ class StateCache:
                 return index * BLOCK
         return len(chunk_keys) * BLOCK
 
-    def lookup(self, ids: Sequence[int], min_pos: int = 0) -> Hit | None:
-        """The longest verified checkpoint for a prefix of `ids` longer than `min_pos`."""
+    def restore_into(
+        self,
+        ids: Sequence[int],
+        min_pos: int,
+        kv_caches: Sequence[KVCache],
+        linear: Sequence[LinearCache],
+    ) -> Hit | None:
+        """Fill the caches with the longest verified checkpoint for a prefix of `ids` longer than
+        `min_pos`. Returns None (caches untouched) when there is none, or when every candidate
+        that was tried turned out corrupt (caches then hold garbage: the caller resets them)."""
         keys = PrefixKeys(self.fp, ids)
+        self.dirty = False
         for pos, kind in self.candidates(ids, min_pos):
-            hit = self._restore(keys, pos, kind, ids)
+            hit = self._restore(keys, pos, kind, kv_caches, linear)
             if hit is not None:
                 self.stats[f"hits_{hit.source}"] += 1
                 self.stats["restored_tokens"] += pos
@@ -361,9 +404,9 @@ class StateCache:
         self.stats["misses"] += 1
         return None
 
-    def _restore(self, keys: PrefixKeys, pos: int, kind: str, ids: Sequence[int]) -> Hit | None:
-        """Restore the checkpoint at `pos` (a record, or for attention-only models bare chunks
-        at a block edge); None when absent or corrupt (corrupt records are deleted)."""
+    def _restore(self, keys: PrefixKeys, pos: int, kind: str, kv_caches, linear) -> Hit | None:
+        """Load the checkpoint at `pos` (a record, or for attention-only models bare chunks at a
+        block edge); None when absent or corrupt (corrupt records are deleted)."""
         key = keys.key(pos)
         entry = self.ram.get(key)  # (kind, blob tensors) from this process
         source = "ram" if entry is not None else "lmdb"
@@ -378,9 +421,10 @@ class StateCache:
             return None
         chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
         try:
-            snapshot = self._assemble(key, pos, chunk_keys, entry, ids, needs_blob=kind != "block")
+            self._fill(key, pos, chunk_keys, entry, kv_caches, linear, needs_blob=kind != "block")
         except CorruptPayload:
             self.stats["corrupt_deleted"] += 1
+            self.dirty = True
             self.ram.drop(key)
             self.store.delete(key)
             return None
@@ -388,7 +432,7 @@ class StateCache:
             return None
         if record is not None:
             self.store.touch(key)
-        return Hit(pos, kind, snapshot, source)
+        return Hit(pos, kind, source)
 
     def _valid(self, record: Record, pos: int) -> bool:
         return (
@@ -397,51 +441,50 @@ class StateCache:
             and record.n_tokens == pos
         )
 
-    def _alloc(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
-
-    def _assemble(self, key, pos, chunk_keys, entry, ids, needs_blob: bool = True) -> Snapshot:
-        lay = self.layout
-        kv_dtype = getattr(torch, lay.kv_dtype)
-        shape = (lay.kv_heads, pos, lay.head_dim)
-        kv = [
-            (self._alloc(shape, kv_dtype), self._alloc(shape, kv_dtype))
-            for _ in range(lay.num_attn)
-        ]
+    def _fill(self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool) -> None:
+        """Read what RAM lacks from LMDB, then decode chunks on worker threads, each copying
+        straight into the device caches; finally the blob (tail KV, conv, recurrent)."""
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
         need = [ck for ck, t in ram_chunks.items() if t is None]
         blob = entry[1] if entry is not None else None
         raws, blob_raw = self.store.read_payloads(key, need)
         if any(r is None for r in raws) or (needs_blob and blob is None and blob_raw is None):
             raise KeyError("payload missing")
+        if needs_blob and blob is None:
+            blob = self._decode_blob(blob_raw, pos)
         raw_of = dict(zip(need, raws, strict=True))
-        list(
-            self._pool.map(
-                lambda job: self._fill_chunk(kv, job[0], ram_chunks[job[1]], raw_of.get(job[1])),
-                list(enumerate(chunk_keys)),
-            )
-        )
-        conv, rec = self._fill_blob(kv, pos, blob, blob_raw) if needs_blob else ([], [])
-        return Snapshot(pos, kv, conv, rec, tuple(ids[:pos]))
+        with torch.inference_mode():
+            for cache in kv_caches:
+                cache.reserve(pos, 0)
+            jobs = list(enumerate(chunk_keys))
+            fill = lambda job: self._fill_chunk(
+                kv_caches, job[0], ram_chunks[job[1]], raw_of.get(job[1])
+            )  # noqa: E731
+            list(self._pool.map(fill, jobs))
+            if needs_blob:
+                self._fill_blob(kv_caches, linear, pos, blob)
 
-    def _fill_chunk(self, kv, index: int, tensors, raw: bytes | None) -> None:
+    def _fill_chunk(self, kv_caches, index: int, tensors, raw: bytes | None) -> None:
         if tensors is None:
-            pairs = chunk_tensors(unpack(raw), self.layout)
-            tensors = [t for pair in pairs for t in pair]
+            tensors = [t for pair in chunk_tensors(unpack(raw), self.layout) for t in pair]
         lo = index * BLOCK
-        for i, (k, v) in enumerate(kv):
-            k[:, lo : lo + BLOCK].copy_(tensors[2 * i])
-            v[:, lo : lo + BLOCK].copy_(tensors[2 * i + 1])
+        with torch.inference_mode():
+            for i, cache in enumerate(kv_caches):
+                cache.k[:, lo : lo + BLOCK].copy_(tensors[2 * i])
+                cache.v[:, lo : lo + BLOCK].copy_(tensors[2 * i + 1])
 
-    def _fill_blob(self, kv, pos: int, blob, raw: bytes | None):
+    def _decode_blob(self, raw: bytes, pos: int) -> list[torch.Tensor]:
         tail = pos - (pos // BLOCK) * BLOCK
-        if blob is None:
-            tail_kv, conv, rec = blob_tensors(unpack(raw), self.layout, tail)
-            blob = [t for pair in tail_kv for t in pair] + conv + rec
-        n_kv = 2 * self.layout.num_attn
-        for i, (k, v) in enumerate(kv):
-            k[:, pos - tail : pos].copy_(blob[2 * i])
-            v[:, pos - tail : pos].copy_(blob[2 * i + 1])
-        linear = blob[n_kv:]
-        n_lin = self.layout.num_linear
-        return [t.clone() for t in linear[:n_lin]], [t.clone() for t in linear[n_lin:]]
+        tail_kv, conv, rec = blob_tensors(unpack(raw), self.layout, tail)
+        return [t for pair in tail_kv for t in pair] + conv + rec
+
+    def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor]) -> None:
+        tail = pos - (pos // BLOCK) * BLOCK
+        for i, cache in enumerate(kv_caches):
+            cache.k[:, pos - tail : pos].copy_(blob[2 * i])
+            cache.v[:, pos - tail : pos].copy_(blob[2 * i + 1])
+        states = blob[2 * len(kv_caches) :]
+        for j, cache in enumerate(linear):
+            cache.conv.copy_(states[j])
+            cache.recurrent.copy_(states[len(linear) + j])
+            cache.captured.clear()
