@@ -388,3 +388,38 @@ def test_generated_boundary_tokens_are_checkpointed_during_decode(tmp_path):
     )
     assert gen.cached_tokens == len(prompt) + 1 and gen.checkpoint == "tool_call_end"
     reader.close()
+
+
+def _assert_bitwise_equal(a, b) -> None:
+    assert a.num_tokens == b.num_tokens and a.token_ids == b.token_ids
+    pairs = list(zip(a.kv, b.kv, strict=True))
+    tensors = [(x, y) for (ka, va), (kb, vb) in pairs for x, y in ((ka, kb), (va, vb))]
+    tensors += list(zip(a.conv + a.recurrent, b.conv + b.recurrent, strict=True))
+    for x, y in tensors:
+        assert x.dtype == y.dtype and x.cpu().equal(y.cpu())
+
+
+@pytest.mark.parametrize("ram", [True, False])
+def test_restored_state_is_bitwise_the_captured_state(tmp_path, ram):
+    """Restore copies bytes: the state after restore equals the state captured, exactly."""
+    from agentrt.engine.reuse import SemanticReuse
+
+    sem = _semantic("tiny", tmp_path / "state")
+    eng = sem.engine
+    marker = sem.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = list(range(30, 900)) + [marker] + list(range(40, 60))
+    pos = 871
+    state = eng.new_state()
+    eng.prefill(state, prompt, capture=[pos])
+    captured = state.export(pos)
+    conv, rec = state.linear_at(pos)
+    sem.reuse.cache.save(prompt, pos, "message_end", state.kv_caches(), conv, rec)
+    sem.reuse.cache.flush()
+    reader = sem if ram else _semantic("tiny", tmp_path / "state", ram_bytes=0)
+    assert isinstance(reader.reuse, SemanticReuse)
+    fresh = eng.new_state()
+    start, kind = reader.reuse.begin(fresh, prompt)
+    assert (start, kind) == (pos, "message_end")
+    _assert_bitwise_equal(fresh.export(), captured)
+    sem.close()
+    reader.close()

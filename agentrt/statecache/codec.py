@@ -76,17 +76,20 @@ def decode_record(data: bytes) -> Record:
 # ----------------------------------------------------------------------------- compression
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
     cache = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True)
-    return cache[level]
+    if (level, threads) not in cache:
+        cache[level, threads] = zstandard.ZstdCompressor(
+            level=level, write_checksum=True, threads=threads
+        )
+    return cache[level, threads]
 
 
-def pack(raw: bytes | memoryview, level: int = 1) -> bytes:
-    comp = _compressor(level).compress(raw)
+def pack(raw: bytes | memoryview, level: int = 1, threads: int = 0) -> bytes:
+    """Frame a payload; `threads` > 0 compresses large inputs on that many zstd worker threads."""
+    comp = _compressor(level, threads).compress(raw)
     return _HEAD.pack(MAGIC, zlib.crc32(comp), len(raw)) + comp
 
 

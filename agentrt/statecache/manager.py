@@ -316,12 +316,14 @@ class StateCache:
                 with self._lock:
                     self._known.discard(ck)
                 return
-            payloads[ck] = pack(tensors_to_bytes(tensors), self.config.compress_level)
+            payloads[ck] = pack(
+                tensors_to_bytes(tensors), self.config.compress_level, self.config.workers
+            )
         for index, ck in enumerate(job.chunk_keys):
             tensors = self._chunk_from_job(job, index)
             if tensors is not None:
                 self.ram.put(ck, tensors, _nbytes(tensors))
-        blob_payload = pack(tensors_to_bytes(blob), self.config.compress_level)
+        blob_payload = pack(tensors_to_bytes(blob), self.config.compress_level, self.config.workers)
         now = time.time()
         chunk_bytes = sum(map(len, payloads.values()))
         record = Record(
@@ -442,8 +444,9 @@ class StateCache:
         )
 
     def _fill(self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool) -> None:
-        """Read what RAM lacks from LMDB, then decode chunks on worker threads, each copying
-        straight into the device caches; finally the blob (tail KV, conv, recurrent)."""
+        """Read what RAM lacks from LMDB, decode chunks on worker threads into host buffers laid
+        out like the caches, upload them with one copy per tensor, then the blob (tail KV, conv,
+        recurrent states)."""
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
         need = [ck for ck, t in ram_chunks.items() if t is None]
         blob = entry[1] if entry is not None else None
@@ -456,22 +459,48 @@ class StateCache:
         with torch.inference_mode():
             for cache in kv_caches:
                 cache.reserve(pos, 0)
-            jobs = list(enumerate(chunk_keys))
-            fill = lambda job: self._fill_chunk(
-                kv_caches, job[0], ram_chunks[job[1]], raw_of.get(job[1])
-            )  # noqa: E731
-            list(self._pool.map(fill, jobs))
+            full = len(chunk_keys) * BLOCK
+            targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
+            staged, region = self._stage_for_upload(targets)
+
+            def fill(job) -> None:
+                index, ck = job
+                self._fill_chunk(staged, index, ram_chunks[ck], raw_of.get(ck))
+
+            list(self._pool.map(fill, list(enumerate(chunk_keys))))
+            self._upload(staged, targets, region)
             if needs_blob:
                 self._fill_blob(kv_caches, linear, pos, blob)
 
-    def _fill_chunk(self, kv_caches, index: int, tensors, raw: bytes | None) -> None:
+    def _stage_for_upload(self, targets: list[torch.Tensor]):
+        """Host buffers to assemble device-bound KV in: the targets themselves on CPU, else a
+        pinned ring region when free, else ordinary memory."""
+        if self.device.type != "cuda":
+            return targets, None
+        region = self._ring.alloc(PinnedRing.span(targets)) if self._ring is not None else None
+        if region is not None:
+            return self._ring.views(region, targets), region
+        return [torch.empty(t.shape, dtype=t.dtype) for t in targets], None
+
+    def _upload(self, staged: list[torch.Tensor], targets: list[torch.Tensor], region) -> None:
+        if staged is targets:
+            return
+        for host, dev in zip(staged, targets, strict=True):
+            dev.copy_(host, non_blocking=region is not None)
+        if region is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._ring.free(region)
+
+    def _fill_chunk(
+        self, staged: list[torch.Tensor], index: int, tensors, raw: bytes | None
+    ) -> None:
+        """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers."""
         if tensors is None:
             tensors = [t for pair in chunk_tensors(unpack(raw), self.layout) for t in pair]
         lo = index * BLOCK
         with torch.inference_mode():
-            for i, cache in enumerate(kv_caches):
-                cache.k[:, lo : lo + BLOCK].copy_(tensors[2 * i])
-                cache.v[:, lo : lo + BLOCK].copy_(tensors[2 * i + 1])
+            for dest, src in zip(staged, tensors, strict=True):
+                dest[:, lo : lo + BLOCK].copy_(src)
 
     def _decode_blob(self, raw: bytes, pos: int) -> list[torch.Tensor]:
         tail = pos - (pos // BLOCK) * BLOCK
