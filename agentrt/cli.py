@@ -162,6 +162,16 @@ def _json_path(ctx, param, value: str | None) -> str | None:
     return value
 
 
+json_option = click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=_json_path,
+    help="Also write the result as JSON to this file.",
+)
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="agentrt")
 def main() -> None:
@@ -179,14 +189,7 @@ def main() -> None:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    callback=_json_path,
-    help="Write the result as JSON.",
-)
+@json_option
 def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, **opts) -> None:
     """Run one chat turn for MESSAGE and stream the reply to the terminal."""
     rt = open_runtime(opts, require_tokenizer=True)
@@ -287,9 +290,7 @@ def model_make(arch, size, out, seed, dtype, force) -> None:
 
 @model.command("info")
 @click.argument("model_spec")
-@click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
-)
+@json_option
 def model_info(model_spec: str, json_out) -> None:
     """Describe MODEL_SPEC (a directory, 'tiny' or 'synthetic:NAME') without loading weights."""
     from agentrt.models.info import describe
@@ -326,9 +327,7 @@ def _bench_options(fn):
         click.option(
             "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
         ),
-        click.option(
-            "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
-        ),
+        json_option,
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -496,9 +495,7 @@ def _open_store(state_dir: str | None, must_exist: bool = True):
 
 @cache.command("ls")
 @_state_dir_option
-@click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
-)
+@json_option
 def cache_ls(state_dir, json_out) -> None:
     """List stored checkpoints, most recently used first."""
     from agentrt.statecache.report import list_rows
@@ -517,9 +514,7 @@ def cache_ls(state_dir, json_out) -> None:
 
 @cache.command("stats")
 @_state_dir_option
-@click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=_json_path
-)
+@json_option
 def cache_stats(state_dir, json_out) -> None:
     """Totals: records, chunks, bytes, hits, per model."""
     from agentrt.statecache.report import stats

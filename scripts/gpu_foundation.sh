@@ -3,14 +3,7 @@
 # decode throughput of the qwen3.5-35b-a3b-shaped synthetic model, all on the GPU (no offload),
 # with and without fla. Usage (device tool): bash scripts/gpu_foundation.sh  (writes into $OUT).
 set -u
-OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
-export AGENTRT_HOME=/tmp/agentrt-home PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'; \
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; } \
   > "$OUT/machine.txt" 2>&1

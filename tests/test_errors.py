@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
+from util import run_cli
 
 from agentrt import Runtime
 from agentrt.errors import (
@@ -59,22 +58,7 @@ def test_bad_model_dirs(tmp_path, hf_qwen3, case):
     path, exc_type, words = _bad_dirs(tmp_path, hf_qwen3)[case]
     with pytest.raises(exc_type, match=words):
         Runtime.open(model=str(path))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrt.cli",
-            "chat",
-            "--model",
-            str(path),
-            "--device",
-            "cpu",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("chat", "--model", str(path), "--device", "cpu", "hi", timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
@@ -97,22 +81,7 @@ def test_cli_prompt_too_long(tmp_path):
     small = _copy(ensure_tiny(), tmp_path / "tiny_small_ctx")
     cfg = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrt.cli",
-            "chat",
-            "--model",
-            str(small),
-            "--device",
-            "cpu",
-            "word " * 100,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("chat", "--model", str(small), "--device", "cpu", "word " * 100, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: prompt has ") and "Traceback" not in proc.stderr
 
@@ -147,41 +116,14 @@ def test_cuda_requested_without_cuda():
 
 
 def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrt.cli",
-            "model",
-            "info",
-            "tiny",
-            "--json",
-            str(tmp_path / "no" / "x.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("model", "info", "tiny", "--json", str(tmp_path / "no" / "x.json"), timeout=120)
     assert (
         proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     )
 
 
 def test_cli_chat_needs_a_tokenizer_before_loading(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrt.cli",
-            "chat",
-            "--model",
-            "synthetic:qwen3-30b-a3b",
-            "--device",
-            "cpu",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_cli(
+        "chat", "--model", "synthetic:qwen3-30b-a3b", "--device", "cpu", "hi", timeout=120
     )
     assert proc.returncode == 2 and "has no tokenizer" in proc.stderr

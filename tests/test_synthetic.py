@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from util import open_engine, random_ids
+from util import open_engine, random_ids, run_cli
 
 from agentrt.models.loader import load_model
 from agentrt.models.synthetic import (
@@ -74,9 +74,7 @@ def test_different_seed_gives_different_weights(tmp_path):
 
 def test_model_make_and_info_cli(tmp_path):
     out = tmp_path / "made"
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "agentrt.cli", *args], capture_output=True, text=True, timeout=300
-    )  # noqa: E731
+    run = run_cli
     made = run("model", "make", "--arch", "qwen3_moe", "--size", "tiny", "-o", str(out))
     assert made.returncode == 0, made.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}

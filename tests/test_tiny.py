@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from util import run_cli
 
 from agentrt.models.tiny import SPECIAL_TOKENS, build_tiny, ensure_tiny
 from agentrt.session.tokenizer import load_tokenizer
@@ -89,22 +89,15 @@ def test_tiny_template_renders_tools_reasoning_and_outputs():
 
 def test_cli_chat_on_fresh_home(tmp_path):
     env = dict(os.environ, AGENTRT_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentrt.cli",
-            "chat",
-            "--model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--max-tokens",
-            "8",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_cli(
+        "chat",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "8",
+        "hi",
         env=env,
         timeout=300,
     )

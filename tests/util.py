@@ -65,3 +65,12 @@ def agent_requests(tag: str = "", output_len: int = 400) -> list[list[dict]]:
     truncated[3]["content"] = out1[:60] + "\n[... truncated]"
     requests.append(truncated)  # the framework truncates an old tool output
     return requests
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300):
+    """Run `python -m agentrt.cli ARGS...` and capture its output (text)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "agentrt.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)

@@ -27,52 +27,6 @@ from agentrt.models import FP32_PARAMS, build_empty, torch_dtype
 from agentrt.models.layers import CausalLM
 
 INIT_STD = 0.02
-_TINY_Q35 = dict(
-    model_type="qwen3_5_moe_text",
-    vocab_size=2048,
-    hidden_size=128,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=64,
-    shared_expert_intermediate_size=64,
-    max_position_embeddings=262144,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-    },
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    dtype="float32",
-)
-_TINY_Q3 = dict(
-    model_type="qwen3_moe",
-    vocab_size=2048,
-    hidden_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=64,
-    intermediate_size=256,
-    norm_topk_prob=True,
-    max_position_embeddings=262144,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    dtype="float32",
-)
 _Q35_35B = dict(
     model_type="qwen3_5_moe_text",
     vocab_size=248320,
@@ -120,6 +74,39 @@ _Q3_30B = dict(
     tie_word_embeddings=False,
     dtype="bfloat16",
     eos_token_id=151645,
+)
+# The tiny sizes keep each real model's structure at toy widths (fp32, long context for traces).
+_TINY_SHAPE = dict(
+    vocab_size=2048,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=64,
+    max_position_embeddings=262144,
+    dtype="float32",
+)
+_TINY_Q35 = (
+    {k: v for k, v in _Q35_35B.items() if k != "eos_token_id"}
+    | _TINY_SHAPE
+    | dict(
+        num_hidden_layers=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        shared_expert_intermediate_size=64,
+    )
+)
+_TINY_Q3 = (
+    {k: v for k, v in _Q3_30B.items() if k != "eos_token_id"}
+    | _TINY_SHAPE
+    | dict(
+        num_hidden_layers=4,
+        intermediate_size=256,
+    )
 )
 
 SIZES: dict[str, dict] = {
