@@ -327,10 +327,13 @@ def _statecache_run(
     recomputed = engine.prefill(state, ids[target:])
     raw = layout_bytes(cache.layout, target)
     return {
-        "prompt_tokens": length, "checkpoint_tokens": target,
-        "recompute_s": t_plain, "prefill_capture_end_s": t_end,
+        "prompt_tokens": length,
+        "checkpoint_tokens": target,
+        "recompute_s": t_plain,
+        "prefill_capture_end_s": t_end,
         "capture_overhead_end": t_end / t_plain - 1,
-        "captures_many": len(many) + 1, "prefill_capture_many_s": t_many,
+        "captures_many": len(many) + 1,
+        "prefill_capture_many_s": t_many,
         "capture_overhead_many": t_many / t_plain - 1,
         "writer_flush_s": t_write,
         "writer_busy_s": written_s,
@@ -338,13 +341,15 @@ def _statecache_run(
         "snapshot_bytes": record.blob_bytes if record else None,
         "kv_chunk_bytes": record.chunk_bytes if record else None,
         "raw_bytes": raw,
-        "restore_ram_s": t_ram, "restore_lmdb_s": t_lmdb,
+        "restore_ram_s": t_ram,
+        "restore_lmdb_s": t_lmdb,
         "restore_sources": [hit_ram, hit_lmdb],
-        "speedup_ram": t_plain / t_ram, "speedup_lmdb": t_plain / t_lmdb,
+        "speedup_ram": t_plain / t_ram,
+        "speedup_lmdb": t_plain / t_lmdb,
         "restored_vs_recomputed_max_abs_diff": float((restored - recomputed).abs().max()),
         "restored_vs_one_pass_max_abs_diff": float((restored - logits).abs().max()),
         "max_abs_logit": float(logits.abs().max()),
-    }  # fmt: skip
+    }
 
 
 def layout_bytes(layout, tokens: int) -> int:
@@ -380,3 +385,53 @@ def _restore(cache, state, ids) -> str | None:
         return None
     state.adopt(ids[: hit.pos])
     return hit.source
+
+
+# ----------------------------------------------------------------------------- TTFT over traces
+
+
+def ttft(rt, load, modes, variants, max_tokens, run) -> dict[str, Any]:
+    """Replay the same traces in every cache mode (fresh state directory each) on one runtime.
+
+    `load(drop_reasoning)` returns the traces; `run(traces, target, label)` returns a report.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from agentrt.config import StateCacheConfig
+    from agentrt.replay.replay import local_target
+
+    reports: dict[str, list[dict]] = {}
+    for variant in variants:
+        traces = load(variant == "dropped")
+        reports[variant] = []
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="agentrt-ttft-") as state_dir:
+                rt.set_cache(mode, StateCacheConfig(state_dir=Path(state_dir)))
+                rep = run(traces, local_target(rt), f"{variant}/{mode}")
+                rt.set_cache("off")
+            reports[variant].append(rep)
+    return {
+        "bench": "ttft",
+        "machine": machine(),
+        "max_tokens": max_tokens,
+        "reports": reports,
+        "ratios": _ttft_ratios(reports),
+    }
+
+
+def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
+    """How many times lower semantic TTFT is than each baseline (p50, p99, max), per variant."""
+    out = {}
+    for variant, reps in reports.items():
+        by_mode = {r["summary"]["cache"]: r["summary"]["ttft_s"] for r in reps}
+        if "semantic" not in by_mode:
+            continue
+        for base in ("off", "prefix"):
+            if base in by_mode:
+                for stat in ("p50", "p99", "max"):
+                    sem = by_mode["semantic"][stat]
+                    out[f"{variant}:{base}/semantic:{stat}"] = (
+                        by_mode[base][stat] / sem if sem > 0 else 0.0
+                    )
+    return out

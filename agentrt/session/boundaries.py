@@ -47,19 +47,25 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, list[str]]:
     return out
 
 
-def resolve(tokenizer, overrides: Mapping[str, str | list[str]] | None = None) -> Boundaries:
-    """Boundaries for `tokenizer`: its family's defaults, with `overrides` replacing kinds."""
+def boundary_texts(
+    tokenizer, overrides: Mapping[str, str | list[str]] | None = None
+) -> dict[str, list[str]]:
+    """kind -> strings for `tokenizer`: its family's defaults, `overrides` replacing kinds."""
     if tokenizer is None:
-        return Boundaries({})
+        return {}
     texts = dict(FAMILIES[detect_family(tokenizer)])
     for kind, value in (overrides or {}).items():
         if kind not in BOUNDARY_KINDS:
-            raise InvalidArgumentError(
-                f"unknown boundary kind {kind!r}; known: {', '.join(BOUNDARY_KINDS)}"
-            )
+            known = ", ".join(BOUNDARY_KINDS)
+            raise InvalidArgumentError(f"unknown boundary kind {kind!r}; known: {known}")
         texts[kind] = [value] if isinstance(value, str) else list(value)
+    return texts
+
+
+def resolve(tokenizer, overrides: Mapping[str, str | list[str]] | None = None) -> Boundaries:
+    """Boundaries (token ids) for `tokenizer`: see `boundary_texts`."""
     seqs = {}
-    for kind, strings in texts.items():
+    for kind, strings in boundary_texts(tokenizer, overrides).items():
         ids = [tuple(tokenizer.encode(s, add_special_tokens=False)) for s in strings]
         seqs[kind] = tuple(i for i in ids if i)
     return Boundaries(seqs)

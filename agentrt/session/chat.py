@@ -148,6 +148,19 @@ def render(
     return text
 
 
+def forced_tool_text(tokenizer, tool_choice) -> str:
+    """Text appended after the assistant header to force a tool call (`required` / named)."""
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    newline = "" if "<tool_output>" in tokenizer.get_vocab() else "\n"  # tiny vs Qwen/ChatML layout
+    opener = CALL_OPEN + newline
+    if isinstance(tool_choice, dict):
+        return (
+            opener + '{"name": ' + json.dumps(tool_choice["function"]["name"]) + ', "arguments": '
+        )
+    return opener
+
+
 def opens_in_reasoning(generation_prompt: str) -> bool:
     """True when the assistant header the template appends leaves `<think>` open."""
     return generation_prompt.rfind(THINK_OPEN) > generation_prompt.rfind(THINK_CLOSE)
@@ -281,6 +294,7 @@ class OutputParser:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # schemas, to type XML-style parameters
+    parse_tools: bool = True  # False (tool_choice "none"): tool-call markup stays content
 
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text
@@ -290,11 +304,9 @@ class OutputParser:
         return events
 
     def _markers(self) -> tuple[str, ...]:
-        return {
-            "content": (THINK_OPEN, CALL_OPEN),
-            "reasoning": (THINK_CLOSE,),
-            "tool_call": (CALL_CLOSE,),
-        }[self.mode]
+        if self.mode == "content":
+            return (THINK_OPEN, CALL_OPEN) if self.parse_tools else (THINK_OPEN,)
+        return (THINK_CLOSE,) if self.mode == "reasoning" else (CALL_CLOSE,)
 
     def _step(self, events: list[ChatEvent]) -> bool:
         """Consume up to the next marker; return True if a marker was found."""

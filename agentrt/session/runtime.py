@@ -22,6 +22,7 @@ from agentrt.session.chat import (
     ChatResult,
     Detokenizer,
     OutputParser,
+    forced_tool_text,
     generation_suffix,
     normalize_messages,
     opens_in_reasoning,
@@ -61,15 +62,42 @@ def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
 class Runtime:
     """A model ready to generate: `Runtime.open(...)`, then `generate` / `chat`, then `close`."""
 
-    def __init__(self, engine: Engine, tokenizer, name: str, reuse: NoReuse, seed: int) -> None:
+    def __init__(self, engine: Engine, tokenizer, source, seed: int, boundaries=None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = name
-        self.reuse = reuse
-        self.cache = reuse.mode
+        self.model_name = source.name
         self.seed = seed
+        self._source = source
+        self._boundaries = boundaries  # user overrides of boundary strings
         self._stop_ids: tuple[int, ...] | None = None
         self._state = None  # one live sequence, reused so its buffers (and CUDA graph) persist
+        self.reuse: NoReuse = NoReuse()
+
+    @property
+    def cache(self) -> str:
+        return self.reuse.mode
+
+    def set_cache(self, mode: str, state_cache: StateCacheConfig | None = None) -> None:
+        """Switch the reuse mode (closing the previous state cache); the live state is dropped."""
+        if mode not in CACHE_MODES:
+            raise InvalidArgumentError(
+                f"cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}"
+            )
+        self.reuse.close()
+        self._state = None
+        config = state_cache or StateCacheConfig()
+        self.reuse = _make_reuse(
+            mode, self.engine, self._source, self.tokenizer, self._boundaries, config
+        )
+
+    def checkpoint_label(self, kind: str | None) -> str | None:
+        """How a reused checkpoint is reported: its boundary text, or "live" / "block"."""
+        from agentrt.session.boundaries import boundary_texts
+
+        if kind is None:
+            return None
+        texts = boundary_texts(self.tokenizer, self._boundaries).get(kind)
+        return texts[0] if texts else kind
 
     @classmethod
     def open(
@@ -117,8 +145,9 @@ class Runtime:
         source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
         engine = Engine(source.model, config)
         cache_config = _cache_config(state_cache, state_dir, state_max_gb)
-        reuse = _make_reuse(cache, engine, source, tok, boundaries, cache_config)
-        return cls(engine, tok, source.name, reuse, seed)
+        rt = cls(engine, tok, source, seed, boundaries)
+        rt.set_cache(cache, cache_config)
+        return rt
 
     # ------------------------------------------------------------------ token level
 
@@ -176,16 +205,28 @@ class Runtime:
         stop: str | Sequence[str] | None = None,
         stream: bool = False,
         seed: int | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
     ) -> ChatResult | Iterator[ChatEvent]:
-        """One assistant turn for OpenAI-shaped `messages`; `stream=True` yields `ChatEvent`s."""
+        """One assistant turn for OpenAI-shaped `messages`; `stream=True` yields `ChatEvent`s.
+
+        `tool_choice`: "auto" (default), "none" (tool-call markup is returned as content),
+        "required" or {"type": "function", "function": {"name": N}} (the reply is started as a
+        tool call, for that tool when named)."""
         tok = self._require_tokenizer()
         msgs = normalize_messages(messages)
         tools = _check_tools(tools)
         prompt = render(tok, msgs, tools)
-        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        forced = forced_tool_text(tok, tool_choice)
+        prompt_ids = tok.encode(prompt + forced, add_special_tokens=False)
         params = _params(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
-        reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt))
-        events = self._chat_events(prompt_ids, params, _check_stop(stop), reasoning, tools)
+        reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt)) and not forced
+        parser = OutputParser(
+            mode="reasoning" if reasoning else "content",
+            tools=tools,
+            parse_tools=tool_choice != "none",
+        )
+        parser.feed(forced)
+        events = self._chat_events(prompt_ids, params, _check_stop(stop), parser)
         if stream:
             return events
         for event in events:
@@ -194,10 +235,9 @@ class Runtime:
         raise RuntimeError("chat ended without a result")  # unreachable
 
     def _chat_events(
-        self, prompt_ids, params: SamplingParams, stops: list[str], reasoning: bool, tools
+        self, prompt_ids, params: SamplingParams, stops: list[str], parser: OutputParser
     ) -> Iterator[ChatEvent]:
         gen = Generation()
-        parser = OutputParser(mode="reasoning" if reasoning else "content", tools=tools)
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
         hit = False
         for token in self.engine.stream(self._live_state(), prompt_ids, params, gen, self.reuse):
@@ -237,7 +277,7 @@ class Runtime:
         """Flush pending checkpoints and release the model (GPU memory back to the allocator)."""
         if self.reuse is not None:
             self.reuse.close()
-        self.reuse = None  # type: ignore[assignment]
+        self.reuse = NoReuse()
         self._state = None
         self.engine = None  # type: ignore[assignment]
         self.tokenizer = None

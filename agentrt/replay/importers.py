@@ -1,0 +1,209 @@
+"""Importers of recorded agent sessions into the trace format.
+
+- `tau-bench`: historical trajectories (a JSON list of {task_id, trial, traj}); every assistant
+  turn of a trajectory becomes one request carrying the history before it. Tool schemas are not
+  in those files, so they are inferred from the calls (names and argument types).
+- `openhands`: LLM-call logs, one JSON file per call (`messages`, `tools`, response, timestamp);
+  the files of one directory (or the files given) form one session, ordered by timestamp.
+- `mini-swe-agent`: `.traj.json` run artifacts; every assistant turn becomes one request. The tool
+  schema comes from a `tools.json` beside the file (or is inferred).
+Only OpenAI chat fields are kept in messages (framework bookkeeping such as `extra` is dropped).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agentrt.replay.trace import FORMAT, Header, Request, Response, Trace, TraceError
+
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+FORMATS = ("tau-bench", "openhands", "mini-swe-agent")
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: not valid JSON: {exc}") from None
+
+
+def clean_message(msg: dict[str, Any]) -> dict[str, Any]:
+    out = {k: msg[k] for k in MESSAGE_KEYS if k in msg and msg[k] is not None}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {k: c[k] for k in ("id", "type", "function") if k in c} for c in out["tool_calls"]
+        ]
+    elif "tool_calls" in out:
+        del out["tool_calls"]
+    if out.get("role") == "assistant" and out.get("reasoning_content") == "":
+        del out["reasoning_content"]
+    return out
+
+
+def _response(msg: dict[str, Any], usage: dict | None = None) -> Response:
+    return Response(
+        content=msg.get("content") if isinstance(msg.get("content"), str) else None,
+        reasoning_content=msg.get("reasoning_content") or None,
+        tool_calls=clean_message(msg).get("tool_calls"),
+        usage=usage,
+    )
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "string"
+
+
+def infer_tools(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Minimal function schemas from the tool calls seen (for logs that lack them)."""
+    props: dict[str, dict[str, str]] = {}
+    for msg in messages:
+        for call in msg.get("tool_calls") or []:
+            fn = call.get("function", {})
+            name = fn.get("name")
+            if not name:
+                continue
+            try:
+                args = json.loads(fn.get("arguments") or "{}")
+            except ValueError:
+                args = {}
+            entry = props.setdefault(name, {})
+            for key, value in args.items() if isinstance(args, dict) else []:
+                entry.setdefault(key, _json_type(value))
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": f"{name} (schema inferred from recorded calls)",
+                "parameters": {
+                    "type": "object",
+                    "properties": {k: {"type": t} for k, t in p.items()},
+                },
+            },
+        }
+        for name, p in sorted(props.items())
+    ]
+
+
+def _turn_requests(
+    messages: list[dict[str, Any]], tools, prefix: str, usages=None
+) -> list[Request]:
+    """One request per assistant message: the history before it, and it as the response."""
+    clean = [clean_message(m) for m in messages]
+    requests = []
+    for i, msg in enumerate(clean):
+        if msg.get("role") != "assistant" or i == 0:
+            continue
+        usage = usages[i] if usages else None
+        requests.append(
+            Request(
+                f"{prefix}-{len(requests)}",
+                clean[:i],
+                tools,
+                response=_response(messages[i], usage),
+            )
+        )
+    return requests
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def import_tau_bench(path: Path) -> list[Trace]:
+    data = _load_json(path)
+    if not isinstance(data, list) or not all(isinstance(e, dict) and "traj" in e for e in data):
+        raise TraceError(f"{path}: expected a list of tau-bench trajectories with a 'traj' field")
+    traces = []
+    for entry in data:
+        traj = entry["traj"]
+        tools = infer_tools(traj)
+        name = f"tau-bench-{path.stem}-task{entry.get('task_id')}-trial{entry.get('trial', 0)}"
+        header = Header(
+            FORMAT,
+            "tau-bench",
+            f"{path.name} task {entry.get('task_id')} trial {entry.get('trial')}",
+        )
+        traces.append(Trace(header, _turn_requests(traj, tools, name), f"{name}.jsonl"))
+    return traces
+
+
+def import_mini_swe_agent(path: Path) -> list[Trace]:
+    data = _load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise TraceError(f"{path}: expected a mini-swe-agent .traj.json with 'messages'")
+    messages = data["messages"]
+    tools_file = path.with_name("tools.json")
+    tools = _load_json(tools_file) if tools_file.is_file() else infer_tools(messages)
+    usages = [((m.get("extra") or {}).get("response") or {}).get("usage") for m in messages]
+    name = f"mini-swe-agent-{data.get('instance_id') or path.stem}"
+    header = Header(FORMAT, "mini-swe-agent", f"{path.name} ({data.get('trajectory_format', '')})")
+    return [Trace(header, _turn_requests(messages, tools, name, usages), f"{name}.jsonl")]
+
+
+def _openhands_call(path: Path) -> dict[str, Any]:
+    data = _load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise TraceError(f"{path}: expected an OpenHands LLM log with 'messages'")
+    return data
+
+
+def import_openhands(paths: list[Path]) -> list[Trace]:
+    """A directory is one session; loose files given together form one session."""
+    groups: list[tuple[str, list[Path]]] = []
+    loose = [p for p in paths if p.is_file()]
+    for p in paths:
+        if p.is_dir():
+            groups.append((p.name, sorted(p.glob("*.json"))))
+    if loose:
+        groups.append((loose[0].parent.name, loose))
+    return [_openhands_session(name, files) for name, files in groups if files]
+
+
+def _openhands_session(name: str, files: list[Path]) -> Trace:
+    calls = sorted(
+        (_openhands_call(f) for f in files), key=lambda c: float(c.get("timestamp") or 0)
+    )
+    start = float(calls[0].get("timestamp") or 0)
+    requests = []
+    for i, call in enumerate(calls):
+        choice = ((call.get("response") or {}).get("choices") or [{}])[0]
+        usage = (call.get("response") or {}).get("usage")
+        requests.append(
+            Request(
+                f"openhands-{name}-{i}",
+                [clean_message(m) for m in call["messages"]],
+                call.get("tools") or None,
+                t=round(float(call.get("timestamp") or start) - start, 3),
+                response=_response(choice.get("message") or {}, usage),
+            )
+        )
+    header = Header(FORMAT, "openhands", f"OpenHands LLM-call log {name} ({len(calls)} calls)")
+    return Trace(header, requests, f"openhands-{name}.jsonl")
+
+
+def import_traces(fmt: str, inputs: list[Path]) -> list[Trace]:
+    missing = [str(p) for p in inputs if not p.exists()]
+    if missing:
+        raise TraceError(f"input not found: {', '.join(missing)}")
+    if fmt == "tau-bench":
+        return [t for p in inputs for t in import_tau_bench(p)]
+    if fmt == "mini-swe-agent":
+        files = [f for p in inputs for f in (sorted(p.glob("*.traj.json")) if p.is_dir() else [p])]
+        return [t for f in files for t in import_mini_swe_agent(f)]
+    if fmt == "openhands":
+        return import_openhands(inputs)
+    raise TraceError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")

@@ -1,0 +1,268 @@
+"""Replay traces on the local runtime or against an OpenAI-compatible endpoint, measuring TTFT at
+the first content / reasoning / tool-call delta of each streamed reply, and build the replay
+report of DESIGN §2 (plus a terminal table and an optional PNG plot).
+
+Replay sends each request exactly as recorded; it never feeds its own generations back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrt.errors import AgentrtError
+from agentrt.replay.trace import Request, Trace
+
+
+@dataclass
+class Row:
+    index: int
+    trace: str
+    id: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    completion_tokens: int
+    decode_s: float
+    checkpoint: str | None
+    output_token_ids: list[int] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "index": self.index,
+            "trace": self.trace,
+            "id": self.id,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "ttft_s": self.ttft_s,
+            "completion_tokens": self.completion_tokens,
+            "checkpoint": self.checkpoint,
+        }
+        if self.output_token_ids is not None:
+            out["output_token_ids"] = self.output_token_ids
+        return out
+
+
+@dataclass
+class Target:
+    """Where requests go; `send` returns one report row (minus index/trace)."""
+
+    name: str
+    cache: str
+    device: str
+    send: Callable[[Request, int], dict[str, Any]] = field(repr=False)
+
+
+# ----------------------------------------------------------------------------- local runtime
+
+
+def local_target(rt) -> Target:
+    """Replay on an open `Runtime`; checkpoints are reported by their boundary text."""
+
+    def send(req: Request, max_tokens: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ttft = None
+        result = None
+        for ev in rt.chat(req.messages, tools=req.tools, max_tokens=max_tokens, stream=True):
+            if ev.type == "done":
+                result = ev.result
+            elif ttft is None:
+                ttft = time.perf_counter() - t0
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        return {
+            "prompt_tokens": result.usage["prompt_tokens"],
+            "cached_tokens": result.usage["cached_tokens"],
+            "ttft_s": ttft,
+            "completion_tokens": result.usage["completion_tokens"],
+            "decode_s": result.timings["decode_s"],
+            "checkpoint": rt.checkpoint_label(result.checkpoint),
+            "output_token_ids": result.token_ids,
+        }
+
+    return Target(rt.model_name, rt.cache, str(rt.engine.device), send)
+
+
+# ----------------------------------------------------------------------------- HTTP endpoint
+
+
+def _sse_events(response) -> Iterator[dict[str, Any]]:
+    for raw in response:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            yield json.loads(data)
+        except ValueError:
+            continue
+
+
+def _has_delta(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            return True
+    return False
+
+
+def endpoint_target(
+    url: str, model: str, api_key: str | None = None, timeout: float = 3600
+) -> Target:
+    """Replay against `url` (an OpenAI-compatible server), streaming."""
+    base = url.rstrip("/")
+    endpoint = (
+        base
+        if base.endswith("/chat/completions")
+        else f"{base.removesuffix('/v1')}/v1/chat/completions"
+    )
+
+    def send(req: Request, max_tokens: int) -> dict[str, Any]:
+        body = {
+            "model": model,
+            "messages": req.messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if req.tools:
+            body["tools"] = req.tools
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        http_req = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
+        t0 = time.perf_counter()
+        ttft, t_last, usage = None, None, {}
+        try:
+            with urllib.request.urlopen(http_req, timeout=timeout) as response:
+                for chunk in _sse_events(response):
+                    if _has_delta(chunk):
+                        t_last = time.perf_counter()
+                        ttft = ttft if ttft is not None else t_last - t0
+                    usage = chunk.get("usage") or usage
+        except urllib.error.HTTPError as exc:
+            raise AgentrtError(
+                f"{endpoint}: HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise AgentrtError(f"{endpoint}: {exc}") from None
+        end = time.perf_counter()
+        ttft = ttft if ttft is not None else end - t0
+        details = usage.get("prompt_tokens_details") or {}
+        return {
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": details.get("cached_tokens") or 0,
+            "ttft_s": ttft,
+            "completion_tokens": usage.get("completion_tokens", 0),
+            "decode_s": (t_last or end) - (t0 + ttft),
+            "checkpoint": None,
+        }
+
+    return Target(f"{model} @ {base}", "unknown", "remote", send)
+
+
+# ----------------------------------------------------------------------------- replay + report
+
+
+def replay(traces: list[Trace], target: Target, max_tokens: int, progress=None) -> list[Row]:
+    rows: list[Row] = []
+    for trace in traces:
+        for req in trace.requests:
+            limit = min(req.max_tokens, max_tokens) if req.max_tokens else max_tokens
+            row = target.send(req, limit)
+            rows.append(Row(index=len(rows), trace=trace.name, id=req.id, **row))
+            if progress is not None:
+                progress(rows[-1])
+    return rows
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100])."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def report(rows: list[Row], target: Target) -> dict[str, Any]:
+    ttft = [r.ttft_s for r in rows]
+    decode_s = sum(r.decode_s for r in rows)
+    decoded = sum(max(r.completion_tokens - 1, 0) for r in rows)
+    prompt = sum(r.prompt_tokens for r in rows)
+    cached = sum(r.cached_tokens for r in rows)
+    summary = {
+        "requests": len(rows),
+        "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)}
+        | {"max": max(ttft, default=0.0)},
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefilled_tokens": prompt - cached,
+        "decode_tok_s": decoded / decode_s if decode_s > 0 else 0.0,
+        "model": target.name,
+        "cache": target.cache,
+        "device": target.device,
+    }
+    return {"summary": summary, "requests": [r.as_dict() for r in rows]}
+
+
+_COLUMNS = (("cache", 10), ("requests", 9), ("p50 s", 9), ("p90 s", 9), ("p99 s", 9), ("max s", 9),
+            ("cached tok", 12), ("prefilled", 11))  # fmt: skip
+
+
+def summary_table(reports: list[dict[str, Any]]) -> str:
+    """A terminal table of TTFT percentiles and token counts, one line per report."""
+    head = "".join(
+        f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(_COLUMNS)
+    )
+    lines = [head, "-" * len(head)]
+    for rep in reports:
+        s, t = rep["summary"], rep["summary"]["ttft_s"]
+        cells = [s["cache"], s["requests"], t["p50"], t["p90"], t["p99"], t["max"]]
+        cells += [s["cached_tokens"], s["prefilled_tokens"]]
+        line = ""
+        for i, (value, (_, w)) in enumerate(zip(cells, _COLUMNS, strict=True)):
+            text = f"{value:.3f}" if isinstance(value, float) else str(value)
+            line += f"{text:<{w}}" if i == 0 else f"{text:>{w}}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(reports: list[dict[str, Any]], path: str, title: str = "TTFT per request") -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise AgentrtError("--plot needs matplotlib: pip install 'agentrt[plot]'") from None
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for rep in reports:
+        xs = [r["index"] for r in rep["requests"]]
+        ax.plot(
+            xs,
+            [r["ttft_s"] for r in rep["requests"]],
+            marker=".",
+            label=f"cache={rep['summary']['cache']}",
+        )
+    ax.set_xlabel("request")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,145 @@
+"""The trace format: `.jsonl` (optionally `.jsonl.zst`), a header line then one request per line,
+each exactly as the agent framework sent it (DESIGN §2). msgspec schemas; malformed lines raise
+`TraceError` naming the file and line. Also the transforms that model what frameworks do to
+context: drop earlier reasoning, truncate old tool outputs."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentrt.errors import AgentrtError
+
+FORMAT = 1
+
+
+class TraceError(AgentrtError):
+    """A trace file is missing or malformed."""
+
+
+class Header(msgspec.Struct, omit_defaults=True):
+    agentrt_trace: int
+    source: str = ""
+    description: str = ""
+
+
+class Response(msgspec.Struct, omit_defaults=True):
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    usage: dict[str, Any] | None = None
+
+
+class Request(msgspec.Struct, omit_defaults=True):
+    id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    t: float | None = None
+    response: Response | None = None
+
+
+class Trace(msgspec.Struct):
+    header: Header
+    requests: list[Request]
+    path: str = ""
+
+    @property
+    def name(self) -> str:
+        base = Path(self.path).name
+        return base.removesuffix(".zst").removesuffix(".jsonl") or self.header.source or "trace"
+
+
+# ----------------------------------------------------------------------------- reading / writing
+
+_header_decoder = msgspec.json.Decoder(Header)
+_request_decoder = msgspec.json.Decoder(Request)
+
+
+def _open_text(path: Path) -> Iterable[str]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        try:
+            raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
+        except zstandard.ZstdError as exc:
+            raise TraceError(f"{path}: not a valid zstd file: {exc}") from None
+    try:
+        return raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text: {exc}") from None
+
+
+def read_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    lines = [(i, line) for i, line in enumerate(_open_text(path), 1) if line.strip()]
+    if not lines:
+        raise TraceError(f"{path}: empty trace")
+    first_no, first = lines[0]
+    try:
+        header = _header_decoder.decode(first)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TraceError(
+            f'{path}:{first_no}: bad header ({exc}); expected {{"agentrt_trace": 1, ...}}'
+        ) from None
+    if header.agentrt_trace != FORMAT:
+        raise TraceError(f"{path}:{first_no}: unsupported trace format {header.agentrt_trace}")
+    requests = []
+    for number, line in lines[1:]:
+        try:
+            requests.append(_request_decoder.decode(line))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise TraceError(f"{path}:{number}: {exc}") from None
+    return Trace(header, requests, str(path))
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = b"\n".join(msgspec.json.encode(x) for x in [trace.header, *trace.requests]) + b"\n"
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        body = zstandard.ZstdCompressor(level=10).compress(body)
+    path.write_bytes(body)
+    return path
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def drop_reasoning(trace: Trace) -> Trace:
+    """Frameworks that do not send reasoning back: remove `reasoning_content` from history."""
+    requests = []
+    for req in trace.requests:
+        msgs = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in req.messages]
+        requests.append(msgspec.structs.replace(req, messages=msgs))
+    header = msgspec.structs.replace(
+        trace.header, description=f"{trace.header.description} [reasoning dropped]"
+    )
+    return Trace(header, requests, trace.path)
+
+
+def truncate_tool_outputs(trace: Trace, max_chars: int, keep_last: int = 2) -> Trace:
+    """Truncate tool outputs older than the last `keep_last` ones to `max_chars` characters."""
+    requests = []
+    for req in trace.requests:
+        msgs = copy.deepcopy(req.messages)
+        tools = [m for m in msgs if m.get("role") == "tool" and isinstance(m.get("content"), str)]
+        for m in tools[: max(len(tools) - keep_last, 0)]:
+            if len(m["content"]) > max_chars:
+                m["content"] = m["content"][:max_chars] + "\n[... output truncated]"
+        requests.append(msgspec.structs.replace(req, messages=msgs))
+    header = msgspec.structs.replace(
+        trace.header, description=f"{trace.header.description} [tool outputs truncated]"
+    )
+    return Trace(header, requests, trace.path)

@@ -1,0 +1,2 @@
+"""OpenAI-compatible HTTP server (DESIGN §2): `/v1/chat/completions` (streaming and not),
+`/v1/models`, `/health`, `/metrics`. One engine worker thread serves requests in arrival order."""

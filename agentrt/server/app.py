@@ -1,0 +1,328 @@
+"""The Starlette application: routes, API-key check, body size limit, OpenAI-style errors,
+chat completions (JSON or server-sent events), models, health and Prometheus metrics.
+Bad input always becomes a 4xx answer; the process keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentrt.errors import AgentrtError, PromptTooLongError
+from agentrt.server import schema
+from agentrt.server.worker import DONE, EngineWorker, Job, QueueFull
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = 32 * 2**20
+    queue_size: int = 16
+
+
+def error(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind=None
+) -> JSONResponse:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass
+class Metrics:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counters: dict[str, float] = field(default_factory=dict)
+    ttft_counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    ttft_sum: float = 0.0
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self.lock:
+            self.counters[name] = self.counters.get(name, 0) + value
+
+    def observe_ttft(self, seconds: float) -> None:
+        with self.lock:
+            index = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
+            self.ttft_counts[index] += 1
+            self.ttft_sum += seconds
+
+    def render(self, queue_depth: int) -> str:
+        with self.lock:
+            lines, typed = [], set()
+            for name, value in sorted(self.counters.items()):
+                metric, _, label = name.partition("|")
+                if metric not in typed:
+                    typed.add(metric)
+                    lines.append(f"# TYPE agentrt_{metric} counter")
+                lines.append(f"agentrt_{metric}{'{' + label + '}' if label else ''} {value:g}")
+            lines.append("# TYPE agentrt_ttft_seconds histogram")
+            running = 0
+            for bound, count in zip([*TTFT_BUCKETS, "+Inf"], self.ttft_counts, strict=True):
+                running += count
+                lines.append(f'agentrt_ttft_seconds_bucket{{le="{bound}"}} {running}')
+            lines.append(f"agentrt_ttft_seconds_sum {self.ttft_sum:g}")
+            lines.append(f"agentrt_ttft_seconds_count {running}")
+            lines.append("# TYPE agentrt_queue_depth gauge")
+            lines.append(f"agentrt_queue_depth {queue_depth}")
+        return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- response shapes
+
+
+def _usage(result) -> dict[str, Any]:
+    u = result.usage
+    return {
+        "prompt_tokens": u["prompt_tokens"],
+        "completion_tokens": u["completion_tokens"],
+        "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+    }
+
+
+def _message(result) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": result.content}
+    if result.reasoning_content:
+        msg["reasoning_content"] = result.reasoning_content
+    if result.tool_calls:
+        msg["tool_calls"] = result.tool_calls
+    return msg
+
+
+def _delta(event, call_index: int) -> dict[str, Any]:
+    if event.type == "reasoning":
+        return {"reasoning_content": event.text}
+    if event.type == "content":
+        return {"content": event.text}
+    return {"tool_calls": [{"index": call_index, **event.tool_call}]}
+
+
+class ChatServer:
+    def __init__(self, runtime, config: ServerConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.worker = EngineWorker(runtime, config.queue_size)
+        self.metrics = Metrics()
+        self.model_name = runtime.model_name
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _authorized(self, request: Request) -> bool:
+        if not self.config.api_key:
+            return True
+        return request.headers.get("authorization", "") == f"Bearer {self.config.api_key}"
+
+    async def _body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.config.max_request_bytes:
+            raise schema.BadRequest("request body too large", status=413, code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.config.max_request_bytes:
+                raise schema.BadRequest(
+                    "request body too large", status=413, code="request_too_large"
+                )
+        return bytes(body)
+
+    def _kwargs(self, req: schema.ChatRequest) -> dict[str, Any]:
+        messages, tools = schema.to_plain(req)
+        kwargs: dict[str, Any] = {
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": req.tool_choice,
+            "stop": req.stop,
+            "seed": req.seed,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+        }
+        limit = schema.max_tokens(req)
+        if limit is not None:
+            kwargs["max_tokens"] = limit
+        return kwargs
+
+    # ------------------------------------------------------------------ routes
+
+    async def chat_completions(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return error(401, "invalid or missing API key", code="invalid_api_key")
+        try:
+            req = schema.decode(await self._body(request))
+        except schema.BadRequest as exc:
+            self.metrics.add('requests_total|status="rejected"')
+            return error(exc.status, exc.message, exc.param, exc.code)
+        job = Job(self._kwargs(req), asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            self.metrics.add('requests_total|status="queue_full"')
+            return error(
+                429, "server busy: request queue is full, retry later", code="rate_limit_exceeded"
+            )
+        start = time.perf_counter()
+        first = await job.events.get()
+        if isinstance(first, Exception):
+            await self._drain(job)
+            return self._failed(first)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._sse(job, first, start, include_usage), media_type="text/event-stream"
+            )
+        return await self._complete(request, job, first, start)
+
+    def _failed(self, exc: Exception) -> JSONResponse:
+        self.metrics.add('requests_total|status="error"')
+        if isinstance(exc, PromptTooLongError):
+            return error(400, str(exc), "messages", "context_length_exceeded")
+        if isinstance(exc, AgentrtError):
+            return error(400, str(exc))
+        return error(500, str(exc))
+
+    async def _drain(self, job: Job) -> None:
+        item = None
+        while item is not DONE:
+            item = await job.events.get()
+
+    def _finish(self, result, start: float) -> None:
+        self.metrics.add('requests_total|status="ok"')
+        self.metrics.observe_ttft(result.timings["ttft_s"])
+        self.metrics.add("prompt_tokens_total", result.usage["prompt_tokens"])
+        self.metrics.add("cached_tokens_total", result.usage["cached_tokens"])
+        self.metrics.add(
+            "prefilled_tokens_total", result.usage["prompt_tokens"] - result.usage["cached_tokens"]
+        )
+        self.metrics.add("completion_tokens_total", result.usage["completion_tokens"])
+
+    async def _complete(self, request: Request, job: Job, item, start: float) -> Response:
+        result = None
+        while item is not DONE:
+            if isinstance(item, Exception):
+                await self._drain(job)
+                return self._failed(item)
+            if item.type == "done":
+                result = item.result
+            try:
+                item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True
+                    return Response(status_code=499)
+                continue
+        self._finish(result, start)
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "usage": _usage(result),
+            "choices": [
+                {"index": 0, "message": _message(result), "finish_reason": result.finish_reason}
+            ],
+        }
+        return JSONResponse(body)
+
+    async def _sse(self, job: Job, item, start: float, include_usage: bool):
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict | None, finish=None, usage=None) -> str:
+            body: dict[str, Any] = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+            }
+            body["choices"] = (
+                [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+            )
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        calls = 0
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while item is not DONE:
+                if isinstance(item, Exception):
+                    failure = {"error": {"message": str(item), "type": "server_error"}}
+                    yield f"data: {json.dumps(failure)}\n\n"
+                elif item.type == "done":
+                    self._finish(item.result, start)
+                    yield chunk({}, item.result.finish_reason)
+                    if include_usage:
+                        yield chunk(None, usage=_usage(item.result))
+                else:
+                    yield chunk(_delta(item, calls))
+                    calls += item.type == "tool_call"
+                item = await job.events.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled = True  # client gone or stream finished: stop generating
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return error(401, "invalid or missing API key", code="invalid_api_key")
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "agentrt",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.model_name, "cache": self.runtime.cache})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return PlainTextResponse(
+            self.metrics.render(self.worker.depth()), media_type="text/plain; version=0.0.4"
+        )
+
+
+async def _not_found(request: Request, exc) -> Response:
+    return error(404, f"no route {request.method} {request.url.path}", code="not_found")
+
+
+async def _not_allowed(request: Request, exc) -> Response:
+    return error(
+        405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed"
+    )
+
+
+async def _crashed(request: Request, exc) -> Response:
+    return error(500, f"internal error: {type(exc).__name__}")
+
+
+def build_app(runtime, config: ServerConfig) -> tuple[Starlette, ChatServer]:
+    server = ChatServer(runtime, config)
+    routes = [
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+    ]
+    handlers = {404: _not_found, 405: _not_allowed, 500: _crashed, Exception: _crashed}
+    return Starlette(routes=routes, exception_handlers=handlers), server
+
+
+def serve(runtime, config: ServerConfig) -> None:
+    import uvicorn
+
+    app, server = build_app(runtime, config)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    finally:
+        server.worker.stop()

@@ -1,0 +1,306 @@
+"""The OpenAI-compatible server on 127.0.0.1, driven by the real `openai` client: streaming and
+not, a tool-call round trip with state reuse, malformed requests (4xx, server keeps answering),
+API key, queue limit, client disconnect, context overflow, models/health/metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from util import TOOLS
+
+openai = pytest.importorskip("openai", reason="the openai client is a test extra")
+KEY = "sk-agentrt-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, runtime, **config) -> None:
+        import uvicorn
+
+        from agentrt.server.app import ServerConfig, build_app
+
+        self.port = _free_port()
+        self.app, self.chat = build_app(runtime, ServerConfig(port=self.port, **config))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.chat.worker.stop()
+
+    def raw(
+        self,
+        path: str,
+        body: bytes | None = None,
+        method: str = "POST",
+        key: str | None = KEY,
+        headers=None,
+    ):
+        req = urllib.request.Request(
+            self.base + path, data=body, method=method, headers=headers or {}
+        )
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from agentrt import Runtime
+    from agentrt.config import StateCacheConfig
+
+    state = tmp_path_factory.mktemp("server-state")
+    rt = Runtime.open(
+        "tiny", cache="semantic", state_cache=StateCacheConfig(state_dir=state, min_distance=0)
+    )
+    srv = _Server(rt, api_key=KEY, max_request_bytes=2**20)
+    yield srv
+    srv.stop()
+    rt.close()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
+
+
+def _reference(messages, tools=None, max_tokens=8):
+    from agentrt import Runtime
+
+    return Runtime.open("tiny", cache="off").chat(messages, tools=tools, max_tokens=max_tokens)
+
+
+def test_non_streaming_and_streaming(client):
+    messages = [{"role": "user", "content": "Say something about files."}]
+    ref = _reference(messages)
+    res = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0
+    )
+    assert (
+        res.choices[0].message.content == (ref.content or None)
+        or res.choices[0].message.content == ref.content
+    )
+    assert res.usage.completion_tokens == 8 and res.choices[0].finish_reason == "length"
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (ref.content or "")
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_tool_call_round_trip_reuses_state(client):
+    messages = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Read main.py"},
+    ]
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "read_file", "arguments": '{"path": "main.py"}'},
+    }
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "def main():\n    return 1\n"},
+    ]
+    second = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def _chat_body(**overrides) -> bytes:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    } | overrides
+    return json.dumps(body).encode()
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+}
+MALFORMED = {
+    "not json": b"{not json",
+    "json array": b"[1, 2]",
+    "missing messages": json.dumps({"model": "tiny"}).encode(),
+    "missing model": json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
+    "messages not a list": _chat_body(messages="hello"),
+    "empty messages": _chat_body(messages=[]),
+    "unknown role": _chat_body(messages=[{"role": "wizard", "content": "hi"}]),
+    "content is a number": _chat_body(messages=[{"role": "user", "content": 5}]),
+    "image content part": _chat_body(
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    ),
+    "temperature is a string": _chat_body(temperature="hot"),
+    "temperature out of range": _chat_body(temperature=5),
+    "top_p zero": _chat_body(top_p=0),
+    "negative max_tokens": _chat_body(max_tokens=-3),
+    "max_tokens is a string": _chat_body(max_tokens="10"),
+    "n = 2": _chat_body(n=2),
+    "tools not a list": _chat_body(tools={"type": "function"}),
+    "tool type not function": _chat_body(tools=[{"type": "retrieval", "function": {"name": "f"}}]),
+    "tool without name": _chat_body(tools=[{"type": "function", "function": {"description": "x"}}]),
+    "tool name with spaces": _chat_body(
+        tools=[{"type": "function", "function": {"name": "read file"}}]
+    ),
+    "tool parameters a string": _chat_body(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]
+    ),
+    "tool parameters not an object schema": _chat_body(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]
+    ),
+    "duplicate tool names": _chat_body(tools=[TOOL, TOOL]),
+    "tool_choice names unknown tool": _chat_body(
+        tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}
+    ),
+    "tool_choice required without tools": _chat_body(tool_choice="required"),
+    "tool message without tool_call_id": _chat_body(messages=[{"role": "tool", "content": "x"}]),
+    "tool call arguments not a string": _chat_body(
+        messages=[
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+            }
+        ]
+    ),
+    "stop is a number": _chat_body(stop=7),
+    "stream is a string": _chat_body(stream="yes"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_malformed_requests_get_4xx_and_server_stays_up(server, kind):
+    status, body = server.raw(
+        "/v1/chat/completions", MALFORMED[kind], headers={"Content-Type": "application/json"}
+    )
+    assert 400 <= status < 500, (kind, status, body)
+    err = json.loads(body)["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert server.raw("/health", method="GET")[0] == 200
+
+
+def test_protocol_errors(server):
+    assert server.raw("/v1/chat/completions", b"x" * (2**20 + 10))[0] == 413
+    assert server.raw("/v1/chat/completions", method="GET")[0] == 405
+    assert server.raw("/v1/nothing", method="GET")[0] == 404
+    status, _ = server.raw("/v1/chat/completions", _chat_body())
+    assert status == 200
+
+
+def test_api_key_is_enforced(server):
+    bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert server.raw("/v1/models", method="GET", key=None)[0] == 401
+    status, body = server.raw("/v1/models", method="GET")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny"
+
+
+def test_metrics_and_health(server, client):
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    status, body = server.raw("/metrics", method="GET", key=None)
+    text = body.decode()
+    assert (
+        status == 200
+        and "agentrt_ttft_seconds_bucket" in text
+        and "agentrt_cached_tokens_total" in text
+    )
+    assert json.loads(server.raw("/health", method="GET", key=None)[1])["status"] == "ok"
+
+
+def test_client_disconnect_stops_generation(server):
+    req = urllib.request.Request(
+        server.base + "/v1/chat/completions",
+        _chat_body(max_tokens=100000, stream=True),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    resp = urllib.request.urlopen(req, timeout=30)
+    resp.readline()  # the stream has started
+    resp.close()
+    deadline = time.time() + 20
+    while server.chat.worker.depth() and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.chat.worker.depth() == 0  # generation stopped long before 100000 tokens
+    assert server.raw("/v1/chat/completions", _chat_body())[0] == 200
+
+
+def test_full_queue_answers_429(tmp_path):
+    from agentrt import Runtime
+
+    rt = Runtime.open("tiny", cache="off")
+    srv = _Server(rt, queue_size=1)
+    statuses = []
+
+    def fire():
+        statuses.append(srv.raw("/v1/chat/completions", _chat_body(max_tokens=300), key=None)[0])
+
+    threads = [threading.Thread(target=fire) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    srv.stop()
+    assert 429 in statuses and 200 in statuses
+
+
+def test_prompt_longer_than_context_is_a_400(tmp_path):
+    from agentrt import Runtime
+    from agentrt.models.tiny import ensure_tiny
+
+    small = tmp_path / "tiny-small"
+    shutil.copytree(ensure_tiny(), small)
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    rt = Runtime.open(str(small), cache="off")
+    srv = _Server(rt)
+    status, body = srv.raw(
+        "/v1/chat/completions",
+        _chat_body(messages=[{"role": "user", "content": "word " * 200}]),
+        key=None,
+    )
+    srv.stop()
+    assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
