@@ -521,6 +521,80 @@ def serve(host, port, api_key, queue_size, max_request_mb, **opts) -> None:
         rt.close()
 
 
+# ----------------------------------------------------------------------------- run
+
+
+@main.command()
+@model_options
+@click.argument("task")
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=".",
+    show_default=True,
+    help="Directory the tools work in (and are confined to).",
+)
+@click.option("--max-turns", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--command-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True)
+@click.option(
+    "--trace",
+    "trace_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Save every request as a trace (.jsonl or .jsonl.zst).",
+)
+def run(task, workdir, max_turns, max_tokens, command_timeout, trace_out, **opts) -> None:
+    """Run the built-in tool-calling agent on TASK and print the transcript as it happens."""
+    from agentrt.session.agent import Tools, run_agent
+
+    rt = open_runtime(opts, require_tokenizer=True)
+    result = run_agent(
+        rt, task, Tools(workdir, command_timeout), max_turns, max_tokens, _print_turn
+    )
+    if trace_out:
+        _save_run_trace(result, task, trace_out)
+    state = "finished" if result.finished else f"stopped at the turn limit ({max_turns})"
+    click.echo(f"[{result.turns} turn(s), {state}]", err=True)
+    rt.close()
+
+
+def _print_turn(kind: str, payload) -> None:
+    if kind == "assistant":
+        if payload.reasoning_content:
+            click.secho(payload.reasoning_content, dim=True)
+        if payload.content:
+            click.echo(payload.content)
+        for call in payload.tool_calls:
+            click.secho(
+                f"-> {call['function']['name']}({call['function']['arguments']})", fg="cyan"
+            )
+        u = payload.usage
+        click.secho(
+            f"   [{u['prompt_tokens']} prompt, {u['cached_tokens']} cached, "
+            f"{u['completion_tokens']} generated, ttft {payload.timings['ttft_s']:.2f}s]",
+            dim=True,
+            err=True,
+        )
+    else:
+        call, output = payload
+        lines = output.splitlines()
+        preview = "\n".join(lines[:8]) + (
+            f"\n   ... ({len(lines) - 8} more lines)" if len(lines) > 8 else ""
+        )
+        click.secho(preview, fg="yellow")
+
+
+def _save_run_trace(result, task: str, path: str) -> None:
+    import msgspec
+
+    from agentrt.replay.trace import FORMAT, Header, Request, Trace, write_trace
+
+    requests = [msgspec.convert(r, Request) for r in result.requests]
+    write_trace(Trace(Header(FORMAT, "agentrt run", task[:200]), requests), path)
+    click.echo(f"trace saved to {path}", err=True)
+
+
 # ----------------------------------------------------------------------------- traces
 
 

@@ -28,6 +28,7 @@ from agentrt.session.chat import (
     opens_in_reasoning,
     render,
 )
+from agentrt.session.tokens import GeneratedIds
 
 CACHE_MODES = ("semantic", "prefix", "off")
 
@@ -72,6 +73,7 @@ class Runtime:
         self._stop_ids: tuple[int, ...] | None = None
         self._state = None  # one live sequence, reused so its buffers (and CUDA graph) persist
         self.reuse: NoReuse = NoReuse()
+        self.generated = GeneratedIds(tokenizer) if tokenizer is not None else None
 
     @property
     def cache(self) -> str:
@@ -217,7 +219,7 @@ class Runtime:
         tools = _check_tools(tools)
         prompt = render(tok, msgs, tools)
         forced = forced_tool_text(tok, tool_choice)
-        prompt_ids = tok.encode(prompt + forced, add_special_tokens=False)
+        prompt_ids = self.generated.encode(prompt + forced)
         params = _params(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
         reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt)) and not forced
         parser = OutputParser(
@@ -255,6 +257,8 @@ class Runtime:
         yield ChatEvent("done", result=self._result(parser, gen))
 
     def _result(self, parser: OutputParser, gen: Generation) -> ChatResult:
+        ids = gen.token_ids
+        self.generated.remember(ids[:-1] if ids and ids[-1] in self.chat_stop_ids else ids)
         finish = gen.finish_reason
         if parser.tool_calls and finish == "stop":
             finish = "tool_calls"

@@ -1,0 +1,209 @@
+"""The built-in agent loop (`agentrt run`): a small tool registry (read a file, list a directory,
+grep, run a command with a timeout in the working directory, outputs truncated), turns through
+the same `Runtime.chat` (and so the same state cache), until a final answer or the turn limit.
+Invalid tool calls (unknown tool, bad arguments) go back to the model as tool errors.
+Each request can be recorded as a trace."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_OUTPUT = 8000
+SYSTEM = (
+    "You are a software agent working in the directory {cwd}. Use the tools to inspect files and "
+    "run commands, one step at a time. When you have the answer, reply without calling a tool."
+)
+
+
+class ToolError(Exception):
+    pass
+
+
+def _tool(name: str, description: str, required: list[str], **props: str) -> dict[str, Any]:
+    properties = {k: {"type": v} for k, v in props.items()}
+    params = {"type": "object", "properties": properties, "required": required}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": params},
+    }
+
+
+TOOL_SCHEMAS = [
+    _tool(
+        "read_file",
+        "Read a text file (relative to the working directory).",
+        ["path"],
+        path="string",
+    ),
+    _tool("list_dir", "List a directory.", [], path="string"),
+    _tool(
+        "grep",
+        "Search files under a directory for a regular expression.",
+        ["pattern"],
+        pattern="string",
+        path="string",
+    ),
+    _tool(
+        "run_command",
+        "Run a shell command in the working directory.",
+        ["command"],
+        command="string",
+        timeout="integer",
+    ),
+]
+
+
+def truncate(text: str, limit: int = MAX_OUTPUT) -> str:
+    if len(text) <= limit:
+        return text
+    return (
+        text[: limit // 2]
+        + f"\n[... {len(text) - limit} characters omitted ...]\n"
+        + text[-limit // 2 :]
+    )
+
+
+@dataclass
+class Tools:
+    """Tool implementations confined to `cwd`."""
+
+    cwd: Path
+    command_timeout: float = 30.0
+
+    def _path(self, raw: Any) -> Path:
+        if not isinstance(raw, str) or not raw:
+            raise ToolError("'path' must be a non-empty string")
+        path = (self.cwd / raw).resolve()
+        if self.cwd.resolve() not in (path, *path.parents):
+            raise ToolError(f"{raw} is outside the working directory")
+        return path
+
+    def read_file(self, path: str) -> str:
+        target = self._path(path)
+        if not target.is_file():
+            raise ToolError(f"{path}: no such file")
+        return truncate(target.read_text(errors="replace"))
+
+    def list_dir(self, path: str = ".") -> str:
+        target = self._path(path)
+        if not target.is_dir():
+            raise ToolError(f"{path}: not a directory")
+        entries = sorted(target.iterdir())
+        return "\n".join(f"{e.name}{'/' if e.is_dir() else ''}" for e in entries[:500]) or "(empty)"
+
+    def grep(self, pattern: str, path: str = ".") -> str:
+        try:
+            regex = re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ToolError(f"bad pattern: {exc}") from None
+        hits = []
+        for file in sorted(self._path(path).rglob("*")):
+            if file.is_file() and file.stat().st_size < 2_000_000:
+                for i, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
+                    if regex.search(line):
+                        hits.append(f"{file.relative_to(self.cwd)}:{i}: {line[:200]}")
+                        if len(hits) >= 200:
+                            return "\n".join(hits)
+        return "\n".join(hits) or "(no matches)"
+
+    def run_command(self, command: str, timeout: int | None = None) -> str:
+        if not isinstance(command, str) or not command.strip():
+            raise ToolError("'command' must be a non-empty string")
+        limit = min(float(timeout or self.command_timeout), self.command_timeout)
+        try:
+            proc = subprocess.run(
+                command, shell=True, cwd=self.cwd, capture_output=True, text=True, timeout=limit
+            )
+        except subprocess.TimeoutExpired:
+            return f"[timed out after {limit:g} s]"
+        return truncate(f"[exit code {proc.returncode}]\n{proc.stdout}{proc.stderr}")
+
+    def call(self, name: str, arguments: str) -> str:
+        fn: Callable | None = {
+            s["function"]["name"]: getattr(self, s["function"]["name"]) for s in TOOL_SCHEMAS
+        }.get(name)
+        if fn is None:
+            known = ", ".join(s["function"]["name"] for s in TOOL_SCHEMAS)
+            raise ToolError(f"unknown tool {name!r}; available: {known}")
+        try:
+            args = json.loads(arguments or "{}")
+        except ValueError as exc:
+            raise ToolError(f"arguments are not valid JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ToolError("arguments must be a JSON object")
+        try:
+            return fn(**args)
+        except TypeError as exc:
+            raise ToolError(f"bad arguments for {name}: {exc}") from None
+        except OSError as exc:
+            raise ToolError(f"{name} failed: {exc}") from None
+
+
+@dataclass
+class AgentRun:
+    messages: list[dict[str, Any]]
+    turns: int = 0
+    finished: bool = False
+    requests: list[dict[str, Any]] = field(default_factory=list)  # trace entries
+
+
+def run_agent(
+    rt, task: str, tools: Tools, max_turns: int = 10, max_tokens: int = 512, on_event=None
+) -> AgentRun:
+    """Loop: ask the model, execute its tool calls, feed results back, until it answers."""
+    emit = on_event or (lambda kind, payload: None)
+    run = AgentRun(
+        [
+            {"role": "system", "content": SYSTEM.format(cwd=tools.cwd)},
+            {"role": "user", "content": task},
+        ]
+    )
+    t0 = time.perf_counter()
+    while run.turns < max_turns:
+        run.turns += 1
+        sent = [dict(m) for m in run.messages]
+        result = rt.chat(run.messages, tools=TOOL_SCHEMAS, max_tokens=max_tokens)
+        emit("assistant", result)
+        run.requests.append(
+            {
+                "id": f"run-{run.turns}",
+                "t": round(time.perf_counter() - t0, 3),
+                "messages": sent,
+                "tools": TOOL_SCHEMAS,
+                "max_tokens": max_tokens,
+                "response": _response(result),
+            }
+        )
+        run.messages.append(result.message())
+        if not result.tool_calls:
+            run.finished = True
+            break
+        for call in result.tool_calls:
+            output = _execute(tools, call)
+            emit("tool", (call, output))
+            run.messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+    return run
+
+
+def _execute(tools: Tools, call: dict[str, Any]) -> str:
+    fn = call["function"]
+    try:
+        return tools.call(fn["name"], fn.get("arguments", "{}"))
+    except ToolError as exc:
+        return f"ERROR: {exc}"
+
+
+def _response(result) -> dict[str, Any]:
+    out = {"content": result.content, "usage": result.usage}
+    if result.reasoning_content:
+        out["reasoning_content"] = result.reasoning_content
+    if result.tool_calls:
+        out["tool_calls"] = result.tool_calls
+    return out

@@ -1,0 +1,135 @@
+"""The built-in agent loop: tools confined to the working directory, invalid calls reported back
+as tool errors, the loop on the tiny model, and a scripted model driving several turns."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from util import run_cli
+
+from agentrt.session.agent import Tools, run_agent
+from agentrt.session.tokens import GeneratedIds
+
+
+def test_tools(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("def alpha():\n    return 1\n")
+    tools = Tools(tmp_path, command_timeout=5)
+    assert "pkg/" in tools.call("list_dir", '{"path": "."}')
+    assert "return 1" in tools.call("read_file", '{"path": "pkg/a.py"}')
+    assert "pkg/a.py:1:" in tools.call("grep", '{"pattern": "def alpha"}')
+    assert "[exit code 0]" in tools.call("run_command", '{"command": "echo hi"}')
+    assert "timed out" in tools.call("run_command", '{"command": "sleep 10", "timeout": 1}')
+    long = tools.call("run_command", '{"command": "python3 -c \\"print(\'x\' * 50000)\\""}')
+    assert "characters omitted" in long
+
+
+def test_invalid_calls_become_tool_errors(tmp_path):
+    from agentrt.session.agent import _execute
+
+    tools = Tools(tmp_path)
+    bad = [
+        ("nope", "{}"),
+        ("read_file", "{not json"),
+        ("read_file", "[1]"),
+        ("read_file", '{"path": "../etc/passwd"}'),
+        ("read_file", '{"wrong": 1}'),
+        ("read_file", '{"path": "missing.txt"}'),
+        ("grep", '{"pattern": "("}'),
+    ]
+    for name, args in bad:
+        out = _execute(tools, {"function": {"name": name, "arguments": args}})
+        assert out.startswith("ERROR: "), (name, args, out)
+
+
+class _ScriptedModel:
+    """A test double of Runtime.chat that asks for one tool call, then answers."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[dict]] = []
+
+    def chat(self, messages, tools=None, max_tokens=0):
+        self.seen.append([dict(m) for m in messages])
+        calls = []
+        if len(self.seen) == 1:
+            calls = [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "list_dir", "arguments": '{"path": "."}'},
+                }
+            ]
+        elif len(self.seen) == 2:
+            calls = [
+                {"id": "c2", "type": "function", "function": {"name": "launch", "arguments": "{}"}}
+            ]
+        content = "Done: there is one file." if not calls else ""
+        usage = {"prompt_tokens": 1, "cached_tokens": 0, "completion_tokens": 1}
+        return SimpleNamespace(
+            content=content,
+            reasoning_content=None,
+            tool_calls=calls,
+            usage=usage,
+            timings={"ttft_s": 0.0},
+            message=lambda: {
+                "role": "assistant",
+                "content": content,
+                **({"tool_calls": calls} if calls else {}),
+            },
+        )
+
+
+def test_loop_feeds_tool_results_and_errors_back(tmp_path):
+    (tmp_path / "only.txt").write_text("x")
+    model = _ScriptedModel()
+    run = run_agent(model, "what is here?", Tools(tmp_path), max_turns=5)
+    assert run.finished and run.turns == 3
+    tool_msgs = [m for m in run.messages if m["role"] == "tool"]
+    assert "only.txt" in tool_msgs[0]["content"] and tool_msgs[1]["content"].startswith(
+        "ERROR: unknown tool"
+    )
+    assert len(run.requests) == 3 and run.requests[2]["messages"][-1]["role"] == "tool"
+
+
+def test_run_command_on_tiny_completes(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    trace = tmp_path / "run.jsonl"
+    proc = run_cli(
+        "run",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--workdir",
+        str(tmp_path),
+        "--max-tokens",
+        "16",
+        "--trace",
+        str(trace),
+        "list the files here",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "turn(s)" in proc.stderr and trace.is_file()
+    lines = trace.read_text().splitlines()
+    assert json.loads(lines[0])["agentrt_trace"] == 1 and len(lines) >= 2
+
+
+def test_generated_ids_are_spliced_back(tmp_path):
+    from agentrt.models.tiny import ensure_tiny
+    from agentrt.session.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ensure_tiny())
+    text = "hello world"
+    odd = [
+        i for ch in text for i in tok.encode(ch, add_special_tokens=False)
+    ]  # one token per character
+    assert odd != tok.encode(text, add_special_tokens=False)
+    memory = GeneratedIds(tok)
+    memory.remember(odd)
+    prompt = "<|im_start|>assistant\n" + text + "<|im_end|>\n<|im_start|>user\nnext<|im_end|>\n"
+    ids = memory.encode(prompt)
+    assert memory.spliced == 1
+    windows = [ids[i : i + len(odd)] for i in range(len(ids) - len(odd) + 1)]
+    assert odd in windows  # the generated ids, exactly, inside the prompt
+    assert tok.decode(ids) == prompt

@@ -1,0 +1,303 @@
+"""Traces: format round trip and line-numbered errors, importers on the real samples (skipped when
+the shared data is absent), framework transforms, the synthetic generator, replay reports (schema,
+identical outputs across cache modes), `agentrt replay` / `bench ttft` / `trace` commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import SHARED
+from util import run_cli
+
+from agentrt.replay.generator import generate
+from agentrt.replay.importers import import_traces
+from agentrt.replay.trace import (
+    TraceError,
+    drop_reasoning,
+    read_trace,
+    truncate_tool_outputs,
+    write_trace,
+)
+
+TRACES = SHARED / "traces-dev"
+needs_data = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/traces-dev is absent")
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory) -> Path:
+    return write_trace(
+        generate(seed=7, target_tokens=3000, max_turns=6), tmp_path_factory.mktemp("t") / "s.jsonl"
+    )
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.zst"])
+def test_trace_round_trip(tmp_path, suffix):
+    trace = generate(seed=1, target_tokens=2000, max_turns=4)
+    back = read_trace(write_trace(trace, tmp_path / f"x{suffix}"))
+    assert back.header == trace.header and back.requests == trace.requests
+
+
+@pytest.mark.parametrize(
+    "lines, where",
+    [
+        (['{"agentrt_trace": 1}', '{"id": "a", "messages": "nope"}'], ":2:"),
+        (['{"agentrt_trace": 1}', '{"id": "a", "messages": []}', "{broken"], ":3:"),
+        (['{"no_header": true}'], ":1:"),
+        (['{"agentrt_trace": 9}'], "unsupported"),
+    ],
+)
+def test_malformed_trace_lines_are_named(tmp_path, lines, where):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match=where):
+        read_trace(path)
+    proc = run_cli("trace", "show", str(path))
+    assert (
+        proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+    )
+
+
+def test_transforms_model_framework_edits():
+    trace = generate(seed=2, target_tokens=6000, max_turns=8)
+    dropped = drop_reasoning(trace)
+    assert all("reasoning_content" not in m for r in dropped.requests for m in r.messages)
+    assert any(
+        "reasoning_content" in m for r in trace.requests for m in r.messages
+    )  # original untouched
+    cut = truncate_tool_outputs(trace, 50, keep_last=1)
+    last = cut.requests[-1].messages
+    tools = [m for m in last if m["role"] == "tool"]
+    assert (
+        all(len(m["content"]) <= 50 + 30 for m in tools[:-1])
+        and tools[-1] == [m for m in trace.requests[-1].messages if m["role"] == "tool"][-1]
+    )
+
+
+def test_generator_is_seeded_and_sized():
+    a, b = generate(seed=3, target_tokens=12000), generate(seed=3, target_tokens=12000)
+    assert msgspec.json.encode(a.requests) == msgspec.json.encode(b.requests)
+    assert msgspec.json.encode(a.requests) != msgspec.json.encode(
+        generate(seed=4, target_tokens=12000).requests
+    )
+    final = a.requests[-1]
+    assert len(a.requests) >= 5 and final.tools and final.messages[0]["role"] == "system"
+    assert sum(len(json.dumps(m)) for m in final.messages) > 12000 * 2
+
+
+@needs_data
+def test_import_mini_swe_agent_reproduces_requests():
+    raw = json.loads(
+        (TRACES / "mini-swe-agent/marshmallow-code__marshmallow-1343.traj.json").read_text()
+    )
+    (trace,) = import_traces(
+        "mini-swe-agent", [TRACES / "mini-swe-agent/marshmallow-code__marshmallow-1343.traj.json"]
+    )
+    assistants = [i for i, m in enumerate(raw["messages"]) if m["role"] == "assistant"]
+    assert len(trace.requests) == len(assistants) == raw["info"]["model_stats"]["api_calls"]
+    for req, i in zip(trace.requests, assistants, strict=True):
+        assert [m["role"] for m in req.messages] == [m["role"] for m in raw["messages"][:i]]
+    second = trace.requests[1]
+    call_id = second.messages[2]["tool_calls"][0]["id"]
+    assert second.messages[3]["tool_call_id"] == call_id
+    assert trace.requests[0].tools[0]["function"]["name"] == "bash"
+    assert "extra" not in second.messages[3]
+
+
+@needs_data
+def test_import_tau_bench_reproduces_requests():
+    raw = json.loads((TRACES / "tau-bench/gpt-4o-airline.json").read_text())
+    traces = import_traces("tau-bench", [TRACES / "tau-bench/gpt-4o-airline.json"])
+    assert len(traces) == len(raw)
+    traj = raw[0]["traj"]
+    assistants = [i for i, m in enumerate(traj) if m["role"] == "assistant"]
+    assert len(traces[0].requests) == len(assistants)
+    for req, i in zip(traces[0].requests, assistants, strict=True):
+        assert [m["role"] for m in req.messages] == [m["role"] for m in traj[:i]]
+        ids = [c["id"] for m in req.messages for c in m.get("tool_calls", [])]
+        assert [m["tool_call_id"] for m in req.messages if m["role"] == "tool"] == ids[: len(ids)]
+    names = {t["function"]["name"] for t in traces[0].requests[0].tools}
+    assert {"get_user_details", "search_direct_flight"} <= names
+
+
+@needs_data
+def test_import_openhands_orders_calls_by_time():
+    traces = import_traces(
+        "openhands",
+        [TRACES / "openhands-llm-logs/llm-logs", TRACES / "openhands-llm-logs/nonfncall-llm-logs"],
+    )
+    counts = sorted(len(t.requests) for t in traces)
+    files = sorted(
+        len(list((TRACES / "openhands-llm-logs" / d).glob("*.json")))
+        for d in ("llm-logs", "nonfncall-llm-logs")
+    )
+    assert counts == files
+    fn = next(t for t in traces if "nonfncall" not in t.name)
+    assert [len(r.messages) for r in fn.requests] == sorted(len(r.messages) for r in fn.requests)
+    assert fn.requests[0].t == 0 and all(
+        a.t <= b.t for a, b in zip(fn.requests, fn.requests[1:], strict=False)
+    )
+    assert (
+        fn.requests[1].messages[2]["tool_calls"][0]["id"]
+        == fn.requests[1].messages[3]["tool_call_id"]
+    )
+
+
+@needs_data
+def test_trace_import_cli(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(
+        "trace",
+        "import",
+        "--format",
+        "tau-bench",
+        str(TRACES / "tau-bench/gpt-4o-airline.json"),
+        "-o",
+        str(out),
+        "--limit",
+        "3",
+        "--zst",
+    )
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(out.glob("*.jsonl.zst"))
+    assert len(files) == 3 and read_trace(files[0]).requests
+
+
+REPORT_SCHEMA = {
+    "summary": {
+        "requests",
+        "ttft_s",
+        "prompt_tokens",
+        "cached_tokens",
+        "prefilled_tokens",
+        "decode_tok_s",
+        "model",
+        "cache",
+        "device",
+    },
+    "request": {
+        "index",
+        "prompt_tokens",
+        "cached_tokens",
+        "ttft_s",
+        "completion_tokens",
+        "checkpoint",
+        "output_token_ids",
+    },
+}
+
+
+def _check_report(report: dict, n: int) -> None:
+    assert REPORT_SCHEMA["summary"] <= set(report["summary"])
+    assert set(report["summary"]["ttft_s"]) == {"p50", "p90", "p99", "max"}
+    assert len(report["requests"]) == n
+    for i, row in enumerate(report["requests"]):
+        assert REPORT_SCHEMA["request"] <= set(row) and row["index"] == i
+        assert row["checkpoint"] is None or isinstance(row["checkpoint"], str)
+        assert row["ttft_s"] > 0 and 0 <= row["cached_tokens"] < row["prompt_tokens"]
+    s = report["summary"]
+    assert s["prefilled_tokens"] == s["prompt_tokens"] - s["cached_tokens"]
+
+
+def test_replay_outputs_identical_across_cache_modes(small_trace, tmp_path):
+    n = len(read_trace(small_trace).requests)
+    reports = {}
+    for mode in ("semantic", "prefix", "off"):
+        out = tmp_path / f"{mode}.json"
+        proc = run_cli(
+            "replay",
+            str(small_trace),
+            "--device",
+            "cpu",
+            "--cache",
+            mode,
+            "--max-tokens",
+            "6",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--json",
+            str(out),
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "p99 s" in proc.stdout
+        reports[mode] = json.loads(out.read_text())
+        _check_report(reports[mode], n)
+    ids = {mode: [r["output_token_ids"] for r in rep["requests"]] for mode, rep in reports.items()}
+    assert ids["semantic"] == ids["prefix"] == ids["off"]
+    assert (
+        reports["semantic"]["summary"]["cached_tokens"] > 0
+        and reports["off"]["summary"]["cached_tokens"] == 0
+    )
+    assert any(r["checkpoint"] for r in reports["semantic"]["requests"])
+
+
+def test_bench_ttft_and_plot(small_trace, tmp_path):
+    pytest.importorskip("matplotlib", reason="plotting is an optional extra")
+    out, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
+    proc = run_cli(
+        "bench",
+        "ttft",
+        str(small_trace),
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "2",
+        "--variants",
+        "recorded,dropped",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["reports"]) == {"recorded", "dropped"}
+    assert [r["summary"]["cache"] for r in result["reports"]["recorded"]] == [
+        "semantic",
+        "prefix",
+        "off",
+    ]
+    assert "recorded:off/semantic:max" in result["ratios"]
+    assert (tmp_path / "ttft-recorded.png").stat().st_size > 1000
+
+
+def test_replay_against_an_endpoint(small_trace, tmp_path):
+    """`agentrt replay --endpoint` drives our own server; the report matches local replay."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from agentrt import Runtime
+    from agentrt.server.app import ServerConfig, build_app
+
+    rt = Runtime.open("tiny", cache="off")
+    app, chat = build_app(rt, ServerConfig())
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    out = tmp_path / "remote.json"
+    proc = run_cli(
+        "replay",
+        str(small_trace),
+        "--endpoint",
+        f"http://127.0.0.1:{port}/v1",
+        "--model",
+        "tiny",
+        "--max-tokens",
+        "3",
+        "--json",
+        str(out),
+    )
+    server.should_exit = True
+    thread.join(timeout=10)
+    chat.worker.stop()
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["summary"]["requests"] == len(read_trace(small_trace).requests)
+    assert all(r["completion_tokens"] == 3 and r["ttft_s"] > 0 for r in report["requests"])
