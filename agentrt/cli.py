@@ -710,10 +710,23 @@ def trace_show(path, show_requests) -> None:
 # ----------------------------------------------------------------------------- replay
 
 
-def _load_traces(paths, drop: bool, truncate: int | None):
+def _load_traces(paths, drop: bool, truncate: int | None, max_requests: int | None = None):
+    import msgspec
+
     from agentrt.replay.trace import read_trace
 
-    return _transform([read_trace(p) for p in paths], drop, truncate)
+    traces = [read_trace(p) for p in paths]
+    if max_requests:
+        traces = [msgspec.structs.replace(t, requests=t.requests[:max_requests]) for t in traces]
+    return _transform(traces, drop, truncate)
+
+
+_max_requests_option = click.option(
+    "--max-requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Replay only the first N requests of each trace.",
+)
 
 
 def _run_replay(traces, target, max_tokens: int, label: str) -> dict:
@@ -738,6 +751,7 @@ def _run_replay(traces, target, max_tokens: int, label: str) -> dict:
 )
 @_drop_option
 @_truncate_option
+@_max_requests_option
 @json_option
 def replay_cmd(
     traces,
@@ -747,6 +761,7 @@ def replay_cmd(
     plot,
     drop_reasoning,
     truncate_tool_outputs,
+    max_requests,
     json_out,
     **opts,
 ):
@@ -754,7 +769,7 @@ def replay_cmd(
     from agentrt.replay.replay import endpoint_target, local_target, summary_table
     from agentrt.replay.replay import plot as draw
 
-    loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs)
+    loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
     if endpoint:
         target = endpoint_target(endpoint, opts["model"], api_key)
     else:
@@ -783,15 +798,16 @@ def replay_cmd(
     default=None,
     help="PNG prefix: one plot per variant.",
 )
+@_max_requests_option
 @json_option
-def bench_ttft(traces, variants, max_tokens, plot, json_out, **opts) -> None:
+def bench_ttft(traces, variants, max_tokens, plot, max_requests, json_out, **opts) -> None:
     """Replay TRACES in every --cache mode with one loaded model; TTFT per mode and ratios."""
     from agentrt import bench as b
 
     rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
     result = b.ttft(
         rt,
-        lambda drop: _load_traces(traces, drop, None),
+        lambda drop: _load_traces(traces, drop, None, max_requests),
         opts["cache"],
         variants,
         max_tokens,

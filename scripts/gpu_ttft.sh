@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The sessions issue's GPU run (one H200): `agentrt bench ttft` with the qwen3.5-35b-a3b-shaped
+# synthetic model and the real Qwen3 tokenizer, on the mini-swe-agent and tau-bench samples, as
+# recorded and with earlier reasoning dropped. Prepare on the dev machine first (the shared data
+# does not travel):  bash scripts/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
+set -u
+if [ "${1:-}" = prepare ]; then
+  S=../shared/data
+  mkdir -p .tok .traces-dev
+  cp -r $S/tokenizers/qwen3 .tok/
+  agentrt trace import --format mini-swe-agent $S/traces-dev/mini-swe-agent -o .traces-dev/msa --zst
+  agentrt trace import --format tau-bench $S/traces-dev/tau-bench/gpt-4o-airline.json -o .traces-dev/tau --limit 3 --zst
+  exit 0
+fi
+source "$(dirname "$0")/device_env.sh"
+python3 -m agentrt.cli bench ttft .traces-dev/msa/*.zst .traces-dev/tau/*.zst \
+  --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
+  --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja \
+  --variants recorded,dropped --max-tokens 8 --max-requests 40 --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/ttft.log" 2>&1
+tail -30 "$OUT/ttft.log"
