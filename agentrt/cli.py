@@ -532,7 +532,7 @@ def serve(host, port, api_key, queue_size, max_request_mb, **opts) -> None:
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     default=".",
     show_default=True,
-    help="Directory the tools work in (and are confined to).",
+    help="Directory the tools work in: file tools stay inside it; run-command is a shell there.",
 )
 @click.option("--max-turns", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)

@@ -4,6 +4,7 @@ as tool errors, the loop on the tiny model, and a scripted model driving several
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from util import run_cli
@@ -133,3 +134,36 @@ def test_generated_ids_are_spliced_back(tmp_path):
     windows = [ids[i : i + len(odd)] for i in range(len(ids) - len(odd) + 1)]
     assert odd in windows  # the generated ids, exactly, inside the prompt
     assert tok.decode(ids) == prompt
+
+
+def test_tools_do_not_follow_links_out_and_survive_bad_arguments(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret-outside")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "link.txt").symlink_to(outside)
+    tools = Tools(work)
+    assert "secret" not in tools.call("grep", '{"pattern": "secret"}')
+    relative = Tools(Path("."))  # a relative working directory is resolved once
+    assert relative.cwd.is_absolute()
+    from agentrt.session.agent import _execute
+
+    for name, args in [
+        ("run_command", '{"command": "echo", "timeout": "abc"}'),
+        ("read_file", '{"path": "link.txt"}'),
+    ]:
+        assert _execute(tools, {"function": {"name": name, "arguments": args}}).startswith(
+            "ERROR: "
+        )
+
+
+def test_run_command_timeout_kills_the_whole_group(tmp_path):
+    import subprocess
+
+    tools = Tools(tmp_path, command_timeout=1)
+    marker = f"agentrt-sleep-{tmp_path.name}"
+    assert "timed out" in tools.call(
+        "run_command", json.dumps({"command": f"bash -c 'exec -a {marker} sleep 30' & wait"})
+    )
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left.strip() == ""

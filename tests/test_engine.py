@@ -174,3 +174,11 @@ def test_state_operations_work_outside_inference_mode(hf_checkpoints):
     eng.prefill(state, random_ids(5))
     state.reset()
     assert state.num_tokens == 0
+
+
+def test_tiny_top_p_and_temperature_stay_finite():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    assert sample(
+        logits, SamplingParams(temperature=1.0, top_p=1e-300, seed=0), torch.Generator()
+    ) == int(logits.argmax())
+    assert sample(logits, SamplingParams(temperature=1e-40), None) == int(logits.argmax())

@@ -301,3 +301,31 @@ def test_replay_against_an_endpoint(small_trace, tmp_path):
     report = json.loads(out.read_text())
     assert report["summary"]["requests"] == len(read_trace(small_trace).requests)
     assert all(r["completion_tokens"] == 3 and r["ttft_s"] > 0 for r in report["requests"])
+
+
+def test_line_separators_inside_strings_round_trip(tmp_path):
+    from agentrt.replay.trace import FORMAT, Header, Request, Trace
+
+    trace = Trace(
+        Header(FORMAT, "t"), [Request("a", [{"role": "user", "content": "a\u2028b\u2029c\u0085d"}])]
+    )
+    back = read_trace(write_trace(trace, tmp_path / "sep.jsonl"))
+    assert back.requests[0].messages[0]["content"] == "a\u2028b\u2029c\u0085d"
+
+
+def test_importer_tolerates_odd_fields(tmp_path):
+    traj = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+            ],
+        },
+    ]
+    path = tmp_path / "tau.json"
+    path.write_text(json.dumps([{"task_id": 1, "trial": 0, "traj": traj}]))
+    (trace,) = import_traces("tau-bench", [path])
+    assert trace.requests[0].response.tool_calls[0]["function"]["arguments"] == '{"x": 1}'

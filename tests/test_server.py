@@ -276,7 +276,9 @@ def test_full_queue_answers_429(tmp_path):
     statuses = []
 
     def fire():
-        statuses.append(srv.raw("/v1/chat/completions", _chat_body(max_tokens=300), key=None)[0])
+        statuses.append(
+            srv.raw("/v1/chat/completions", _chat_body(max_tokens=3000, temperature=1), key=None)[0]
+        )
 
     threads = [threading.Thread(target=fire) for _ in range(6)]
     for t in threads:
@@ -304,3 +306,42 @@ def test_prompt_longer_than_context_is_a_400(tmp_path):
     )
     srv.stop()
     assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
+
+
+def test_non_streaming_disconnect_stops_generation(server):
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = _chat_body(max_tokens=100000, temperature=1)
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(1.0)
+    sock.close()
+    deadline = time.time() + 20
+    while server.chat.worker.depth() and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.chat.worker.depth() == 0
+
+
+def test_stream_starts_before_the_first_token_and_keeps_alive(server, monkeypatch):
+    import agentrt.server.app as app_module
+
+    monkeypatch.setattr(app_module, "KEEPALIVE_S", 0.02)
+    long_prompt = [{"role": "user", "content": "word " * 6000}]
+    req = urllib.request.Request(
+        server.base + "/v1/chat/completions",
+        _chat_body(messages=long_prompt, stream=True),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        lines = [line.decode() for line in resp if line.strip()]
+    assert '"role": "assistant"' in lines[0]
+    assert any(line.startswith(": keep-alive") for line in lines)  # sent while prefilling
+    assert lines[-1].strip() == "data: [DONE]"
+
+
+def test_metrics_keep_integer_precision():
+    from agentrt.server.app import Metrics
+
+    m = Metrics()
+    m.add("prompt_tokens_total", 12_345_678)
+    m.add("prompt_tokens_total", 1)
+    assert "agentrt_prompt_tokens_total 12345679" in m.render(0)

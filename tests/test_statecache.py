@@ -120,8 +120,11 @@ def _run_script(code: str, *args: str, timeout: int = 300) -> subprocess.Complet
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 SECOND_PROCESS = """
@@ -176,8 +179,10 @@ def test_sigkill_while_writing_never_restores_wrong_state(tmp_path):
     for round_ in range(4):
         proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(WRITER), str(state), str(log), f"r{round_}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.5, 2.0))
         proc.send_signal(signal.SIGKILL)
@@ -285,10 +290,15 @@ def test_two_processes_share_a_state_dir(tmp_path):
     state = tmp_path / "state"
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [
-        subprocess.Popen([sys.executable, "-c", textwrap.dedent(CONCURRENT), str(state), name],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(CONCURRENT), str(state), name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for name in ("p1", "p2")
-    ]  # fmt: skip
+    ]
     stats = []
     for proc in procs:
         out, err = proc.communicate(timeout=600)

@@ -22,11 +22,23 @@ def open_engine(path, chunk: int = 2048):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "read_file", "description": "Read a file",
-     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "run", "description": "Run a shell command",
-     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "Run a shell command",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+    },
+]
 
 
 def _call(i: int, name: str, args: str) -> dict:
@@ -45,16 +57,24 @@ def agent_requests(tag: str = "", output_len: int = 400) -> list[list[dict]]:
     ]
     requests = [list(history)]
     history += [
-        {"role": "assistant", "content": "", "reasoning_content": "Read the file first.",
-         "tool_calls": [_call(1, "read_file", '{"path": "main.py"}')]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Read the file first.",
+            "tool_calls": [_call(1, "read_file", '{"path": "main.py"}')],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": out1},
-    ]  # fmt: skip
+    ]
     requests.append(list(history))
     history += [
-        {"role": "assistant", "content": "Now run the tests.", "reasoning_content": "Looks fine.",
-         "tool_calls": [_call(2, "run", '{"cmd": "pytest -q"}')]},
+        {
+            "role": "assistant",
+            "content": "Now run the tests.",
+            "reasoning_content": "Looks fine.",
+            "tool_calls": [_call(2, "run", '{"cmd": "pytest -q"}')],
+        },
         {"role": "tool", "tool_call_id": "c2", "content": out2},
-    ]  # fmt: skip
+    ]
     requests.append(list(history))
     history += [
         {"role": "assistant", "content": "The bug is fixed."},

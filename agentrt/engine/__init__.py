@@ -2,8 +2,16 @@
 Knows token ids only; imports models (and later offload/statecache), never sessions or text.
 """
 
-from agentrt.engine.engine import Engine, Generation, Timings
+from agentrt.engine.engine import Cancelled, Engine, Generation, Timings
 from agentrt.engine.sampling import SamplingParams
 from agentrt.engine.state import SequenceState, Snapshot
 
-__all__ = ["Engine", "Generation", "SamplingParams", "SequenceState", "Snapshot", "Timings"]
+__all__ = [
+    "Cancelled",
+    "Engine",
+    "Generation",
+    "SamplingParams",
+    "SequenceState",
+    "Snapshot",
+    "Timings",
+]

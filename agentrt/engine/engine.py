@@ -9,7 +9,7 @@ attention and MoE process the whole chunk at once. The engine knows token ids on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,10 @@ from agentrt.errors import InvalidArgumentError, PromptTooLongError
 from agentrt.models import set_linear_backend
 from agentrt.models.kernels import resolve_backend
 from agentrt.models.layers import CausalLM
+
+
+class Cancelled(Exception):
+    """The caller asked to stop (e.g. the HTTP client went away)."""
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Generation:
     finish_reason: str | None = None  # "stop" | "length"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose state was reused, not recomputed
+    started_at: float | None = None  # perf_counter of the request's start (TTFT origin)
+    should_stop: Callable[[], bool] | None = None  # polled between prefill chunks and tokens
     checkpoint: str | None = None  # kind of the reused state ("live", a boundary kind, "block")
     timings: Timings = field(default_factory=Timings)
 
@@ -100,10 +106,12 @@ class Engine:
         token_ids: Sequence[int],
         capture: Iterable[int] = (),
         all_logits: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Append `token_ids` to `state`; record linear states at absolute positions in `capture`.
 
         Returns fp32 logits of the last token `[V]` (or of every token `[T, V]` with `all_logits`).
+        `should_stop` is polled between chunks; when it answers True, `Cancelled` is raised.
         """
         if not token_ids:
             raise InvalidArgumentError("prefill needs at least one token")
@@ -114,6 +122,8 @@ class Engine:
         wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
         chunk, outputs = self.config.prefill_chunk, []
         for offset in range(0, len(token_ids), chunk):
+            if should_stop is not None and should_stop():
+                raise Cancelled("generation cancelled during prefill")
             part = ids[offset : offset + chunk]
             begin = start + offset
             cuts = [p - begin for p in wanted if begin < p <= begin + part.numel()]
@@ -162,11 +172,13 @@ class Engine:
         start, gen.checkpoint = reuse.begin(state, prompt_ids)
         gen.cached_tokens = start
         positions = reuse.capture_positions(prompt_ids, start)
-        logits = self.prefill(state, prompt_ids[start:], capture=positions)
+        logits = self.prefill(
+            state, prompt_ids[start:], capture=positions, should_stop=gen.should_stop
+        )
         reuse.after_prefill(state, prompt_ids, positions)
         self.synchronize()
         gen.timings.prefill_s = time.perf_counter() - t0
-        yield from self._decode_loop(state, logits, params, rng, gen, t0, reuse)
+        yield from self._decode_loop(state, logits, params, rng, gen, gen.started_at or t0, reuse)
 
     def _decode_loop(
         self, state, logits, params, rng, gen: Generation, t0: float, reuse
@@ -174,6 +186,9 @@ class Engine:
         stops = set(params.stop_token_ids)
         t_first = None
         while len(gen.token_ids) < params.max_tokens:
+            if gen.should_stop is not None and gen.should_stop():
+                gen.finish_reason = "cancelled"
+                return
             token = sample(logits, params, rng)
             now = time.perf_counter()
             if t_first is None:

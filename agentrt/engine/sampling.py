@@ -29,7 +29,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5  # below this, sampling is argmax in fp32 anyway
 
 
 def make_generator(seed: int | None, device) -> torch.Generator | None:
@@ -44,7 +44,9 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         return probs
     sorted_probs, order = probs.sort(descending=True)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    drop = before >= top_p
+    drop[..., 0] = False  # the most likely token always stays
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return filtered / filtered.sum()
 

@@ -34,13 +34,21 @@ def _load_json(path: Path) -> Any:
 def clean_message(msg: dict[str, Any]) -> dict[str, Any]:
     out = {k: msg[k] for k in MESSAGE_KEYS if k in msg and msg[k] is not None}
     if out.get("tool_calls"):
-        out["tool_calls"] = [
-            {k: c[k] for k in ("id", "type", "function") if k in c} for c in out["tool_calls"]
-        ]
+        out["tool_calls"] = [_clean_call(c) for c in out["tool_calls"]]
     elif "tool_calls" in out:
         del out["tool_calls"]
     if out.get("role") == "assistant" and out.get("reasoning_content") == "":
         del out["reasoning_content"]
+    return out
+
+
+def _clean_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI tool-call fields only; arguments always a JSON string."""
+    out = {k: call[k] for k in ("id", "type", "function") if k in call}
+    fn = dict(out.get("function") or {})
+    if not isinstance(fn.get("arguments", ""), str):
+        fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
+    out["function"] = fn
     return out
 
 
@@ -77,7 +85,8 @@ def infer_tools(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not name:
                 continue
             try:
-                args = json.loads(fn.get("arguments") or "{}")
+                raw = fn.get("arguments") or "{}"
+                args = json.loads(raw) if isinstance(raw, str) else raw
             except ValueError:
                 args = {}
             entry = props.setdefault(name, {})
@@ -173,11 +182,16 @@ def import_openhands(paths: list[Path]) -> list[Trace]:
     return [_openhands_session(name, files) for name, files in groups if files]
 
 
+def _stamp(call: dict[str, Any]) -> float:
+    try:
+        return float(call.get("timestamp") or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def _openhands_session(name: str, files: list[Path]) -> Trace:
-    calls = sorted(
-        (_openhands_call(f) for f in files), key=lambda c: float(c.get("timestamp") or 0)
-    )
-    start = float(calls[0].get("timestamp") or 0)
+    calls = sorted((_openhands_call(f) for f in files), key=_stamp)
+    start = _stamp(calls[0])
     requests = []
     for i, call in enumerate(calls):
         choice = ((call.get("response") or {}).get("choices") or [{}])[0]
@@ -187,7 +201,7 @@ def _openhands_session(name: str, files: list[Path]) -> Trace:
                 f"openhands-{name}-{i}",
                 [clean_message(m) for m in call["messages"]],
                 call.get("tools") or None,
-                t=round(float(call.get("timestamp") or start) - start, 3),
+                t=round(max(_stamp(call) - start, 0.0), 3),
                 response=_response(choice.get("message") or {}, usage),
             )
         )

@@ -1,6 +1,8 @@
-"""Replay traces on the local runtime or against an OpenAI-compatible endpoint, measuring TTFT at
-the first content / reasoning / tool-call delta of each streamed reply, and build the replay
-report of DESIGN §2 (plus a terminal table and an optional PNG plot).
+"""Replay traces on the local runtime or against an OpenAI-compatible endpoint, and build the
+replay report of DESIGN §2 (plus a terminal table and an optional PNG plot). TTFT: over HTTP, at
+the first content / reasoning / tool-call delta of the stream; locally, at the first sampled token
+(counted from the request's arrival, rendering included), which a tool-call-only reply would
+otherwise hide until its call is complete.
 
 Replay sends each request exactly as recorded; it never feeds its own generations back.
 """
@@ -65,15 +67,11 @@ def local_target(rt) -> Target:
     """Replay on an open `Runtime`; checkpoints are reported by their boundary text."""
 
     def send(req: Request, max_tokens: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        ttft = None
         result = None
         for ev in rt.chat(req.messages, tools=req.tools, max_tokens=max_tokens, stream=True):
             if ev.type == "done":
                 result = ev.result
-            elif ttft is None:
-                ttft = time.perf_counter() - t0
-        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        ttft = result.timings["ttft_s"]  # first sampled token, from the request's arrival
         return {
             "prompt_tokens": result.usage["prompt_tokens"],
             "cached_tokens": result.usage["cached_tokens"],
@@ -143,6 +141,8 @@ def endpoint_target(
         try:
             with urllib.request.urlopen(http_req, timeout=timeout) as response:
                 for chunk in _sse_events(response):
+                    if chunk.get("error"):
+                        raise AgentrtError(f"{endpoint}: error during the stream: {chunk['error']}")
                     if _has_delta(chunk):
                         t_last = time.perf_counter()
                         ttft = ttft if ttft is not None else t_last - t0

@@ -74,7 +74,7 @@ def _open_text(path: Path) -> Iterable[str]:
         except zstandard.ZstdError as exc:
             raise TraceError(f"{path}: not a valid zstd file: {exc}") from None
     try:
-        return raw.decode("utf-8").splitlines()
+        return raw.decode("utf-8").split("\n")  # not splitlines(): U+2028 may sit inside strings
     except UnicodeDecodeError as exc:
         raise TraceError(f"{path}: not UTF-8 text: {exc}") from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from agentrt.server import schema
 from agentrt.server.worker import DONE, EngineWorker, Job, QueueFull
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+KEEPALIVE_S = 5.0  # an SSE comment goes out when nothing else has for this long
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,11 @@ def error(
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def _number(value: float) -> str:
+    """Prometheus sample value without precision loss (integers stay integers)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 @dataclass
@@ -66,13 +73,15 @@ class Metrics:
                 if metric not in typed:
                     typed.add(metric)
                     lines.append(f"# TYPE agentrt_{metric} counter")
-                lines.append(f"agentrt_{metric}{'{' + label + '}' if label else ''} {value:g}")
+                lines.append(
+                    f"agentrt_{metric}{'{' + label + '}' if label else ''} {_number(value)}"
+                )
             lines.append("# TYPE agentrt_ttft_seconds histogram")
             running = 0
             for bound, count in zip([*TTFT_BUCKETS, "+Inf"], self.ttft_counts, strict=True):
                 running += count
                 lines.append(f'agentrt_ttft_seconds_bucket{{le="{bound}"}} {running}')
-            lines.append(f"agentrt_ttft_seconds_sum {self.ttft_sum:g}")
+            lines.append(f"agentrt_ttft_seconds_sum {_number(self.ttft_sum)}")
             lines.append(f"agentrt_ttft_seconds_count {running}")
             lines.append("# TYPE agentrt_queue_depth gauge")
             lines.append(f"agentrt_queue_depth {queue_depth}")
@@ -139,13 +148,9 @@ class ChatServer:
         return bytes(body)
 
     def _kwargs(self, req: schema.ChatRequest) -> dict[str, Any]:
-        messages, tools = schema.to_plain(req)
         kwargs: dict[str, Any] = {
-            "messages": messages,
-            "tools": tools,
-            "tool_choice": req.tool_choice,
             "stop": req.stop,
-            "seed": req.seed,
+            "seed": req.seed if req.seed is not None else random.getrandbits(31),
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
         }
@@ -161,10 +166,16 @@ class ChatServer:
             return error(401, "invalid or missing API key", code="invalid_api_key")
         try:
             req = schema.decode(await self._body(request))
+            messages, tools = schema.to_plain(req)
+            prepared = await asyncio.to_thread(
+                self.runtime.prepare, messages, tools, req.tool_choice
+            )
         except schema.BadRequest as exc:
             self.metrics.add('requests_total|status="rejected"')
             return error(exc.status, exc.message, exc.param, exc.code)
-        job = Job(self._kwargs(req), asyncio.get_running_loop())
+        except AgentrtError as exc:
+            return self._failed(exc)
+        job = Job(prepared, self._kwargs(req), asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except QueueFull:
@@ -172,17 +183,22 @@ class ChatServer:
             return error(
                 429, "server busy: request queue is full, retry later", code="rate_limit_exceeded"
             )
-        start = time.perf_counter()
-        first = await job.events.get()
-        if isinstance(first, Exception):
-            await self._drain(job)
-            return self._failed(first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._sse(job, first, start, include_usage), media_type="text/event-stream"
-            )
-        return await self._complete(request, job, first, start)
+            return StreamingResponse(self._sse(job, include_usage), media_type="text/event-stream")
+        watcher = asyncio.create_task(self._watch(request, job))
+        try:
+            return await self._complete(job)
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, request: Request, job: Job) -> None:
+        """Cancel the job when the (non-streaming) client goes away."""
+        while not job.finished:
+            if await request.is_disconnected():
+                job.cancelled = True
+                return
+            await asyncio.sleep(0.25)
 
     def _failed(self, exc: Exception) -> JSONResponse:
         self.metrics.add('requests_total|status="error"')
@@ -192,37 +208,27 @@ class ChatServer:
             return error(400, str(exc))
         return error(500, str(exc))
 
-    async def _drain(self, job: Job) -> None:
-        item = None
-        while item is not DONE:
-            item = await job.events.get()
-
-    def _finish(self, result, start: float) -> None:
+    def _finish(self, result) -> None:
         self.metrics.add('requests_total|status="ok"')
         self.metrics.observe_ttft(result.timings["ttft_s"])
         self.metrics.add("prompt_tokens_total", result.usage["prompt_tokens"])
         self.metrics.add("cached_tokens_total", result.usage["cached_tokens"])
-        self.metrics.add(
-            "prefilled_tokens_total", result.usage["prompt_tokens"] - result.usage["cached_tokens"]
-        )
+        prefilled = result.usage["prompt_tokens"] - result.usage["cached_tokens"]
+        self.metrics.add("prefilled_tokens_total", prefilled)
         self.metrics.add("completion_tokens_total", result.usage["completion_tokens"])
 
-    async def _complete(self, request: Request, job: Job, item, start: float) -> Response:
-        result = None
-        while item is not DONE:
+    async def _complete(self, job: Job) -> Response:
+        result, failure = None, None
+        while (item := await job.events.get()) is not DONE:
             if isinstance(item, Exception):
-                await self._drain(job)
-                return self._failed(item)
-            if item.type == "done":
+                failure = failure or item
+            elif item.type == "done":
                 result = item.result
-            try:
-                item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled = True
-                    return Response(status_code=499)
-                continue
-        self._finish(result, start)
+        if failure is not None or result is None:
+            return self._failed(failure or RuntimeError("generation ended without a result"))
+        if job.cancelled:
+            return Response(status_code=499)
+        self._finish(result)
         body = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -235,7 +241,14 @@ class ChatServer:
         }
         return JSONResponse(body)
 
-    async def _sse(self, job: Job, item, start: float, include_usage: bool):
+    async def _next(self, job: Job):
+        """The next event, or None after `KEEPALIVE_S` without one (to keep the stream alive)."""
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=KEEPALIVE_S)
+        except asyncio.TimeoutError:
+            return None
+
+    async def _sse(self, job: Job, include_usage: bool):
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(delta: dict | None, finish=None, usage=None) -> str:
@@ -254,20 +267,22 @@ class ChatServer:
 
         calls = 0
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            while item is not DONE:
-                if isinstance(item, Exception):
+            yield chunk({"role": "assistant", "content": ""})  # headers and a first byte go out now
+            while (item := await self._next(job)) is not DONE:
+                if item is None:
+                    yield ": keep-alive\n\n"
+                elif isinstance(item, Exception):
+                    self.metrics.add('requests_total|status="error"')
                     failure = {"error": {"message": str(item), "type": "server_error"}}
                     yield f"data: {json.dumps(failure)}\n\n"
                 elif item.type == "done":
-                    self._finish(item.result, start)
+                    self._finish(item.result)
                     yield chunk({}, item.result.finish_reason)
                     if include_usage:
                         yield chunk(None, usage=_usage(item.result))
                 else:
                     yield chunk(_delta(item, calls))
                     calls += item.type == "tool_call"
-                item = await job.events.get()
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled = True  # client gone or stream finished: stop generating

@@ -22,10 +22,12 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    kwargs: dict[str, Any]
+    prepared: Any  # a `PreparedChat`
+    kwargs: dict[str, Any]  # sampling settings for `Runtime.chat_prepared`
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    finished: bool = False
 
     def emit(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -37,6 +39,7 @@ class EngineWorker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.thread = threading.Thread(target=self._loop, name="agentrt-engine", daemon=True)
         self.busy = False
+        self.running: Job | None = None
         self.thread.start()
 
     def submit(self, job: Job) -> None:
@@ -49,8 +52,24 @@ class EngineWorker:
         return self.jobs.qsize() + int(self.busy)
 
     def stop(self) -> None:
+        """Cancel waiting jobs and the running one, then end the thread."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled = job.finished = True
+                job.emit(RuntimeError("server shutting down"))
+                job.emit(DONE)
+        self.current_cancel()
         self.jobs.put(None)
         self.thread.join(timeout=30)
+
+    def current_cancel(self) -> None:
+        job = self.running
+        if job is not None:
+            job.cancelled = True
 
     def _loop(self) -> None:
         while True:
@@ -59,21 +78,25 @@ class EngineWorker:
                 return
             if job.cancelled:
                 continue
-            self.busy = True
+            self.busy, self.running = True, job
             try:
                 self._run(job)
             finally:
-                self.busy = False
+                self.busy, self.running = False, None
 
     def _run(self, job: Job) -> None:
         try:
-            for event in self.runtime.chat(stream=True, **job.kwargs):
-                if job.cancelled:
-                    break
+            events = self.runtime.chat_prepared(
+                job.prepared, stream=True, should_stop=lambda: job.cancelled, **job.kwargs
+            )
+            for event in events:
+                if job.cancelled and event.type != "done":
+                    continue  # keep draining: the generator stops at the next token
                 job.emit(event)
         except AgentrtError as exc:
             job.emit(exc)
         except Exception as exc:  # noqa: BLE001 - report, keep serving
             traceback.print_exc()
             job.emit(RuntimeError(f"internal error: {type(exc).__name__}: {exc}"))
+        job.finished = True
         job.emit(DONE)

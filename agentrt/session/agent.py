@@ -7,7 +7,9 @@ Each request can be recorded as a trace."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -77,11 +79,17 @@ class Tools:
     cwd: Path
     command_timeout: float = 30.0
 
+    def __post_init__(self) -> None:
+        self.cwd = Path(self.cwd).resolve()
+
+    def _inside(self, path: Path) -> bool:
+        return self.cwd in (path, *path.parents)
+
     def _path(self, raw: Any) -> Path:
         if not isinstance(raw, str) or not raw:
             raise ToolError("'path' must be a non-empty string")
         path = (self.cwd / raw).resolve()
-        if self.cwd.resolve() not in (path, *path.parents):
+        if not self._inside(path):
             raise ToolError(f"{raw} is outside the working directory")
         return path
 
@@ -105,6 +113,8 @@ class Tools:
             raise ToolError(f"bad pattern: {exc}") from None
         hits = []
         for file in sorted(self._path(path).rglob("*")):
+            if file.is_symlink() or not self._inside(file.resolve()):
+                continue  # never follow links out of the working directory
             if file.is_file() and file.stat().st_size < 2_000_000:
                 for i, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
                     if regex.search(line):
@@ -114,16 +124,30 @@ class Tools:
         return "\n".join(hits) or "(no matches)"
 
     def run_command(self, command: str, timeout: int | None = None) -> str:
+        """A real shell in the working directory (not a sandbox); on timeout the whole process
+        group is killed."""
         if not isinstance(command, str) or not command.strip():
             raise ToolError("'command' must be a non-empty string")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ToolError("'timeout' must be a positive number of seconds")
         limit = min(float(timeout or self.command_timeout), self.command_timeout)
+        proc = subprocess.Popen(
+            command,
+            shell=True,
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         try:
-            proc = subprocess.run(
-                command, shell=True, cwd=self.cwd, capture_output=True, text=True, timeout=limit
-            )
+            out, _ = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return f"[timed out after {limit:g} s]"
-        return truncate(f"[exit code {proc.returncode}]\n{proc.stdout}{proc.stderr}")
+        return truncate(f"[exit code {proc.returncode}]\n{out}")
 
     def call(self, name: str, arguments: str) -> str:
         fn: Callable | None = {
@@ -140,10 +164,12 @@ class Tools:
             raise ToolError("arguments must be a JSON object")
         try:
             return fn(**args)
+        except ToolError:
+            raise
         except TypeError as exc:
             raise ToolError(f"bad arguments for {name}: {exc}") from None
-        except OSError as exc:
-            raise ToolError(f"{name} failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a tool failure is reported to the model
+            raise ToolError(f"{name} failed: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass

@@ -9,12 +9,14 @@ State reuse between calls follows `cache=`: `semantic` (the state cache, default
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentrt.config import EngineConfig, StateCacheConfig
-from agentrt.engine import Engine, Generation, SamplingParams
+from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError, NotSupportedYetError
 from agentrt.session.chat import (
@@ -58,6 +60,18 @@ def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
             "vram_budget / expert_cache_slots need the expert-offload engine, "
             "which has not landed yet"
         )
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A rendered, tokenized chat request that fits the context (see `Runtime.prepare`)."""
+
+    prompt_ids: list[int]
+    reasoning: bool  # the generation prompt leaves <think> open
+    tools: list[dict[str, Any]] | None
+    tool_choice: str | dict[str, Any] | None
+    forced: str  # text appended to force a tool call
+    started: float  # perf_counter when the request arrived (TTFT origin)
 
 
 class Runtime:
@@ -197,6 +211,28 @@ class Runtime:
             )
         return self.tokenizer
 
+    def prepare(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+    ) -> PreparedChat:
+        """Validate, render and tokenize a chat request (checks it fits the context); no model work.
+
+        `tool_choice`: "auto" (default), "none" (tool-call markup is returned as content),
+        "required" or {"type": "function", "function": {"name": N}} (the reply is started as a
+        tool call, for that tool when named)."""
+        started = time.perf_counter()
+        tok = self._require_tokenizer()
+        msgs = normalize_messages(messages)
+        tools = _check_tools(tools)
+        prompt = render(tok, msgs, tools)
+        forced = forced_tool_text(tok, tool_choice)
+        prompt_ids = self.generated.encode(prompt + forced)
+        self.engine.check_fits(len(prompt_ids))
+        reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt)) and not forced
+        return PreparedChat(prompt_ids, reasoning, tools, tool_choice, forced, started)
+
     def chat(
         self,
         messages: Sequence[dict[str, Any]],
@@ -210,25 +246,31 @@ class Runtime:
         tool_choice: str | dict[str, Any] | None = None,
     ) -> ChatResult | Iterator[ChatEvent]:
         """One assistant turn for OpenAI-shaped `messages`; `stream=True` yields `ChatEvent`s.
+        See `prepare` for `tool_choice`."""
+        prepared = self.prepare(messages, tools, tool_choice)
+        return self.chat_prepared(prepared, max_tokens, temperature, top_p, stop, stream, seed)
 
-        `tool_choice`: "auto" (default), "none" (tool-call markup is returned as content),
-        "required" or {"type": "function", "function": {"name": N}} (the reply is started as a
-        tool call, for that tool when named)."""
-        tok = self._require_tokenizer()
-        msgs = normalize_messages(messages)
-        tools = _check_tools(tools)
-        prompt = render(tok, msgs, tools)
-        forced = forced_tool_text(tok, tool_choice)
-        prompt_ids = self.generated.encode(prompt + forced)
+    def chat_prepared(
+        self,
+        prepared: PreparedChat,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+        seed: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> ChatResult | Iterator[ChatEvent]:
+        """Generate for a `prepare`d request; `should_stop` is polled per chunk and per token."""
         params = _params(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
-        reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt)) and not forced
         parser = OutputParser(
-            mode="reasoning" if reasoning else "content",
-            tools=tools,
-            parse_tools=tool_choice != "none",
+            mode="reasoning" if prepared.reasoning else "content",
+            tools=prepared.tools,
+            parse_tools=prepared.tool_choice != "none",
         )
-        parser.feed(forced)
-        events = self._chat_events(prompt_ids, params, _check_stop(stop), parser)
+        parser.feed(prepared.forced)
+        gen = Generation(started_at=prepared.started, should_stop=should_stop)
+        events = self._chat_events(prepared.prompt_ids, params, _check_stop(stop), parser, gen)
         if stream:
             return events
         for event in events:
@@ -237,19 +279,28 @@ class Runtime:
         raise RuntimeError("chat ended without a result")  # unreachable
 
     def _chat_events(
-        self, prompt_ids, params: SamplingParams, stops: list[str], parser: OutputParser
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        stops: list[str],
+        parser: OutputParser,
+        gen: Generation,
     ) -> Iterator[ChatEvent]:
-        gen = Generation()
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
         hit = False
-        for token in self.engine.stream(self._live_state(), prompt_ids, params, gen, self.reuse):
-            if token in params.stop_token_ids:
-                break
-            piece, hit = text.push(detok.push(token))
-            yield from parser.feed(piece)
-            if hit:
-                gen.finish_reason = "stop"
-                break
+        try:
+            for token in self.engine.stream(
+                self._live_state(), prompt_ids, params, gen, self.reuse
+            ):
+                if token in params.stop_token_ids:
+                    break
+                piece, hit = text.push(detok.push(token))
+                yield from parser.feed(piece)
+                if hit:
+                    gen.finish_reason = "stop"
+                    break
+        except Cancelled:
+            gen.finish_reason = "cancelled"
         if not hit:
             yield from parser.feed(text.push(detok.finish())[0])
             yield from parser.feed(text.flush())

@@ -9,6 +9,7 @@ replaces every occurrence of such text that sits on token boundaries by the orig
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ class GeneratedIds:
         self.capacity = capacity
         self.items: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.spliced = 0  # how many spans were replaced (for tests and stats)
+        self.lock = threading.Lock()  # requests are prepared while the worker remembers
 
     def remember(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -28,14 +30,16 @@ class GeneratedIds:
         )
         if not text or "\ufffd" in text:
             return
-        self.items[text] = tuple(ids)
-        self.items.move_to_end(text)
-        while len(self.items) > self.capacity:
-            self.items.popitem(last=False)
+        with self.lock:
+            self.items[text] = tuple(ids)
+            self.items.move_to_end(text)
+            while len(self.items) > self.capacity:
+                self.items.popitem(last=False)
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of `prompt`, with remembered generations spliced in where they appear."""
-        found = [(text, ids) for text, ids in self.items.items() if text in prompt]
+        with self.lock:
+            found = [(text, ids) for text, ids in self.items.items() if text in prompt]
         if not found:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         enc = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
