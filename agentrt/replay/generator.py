@@ -15,22 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from agentrt.replay.trace import FORMAT, Header, Request, Response, Trace
+from agentrt.session.agent import function_tool
 
 CHARS_PER_TOKEN = 2.6  # code-heavy text, measured with the Qwen3 tokenizer
 
 
-def _tool(name: str, description: str, required: list[str], **props: str) -> dict[str, Any]:
-    properties = {k: {"type": v} for k, v in props.items()}
-    params = {"type": "object", "properties": properties, "required": required}
-    return {
-        "type": "function",
-        "function": {"name": name, "description": description, "parameters": params},
-    }
-
-
 TOOLS = [
-    _tool("list_dir", "List a directory.", ["path"], path="string"),
-    _tool(
+    function_tool("list_dir", "List a directory.", ["path"], path="string"),
+    function_tool(
         "read_file",
         "Read a text file.",
         ["path"],
@@ -38,10 +30,12 @@ TOOLS = [
         start_line="integer",
         end_line="integer",
     ),
-    _tool(
+    function_tool(
         "grep", "Search files for a regex.", ["pattern", "path"], pattern="string", path="string"
     ),
-    _tool("run_command", "Run a shell command.", ["command"], command="string", timeout="integer"),
+    function_tool(
+        "run_command", "Run a shell command.", ["command"], command="string", timeout="integer"
+    ),
 ]
 SYSTEM = (
     "You are a careful software engineering agent working in a repository. Use the tools to "

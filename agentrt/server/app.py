@@ -101,15 +101,6 @@ def _usage(result) -> dict[str, Any]:
     }
 
 
-def _message(result) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": result.content}
-    if result.reasoning_content:
-        msg["reasoning_content"] = result.reasoning_content
-    if result.tool_calls:
-        msg["tool_calls"] = result.tool_calls
-    return msg
-
-
 def _delta(event, call_index: int) -> dict[str, Any]:
     if event.type == "reasoning":
         return {"reasoning_content": event.text}
@@ -236,7 +227,7 @@ class ChatServer:
             "model": self.model_name,
             "usage": _usage(result),
             "choices": [
-                {"index": 0, "message": _message(result), "finish_reason": result.finish_reason}
+                {"index": 0, "message": result.message(), "finish_reason": result.finish_reason}
             ],
         }
         return JSONResponse(body)

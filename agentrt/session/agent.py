@@ -28,7 +28,8 @@ class ToolError(Exception):
     pass
 
 
-def _tool(name: str, description: str, required: list[str], **props: str) -> dict[str, Any]:
+def function_tool(name: str, description: str, required: list[str], **props: str) -> dict[str, Any]:
+    """An OpenAI function-tool schema with simple typed properties."""
     properties = {k: {"type": v} for k, v in props.items()}
     params = {"type": "object", "properties": properties, "required": required}
     return {
@@ -38,21 +39,21 @@ def _tool(name: str, description: str, required: list[str], **props: str) -> dic
 
 
 TOOL_SCHEMAS = [
-    _tool(
+    function_tool(
         "read_file",
         "Read a text file (relative to the working directory).",
         ["path"],
         path="string",
     ),
-    _tool("list_dir", "List a directory.", [], path="string"),
-    _tool(
+    function_tool("list_dir", "List a directory.", [], path="string"),
+    function_tool(
         "grep",
         "Search files under a directory for a regular expression.",
         ["pattern"],
         pattern="string",
         path="string",
     ),
-    _tool(
+    function_tool(
         "run_command",
         "Run a shell command in the working directory.",
         ["command"],
