@@ -435,3 +435,44 @@ def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
                         by_mode[base][stat] / sem if sem > 0 else 0.0
                     )
     return out
+
+
+# ----------------------------------------------------------------------------- bandwidths
+
+
+def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str, Any]:
+    """Measure and save the copy / CPU-expert bandwidth profile for `spec`'s expert shape."""
+    from dataclasses import asdict
+
+    from agentrt.config import home_dir
+    from agentrt.models.registry import config_of
+    from agentrt.offload.calibrate import calibrate, profile_path, save_profile
+    from agentrt.offload.store import ExpertStore
+
+    dtype = dtype or EngineConfig.default_dtype(device)
+    cfg = config_of(spec)
+    store = ExpertStore(
+        cfg.moe_layers[:1],
+        cfg.num_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        torch_dtype(dtype),
+        pin=device.startswith("cuda"),
+    )
+    torch.nn.init.uniform_(store.flat[store.layers[0]], -0.02, 0.02)
+    profile = calibrate(store, torch.device(device), count)
+    path = profile_path(
+        home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes
+    )
+    save_profile(profile, path)
+    gb = {k: round(v / 1e9, 2) for k, v in asdict(profile).items() if isinstance(v, float)}
+    return {
+        "bench": "bw",
+        "model": spec,
+        "device": device,
+        "dtype": dtype,
+        "profile": asdict(profile),
+        "gb_per_s": gb,
+        "saved_to": str(path),
+        "machine": machine(),
+    }

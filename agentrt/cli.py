@@ -166,10 +166,58 @@ def model_options(fn=None, *, cache_list: bool = False):
         click.option(
             "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
         ),
+        *offload_options(),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def offload_options() -> list:
+    """Expert placement options (DESIGN §5)."""
+    return [
+        click.option(
+            "--offload",
+            type=click.Choice(["auto", "none", "static"]),
+            default=None,
+            help="Expert placement: auto (host store + GPU expert cache + CPU/GPU miss split), "
+            "static (experts of the first --cpu-moe-layers layers on the CPU), none (all on the "
+            "device). Default: auto with --vram-budget or --expert-cache-slots, else none.",
+        ),
+        click.option(
+            "--vram-budget",
+            default=None,
+            help="Cap on device memory, e.g. 16GiB (sizes the expert cache).",
+        ),
+        click.option(
+            "--expert-cache-slots",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Explicit expert-cache size (overrides --vram-budget).",
+        ),
+        click.option(
+            "--split",
+            type=click.Choice(["on", "off"]),
+            default="on",
+            show_default=True,
+            help="off: every miss is copied (no CPU compute).",
+        ),
+        click.option(
+            "--cpu-moe-layers",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="For --offload static: MoE layers whose experts run on the CPU.",
+        ),
+        click.option(
+            "--expert-policy",
+            type=click.Choice(["lru", "lfu"]),
+            default="lru",
+            show_default=True,
+            help="Expert-cache replacement policy.",
+        ),
+        click.option("--recalibrate", is_flag=True, help="Measure copy / CPU bandwidths again."),
+    ]
 
 
 def open_runtime(opts: dict, require_tokenizer: bool = False):
@@ -191,6 +239,13 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         linear_attn=opts["linear_attn"],
         prefill_chunk=opts["prefill_chunk"],
         eager=opts["eager"],
+        offload=opts["offload"],
+        vram_budget=opts["vram_budget"],
+        expert_cache_slots=opts["expert_cache_slots"],
+        split=opts["split"] == "on",
+        cpu_moe_layers=opts["cpu_moe_layers"],
+        expert_policy=opts["expert_policy"],
+        recalibrate=opts["recalibrate"],
     )
 
 
@@ -828,6 +883,25 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, json_out, **opt
             )
     click.echo(json.dumps(result["ratios"], indent=2))
     write_json(json_out, result)
+
+
+@bench.command("bw")
+@click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option(
+    "--count",
+    type=click.IntRange(min=4),
+    default=64,
+    show_default=True,
+    help="Experts per measurement.",
+)
+@json_option
+def bench_bw(model, device, dtype, count, json_out) -> None:
+    """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""
+    from agentrt import bench as b
+
+    _report(b.bandwidth(model, resolve_device(device), dtype, count), json_out)
 
 
 # ----------------------------------------------------------------------------- cache

@@ -376,3 +376,40 @@ class StateCacheConfig:
             raise InvalidArgumentError("state cache sizes must be positive")
         if self.min_distance < 0 or self.queue_size < 1 or self.workers < 1:
             raise InvalidArgumentError("invalid state cache settings")
+
+
+# ----------------------------------------------------------------------------- offload config
+
+OFFLOAD_MODES = ("none", "auto", "static")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Expert placement (DESIGN §5). `auto`: host store + device expert cache + q* split;
+    `static`: the experts of the first `cpu_moe_layers` MoE layers run on the CPU, the rest stay
+    on the device (llama.cpp's --n-cpu-moe); `none`: every expert on the device."""
+
+    mode: str = "none"
+    split: bool = True
+    policy: str = "lru"
+    expert_cache_slots: int | None = None
+    vram_budget: int | None = None  # bytes
+    cpu_moe_layers: int = 0
+    kv_reserve_tokens: int = 32768
+    workspace_bytes: int = GIB
+    copy_bandwidth: float | None = None  # bytes/s overrides (else calibrated)
+    cpu_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFFLOAD_MODES:
+            raise InvalidArgumentError(
+                f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.mode!r}"
+            )
+        if self.policy not in ("lru", "lfu"):
+            raise InvalidArgumentError(
+                f"expert cache policy must be lru or lfu, got {self.policy!r}"
+            )
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
+            raise InvalidArgumentError("expert_cache_slots must be >= 1")
+        if self.cpu_moe_layers < 0:
+            raise InvalidArgumentError("cpu_moe_layers must be >= 0")

@@ -14,7 +14,6 @@ from agentrt.errors import (
     InvalidArgumentError,
     ModelFormatError,
     ModelNotFoundError,
-    NotSupportedYetError,
     PromptTooLongError,
     UnsupportedArchitectureError,
 )
@@ -86,11 +85,17 @@ def test_cli_prompt_too_long(tmp_path):
     assert proc.stderr.startswith("error: prompt has ") and "Traceback" not in proc.stderr
 
 
-def test_unsupported_options_are_named():
+def test_bad_options_are_named():
     with pytest.raises(InvalidArgumentError, match="cache must be"):
         Runtime.open(cache="bogus")
-    with pytest.raises(NotSupportedYetError, match="offload"):
-        Runtime.open(vram_budget="16GiB")
+    with pytest.raises(InvalidArgumentError, match="offload must be"):
+        Runtime.open(offload="layer")
+    with pytest.raises(InvalidArgumentError, match="as a size"):
+        Runtime.open(vram_budget="lots")
+    with pytest.raises(InvalidArgumentError, match="no room for experts"):
+        Runtime.open(vram_budget="1MiB")
+    proc = run_cli("chat", "--device", "cpu", "--vram-budget", "1MiB", "hi", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "no room" in proc.stderr
 
 
 def test_bad_arguments():

@@ -64,6 +64,7 @@ class Engine:
         self.dtype = model.embed_tokens.weight.dtype
         self.linear_backend = resolve_backend(config.linear_attn, self.device)
         set_linear_backend(model, self.linear_backend)
+        self.offload = None  # OffloadedExperts when routed experts live in a host store
         use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
 

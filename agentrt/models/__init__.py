@@ -29,14 +29,26 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def build_empty(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> CausalLM:
-    """Allocate the model and its routed experts on `device` without initialising weights."""
+def build_empty(
+    cfg: ModelConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    experts: RoutedExperts | None = None,
+) -> CausalLM:
+    """Allocate the model on `device` without initialising weights. Routed experts go to
+    `experts` when given (e.g. views of a host expert store), else onto `device`."""
     builder = ARCH_BUILDERS.get(cfg.arch)
     if builder is None:
         raise UnsupportedArchitectureError(f"no model implementation for {cfg.arch!r}")
-    experts = RoutedExperts.empty(
-        cfg.moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, device, dtype
-    )
+    if experts is None:
+        experts = RoutedExperts.empty(
+            cfg.moe_layers,
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            device,
+            dtype,
+        )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -202,13 +202,18 @@ def read_tensors(files: list[Path]):
 
 
 def load_model(
-    path: str | Path, device: str | torch.device, dtype: torch.dtype, cfg: ModelConfig | None = None
+    path: str | Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    cfg: ModelConfig | None = None,
+    experts=None,
 ):
-    """Load a HF-format model directory onto `device` in `dtype`."""
+    """Load a HF-format model directory onto `device` in `dtype` (routed experts into `experts`,
+    e.g. a host store, when given: they never pass through the device)."""
     path = Path(path)
     files = checkpoint_files(path)
     cfg = cfg or ModelConfig.from_hf(path)
-    model = build_empty(cfg, device, dtype)
+    model = build_empty(cfg, device, dtype, experts)
     sink = WeightSink(model)
     for name, tensor in read_tensors(files):
         sink.put(name, tensor)

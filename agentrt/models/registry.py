@@ -51,6 +51,18 @@ def check_spec(spec: str) -> None:
     check_headers(checkpoint_files(path))
 
 
+def config_of(spec: str):
+    """The `ModelConfig` of a spec, without loading weights."""
+    from agentrt.config import ModelConfig
+    from agentrt.models.tiny import ensure_tiny
+
+    if spec.startswith(SYNTHETIC_PREFIX):
+        from agentrt.models.synthetic import model_config, resolve_size
+
+        return model_config(resolve_size(spec[len(SYNTHETIC_PREFIX) :]))
+    return ModelConfig.from_hf(ensure_tiny() if spec == "tiny" else Path(spec).expanduser())
+
+
 def tokenizer_dir_of(spec: str) -> Path | None:
     """Where the tokenizer of `spec` lives (without loading the model), or None."""
     from agentrt.models.tiny import ensure_tiny
@@ -66,22 +78,25 @@ def tokenizer_dir_of(spec: str) -> Path | None:
 
 
 def open_model(
-    spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0
+    spec: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0, experts=None
 ) -> ModelSource:
-    """Load `spec` onto `device` in `dtype`."""
+    """Load `spec` onto `device` in `dtype` (routed experts into `experts` when given)."""
     from agentrt.models.loader import load_model, weights_identity
     from agentrt.models.tiny import ensure_tiny
 
     if spec == "tiny":
         path = ensure_tiny()
         return ModelSource(
-            load_model(path, device, dtype), "tiny", path, {"files": weights_identity(path)}
+            load_model(path, device, dtype, experts=experts),
+            "tiny",
+            path,
+            {"files": weights_identity(path)},
         )
     if spec.startswith(SYNTHETIC_PREFIX):
         from agentrt.models.synthetic import build_in_memory, resolve_size
 
         size = resolve_size(spec[len(SYNTHETIC_PREFIX) :])
-        model = build_in_memory(size, device, dtype, seed=seed)
+        model = build_in_memory(size, device, dtype, seed=seed, experts=experts)
         ident = {"synthetic": size, "seed": seed, "device": torch.device(device).type}
         return ModelSource(model, spec, None, ident)
     path = Path(spec).expanduser()
@@ -89,5 +104,5 @@ def open_model(
         raise ModelNotFoundError(
             f"model {spec!r} not found: give a HF-format directory, 'tiny', or 'synthetic:NAME'"
         )
-    model = load_model(path, device, dtype)
+    model = load_model(path, device, dtype, experts=experts)
     return ModelSource(model, path.name, path, {"files": weights_identity(path)})

@@ -189,14 +189,24 @@ def named_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         yield f"{prefix}layers.{layer}.mlp.experts.down_proj", model.experts.down[layer]
 
 
-def build_in_memory(size: str, device, dtype: torch.dtype | None = None, seed: int = 0) -> CausalLM:
-    """A synthetic model of `size` directly in device memory."""
+def build_in_memory(
+    size: str, device, dtype: torch.dtype | None = None, seed: int = 0, experts=None
+) -> CausalLM:
+    """A synthetic model of `size` directly in device memory (routed experts into `experts`
+    when given). Values are drawn on `device`, so a host expert store holds the same values as
+    a model built entirely on that device."""
     cfg = model_config(size)
-    model = build_empty(cfg, device, dtype or torch_dtype(cfg.torch_dtype))
+    model = build_empty(cfg, device, dtype or torch_dtype(cfg.torch_dtype), experts)
     zero_centered = cfg.arch == "qwen3_5_moe"
+    device = torch.device(device)
     with torch.inference_mode():
         for name, tensor in named_tensors(model):
-            init_value(name, tensor, seed, zero_centered)
+            if tensor.device.type == device.type:
+                init_value(name, tensor, seed, zero_centered)
+            else:  # host store of a device model: draw on the device, then copy down
+                scratch = torch.empty_like(tensor, device=device)
+                init_value(name, scratch, seed, zero_centered)
+                tensor.copy_(scratch)
     return model
 
 

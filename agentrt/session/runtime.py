@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrt.config import EngineConfig, StateCacheConfig
+from agentrt.config import EngineConfig, OffloadConfig, StateCacheConfig, parse_bytes
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
-from agentrt.errors import ChatTemplateError, InvalidArgumentError, NotSupportedYetError
+from agentrt.errors import ChatTemplateError, InvalidArgumentError
 from agentrt.session.chat import (
     ChatEvent,
     ChatResult,
@@ -52,14 +52,42 @@ def _check_device(device: str) -> str:
     return device
 
 
-def _check_unsupported(cache: str, vram_budget, expert_cache_slots) -> None:
+def _expert_store(spec: str, device: str, dtype):
+    """A host store for the routed experts of `spec` (pinned when a GPU will read it)."""
+    from agentrt.models.registry import config_of
+    from agentrt.offload.store import ExpertStore
+
+    cfg = config_of(spec)
+    pin = device.startswith("cuda")
+    return ExpertStore(
+        cfg.moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, pin
+    )
+
+
+def _check_cache(cache: str) -> None:
     if cache not in CACHE_MODES:
         raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
-    if vram_budget is not None or expert_cache_slots is not None:
-        raise NotSupportedYetError(
-            "vram_budget / expert_cache_slots need the expert-offload engine, "
-            "which has not landed yet"
-        )
+
+
+def _offload_config(
+    offload, vram_budget, expert_cache_slots, split, policy, cpu_moe_layers
+) -> OffloadConfig:
+    """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
+    or a slot count is given, else `none`."""
+    if isinstance(offload, OffloadConfig):
+        return offload
+    mode = offload or (
+        "auto" if vram_budget is not None or expert_cache_slots is not None else "none"
+    )
+    budget = parse_bytes(vram_budget) if vram_budget is not None else None
+    return OffloadConfig(
+        mode=mode,
+        split=split,
+        policy=policy,
+        expert_cache_slots=expert_cache_slots,
+        vram_budget=budget,
+        cpu_moe_layers=cpu_moe_layers,
+    )
 
 
 @dataclass(frozen=True)
@@ -135,6 +163,11 @@ class Runtime:
         state_max_gb: float | None = None,
         boundaries: dict[str, str | list[str]] | None = None,
         state_cache: StateCacheConfig | None = None,
+        offload: str | OffloadConfig | None = None,
+        split: bool = True,
+        expert_policy: str = "lru",
+        cpu_moe_layers: int = 0,
+        recalibrate: bool = False,
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -144,22 +177,35 @@ class Runtime:
         from agentrt.models.registry import check_spec, open_model, tokenizer_dir_of
         from agentrt.session.tokenizer import load_tokenizer
 
-        _check_unsupported(cache, vram_budget, expert_cache_slots)
+        _check_cache(cache)
         device = _check_device(device)
+        placement = _offload_config(
+            offload, vram_budget, expert_cache_slots, split, expert_policy, cpu_moe_layers
+        )
         config = EngineConfig(
             device=device,
             dtype=dtype or EngineConfig.default_dtype(device),
             linear_attn=linear_attn,
             prefill_chunk=prefill_chunk,
-            cuda_graphs=not eager,
+            cuda_graphs=not eager and placement.mode == "none",  # offload decisions need the host
         )
         check_spec(model)
         tok_dir = tokenizer or tokenizer_dir_of(model)
         if tok_dir is None and require_tokenizer:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
         tok = load_tokenizer(tok_dir, chat_template) if tok_dir else None
-        source = open_model(model, device, torch_dtype(config.dtype), seed=seed)
+        store = (
+            _expert_store(model, device, torch_dtype(config.dtype))
+            if placement.mode != "none"
+            else None
+        )
+        experts = store.as_routed() if store is not None else None
+        source = open_model(model, device, torch_dtype(config.dtype), seed=seed, experts=experts)
         engine = Engine(source.model, config)
+        if store is not None:
+            from agentrt.engine.placement import install
+
+            engine.offload = install(source.model, store, device, placement, recalibrate)
         cache_config = _cache_config(state_cache, state_dir, state_max_gb)
         rt = cls(engine, tok, source, seed, boundaries)
         rt.set_cache(cache, cache_config)

@@ -1,0 +1,98 @@
+"""Expert placement for one engine: size the device expert cache from the VRAM budget (budget minus
+the non-expert weights, a KV reservation and workspace), load or measure the bandwidth profile,
+and install `OffloadedExperts` in the model (auto and static modes)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from agentrt.config import OffloadConfig, home_dir
+from agentrt.errors import InvalidArgumentError
+from agentrt.models.layers import CausalLM
+from agentrt.offload.cache import ExpertCache
+from agentrt.offload.calibrate import calibrate, load_profile, profile_path, save_profile
+from agentrt.offload.experts import Bandwidths, OffloadedExperts
+from agentrt.offload.store import ExpertStore
+
+
+def dense_bytes(model: CausalLM) -> int:
+    """Bytes of the model's parameters on the device (everything but routed experts)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(model: CausalLM) -> int:
+    cfg = model.config
+    itemsize = model.embed_tokens.weight.element_size()
+    return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def slots_for_budget(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> int:
+    """Expert slots that fit: budget - dense weights - KV reservation - workspace."""
+    if config.expert_cache_slots is not None:
+        return config.expert_cache_slots
+    if config.vram_budget is None:
+        return len(store.layers) * store.num_experts  # no budget: room for every expert
+    free = (
+        config.vram_budget
+        - dense_bytes(model)
+        - config.kv_reserve_tokens * kv_bytes_per_token(model)
+    )
+    free -= config.workspace_bytes
+    slots = free // store.expert_bytes
+    if slots < model.config.num_experts_per_tok:
+        need = (dense_bytes(model) + config.workspace_bytes) / 2**30
+        raise InvalidArgumentError(
+            f"vram budget {config.vram_budget / 2**30:.1f} GiB leaves no room for experts "
+            f"(dense weights and workspace alone need {need:.1f} GiB)"
+        )
+    return int(slots)
+
+
+def bandwidths(
+    store: ExpertStore, device: torch.device, config: OffloadConfig, recalibrate: bool
+) -> Bandwidths:
+    """Configured overrides, else the saved profile, else a few seconds of measurement."""
+    if config.copy_bandwidth and config.cpu_bandwidth:
+        return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
+    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes)
+    profile = None if recalibrate else load_profile(path)
+    if profile is None:
+        print(
+            "agentrt: calibrating expert copy / CPU bandwidths (a few seconds) ...", file=sys.stderr
+        )
+        profile = calibrate(store, device)
+        save_profile(profile, path)
+    return Bandwidths(
+        config.copy_bandwidth or profile.copy_overlapped,
+        config.cpu_bandwidth or profile.cpu_overlapped,
+    )
+
+
+def install(
+    model: CausalLM, store: ExpertStore, device, config: OffloadConfig, recalibrate: bool = False
+):
+    """Build the cache and `OffloadedExperts` for `config.mode` and swap them into the model."""
+    device = torch.device(device)
+    cpu_layers = (
+        frozenset(store.layers[: config.cpu_moe_layers]) if config.mode == "static" else frozenset()
+    )
+    if config.mode == "static":
+        resident = [layer for layer in store.layers if layer not in cpu_layers]
+        cache = ExpertCache(store, max(len(resident) * store.num_experts, 1), device, config.policy)
+        _preload(cache, store, resident)
+        bw = Bandwidths(0.0, 1.0)  # nothing is ever missing outside the CPU layers
+    else:
+        cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
+        bw = bandwidths(store, device, config, recalibrate)
+    experts = OffloadedExperts(store, cache, bw, split=config.split, cpu_layers=cpu_layers)
+    model.set_experts(experts)
+    return experts
+
+
+def _preload(cache: ExpertCache, store: ExpertStore, layers: list[int]) -> None:
+    for layer in layers:
+        for expert in range(store.num_experts):
+            slot = cache.admit(layer, expert, exclude=set())
+            cache.slots[slot].copy_(store.flat[layer][expert])

@@ -1,0 +1,96 @@
+"""`ExpertCache`: one pool of device slots for experts of any layer, the `slot_of` table
+(layer -> expert -> slot or -1), a replacement policy, and per-layer counters. The host store
+stays the truth: evicting a slot loses nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentrt.offload.policy import POLICIES, Key
+from agentrt.offload.store import ExpertStore
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    copied: int = 0
+    cpu: int = 0
+    evictions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class ExpertCache:
+    def __init__(self, store: ExpertStore, num_slots: int, device, policy: str = "lru") -> None:
+        self.store = store
+        self.device = torch.device(device)
+        self.slots = torch.empty(
+            num_slots, store.expert_numel, dtype=store.dtype, device=self.device
+        )
+        self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}
+        self.owner: list[Key | None] = [None] * num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.policy = POLICIES[policy]()
+        self.stats = {layer: LayerStats() for layer in store.layers}
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.shape[0]
+
+    def lookup(self, layer: int, expert: int) -> int:
+        return self.slot_of[layer][expert]
+
+    def admit(self, layer: int, expert: int, exclude: set[Key]) -> int | None:
+        """A slot for (layer, expert), evicting the policy's victim outside `exclude`; None if
+        every slot is in use by `exclude`."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = self.policy.victim(exclude)
+            if victim is None:
+                return None
+            slot = self.slot_of[victim[0]][victim[1]]
+            self._evict(victim)
+        self.owner[slot] = (layer, expert)
+        self.slot_of[layer][expert] = slot
+        self.policy.insert((layer, expert))
+        return slot
+
+    def _evict(self, key: Key) -> None:
+        layer, expert = key
+        slot = self.slot_of[layer][expert]
+        self.slot_of[layer][expert] = -1
+        self.owner[slot] = None
+        self.policy.remove(key)
+        self.stats[layer].evictions += 1
+
+    def gate_up(self, slot: int) -> torch.Tensor:
+        s = self.store
+        return self.slots[slot, : 2 * s.inter * s.hidden].view(2 * s.inter, s.hidden)
+
+    def down(self, slot: int) -> torch.Tensor:
+        s = self.store
+        return self.slots[slot, 2 * s.inter * s.hidden :].view(s.hidden, s.inter)
+
+    def check(self) -> None:
+        """Invariants (tests): owner and slot_of agree, free slots are unowned, policy matches."""
+        resident = set()
+        for slot, key in enumerate(self.owner):
+            if key is not None:
+                assert self.slot_of[key[0]][key[1]] == slot
+                resident.add(key)
+        for layer, row in self.slot_of.items():
+            for expert, slot in enumerate(row):
+                assert slot == -1 or self.owner[slot] == (layer, expert)
+        assert all(self.owner[s] is None for s in self.free)
+        assert set(self.policy.order) == resident
+        assert len(resident) + len(self.free) == self.num_slots
+
+    def hit_rate(self) -> float:
+        hits = sum(s.hits for s in self.stats.values())
+        total = hits + sum(s.misses for s in self.stats.values())
+        return hits / total if total else 0.0

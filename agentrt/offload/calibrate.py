@@ -1,0 +1,117 @@
+"""Calibration of the bandwidths the q* rule needs (`agentrt bench bw`): B_P (expert-sized
+host->device copies), B_H (the CPU expert kernel, one token per expert, in bytes of weights
+read per second), and both again while running at the same time (B_H', B_P'). Profiles are
+saved per GPU / CPU / dtype / expert size and loaded at engine start."""
+
+from __future__ import annotations
+
+import json
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from agentrt.offload.store import ExpertStore
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class Profile:
+    copy: float  # B_P alone, bytes/s
+    cpu: float  # B_H alone
+    copy_overlapped: float  # B_P' while the CPU computes
+    cpu_overlapped: float  # B_H' while copies run
+    expert_bytes: int
+    device: str
+    cpu_model: str
+    threads: int
+    version: int = PROFILE_VERSION
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def profile_path(root: Path, device: torch.device, dtype: torch.dtype, expert_bytes: int) -> Path:
+    key = (
+        f"{device_name(device)}__{cpu_model()}__{str(dtype).removeprefix('torch.')}__{expert_bytes}"
+    )
+    return root / (key.replace(" ", "_").replace("/", "_") + ".json")
+
+
+def load_profile(path: Path) -> Profile | None:
+    try:
+        data = json.loads(path.read_text())
+        profile = Profile(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    return profile if profile.version == PROFILE_VERSION else None
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile), indent=2) + "\n")
+
+
+def _time_copies(store: ExpertStore, layer: int, dest: torch.Tensor, count: int) -> float:
+    device = dest.device
+    t0 = time.perf_counter()
+    for i in range(count):
+        dest[i % dest.shape[0]].copy_(store.flat[layer][i % store.num_experts], non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return count * store.expert_bytes / (time.perf_counter() - t0)
+
+
+def _time_cpu(store: ExpertStore, layer: int, count: int) -> float:
+    x = torch.randn(1, store.hidden).to(store.dtype)
+    gate_up, down = store.gate_up(layer), store.down(layer)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(count):
+            e = i % store.num_experts
+            h = torch.nn.functional.linear(x, gate_up[e])
+            g, u = h.chunk(2, dim=-1)
+            torch.nn.functional.linear(torch.nn.functional.silu(g) * u, down[e])
+    return count * store.expert_bytes / (time.perf_counter() - t0)
+
+
+def calibrate(store: ExpertStore, device: torch.device, count: int = 64) -> Profile:
+    """Measure in a few seconds (for a 6 MB expert, 64 copies and 64 CPU expert passes each)."""
+    layer = store.layers[0]
+    dest = torch.empty(min(count, 16), store.expert_numel, dtype=store.dtype, device=device)
+    _time_copies(store, layer, dest, 4)  # warm-up
+    _time_cpu(store, layer, 4)
+    copy_alone = _time_copies(store, layer, dest, count)
+    cpu_alone = _time_cpu(store, layer, count)
+    result: dict[str, float] = {}
+    thread = threading.Thread(
+        target=lambda: result.__setitem__("cpu", _time_cpu(store, layer, count))
+    )
+    thread.start()
+    copy_both = _time_copies(store, layer, dest, count)
+    thread.join()
+    return Profile(
+        copy_alone,
+        cpu_alone,
+        copy_both,
+        result["cpu"],
+        store.expert_bytes,
+        device_name(device),
+        cpu_model(),
+        torch.get_num_threads(),
+    )

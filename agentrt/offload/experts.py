@@ -1,0 +1,215 @@
+"""`OffloadedExperts`: the model's experts interface over an `ExpertStore` and an `ExpertCache`.
+
+Per layer and step: dedupe the routed experts; hits run from their device slots; of the m misses,
+q (chosen by the q* rule from calibrated bandwidths, most valuable first by the policy) are copied
+into victim slots on a copy stream, and the other m - q run on the CPU in a persistent worker
+thread (hidden rows to host, results back). Every (token, expert) pair's output lands in the
+same place it would in the dense path, and the weighted sum over the k experts is the same, so
+the result equals the dense computation. Large batches (prefill) stream the missing experts
+through a scratch slot instead of admitting them, so prefill does not evict the decode working
+set. `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from agentrt.models.moe import expert_ffn
+from agentrt.offload.cache import ExpertCache
+from agentrt.offload.split import q_star
+from agentrt.offload.store import ExpertStore
+
+PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as prefill
+
+
+@dataclass
+class Bandwidths:
+    """Bytes/s: `copy` = host->device expert copies, `cpu` = CPU expert compute while copying."""
+
+    copy: float
+    cpu: float
+
+
+@dataclass
+class Totals:
+    steps: int = 0
+    copied: int = 0
+    cpu: int = 0
+    streamed: int = 0
+    bytes_copied: int = 0
+    per_layer_misses: dict[int, int] = field(default_factory=dict)
+
+
+class OffloadedExperts:
+    def __init__(
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        bandwidths: Bandwidths,
+        split: bool = True,
+        cpu_layers: frozenset[int] = frozenset(),
+    ) -> None:
+        self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
+        self.cpu_layers = cpu_layers
+        self.device = cache.device
+        self.on_cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrt-cpu-experts")
+        self.totals = Totals()
+
+    # ------------------------------------------------------------------ interface
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
+        num_tokens, top_k = ids.shape
+        flat = ids.reshape(-1).tolist()
+        pairs = self._pairs(flat, top_k)  # expert -> rows of the flattened pairs
+        if layer in self.cpu_layers:
+            plan_gpu, plan_cpu, streamed = [], list(pairs), []
+        elif len(flat) > PREFILL_PAIRS:
+            plan_gpu, plan_cpu, streamed = self._plan_prefill(layer, pairs)
+        else:
+            plan_gpu, plan_cpu, streamed = self._plan_decode(layer, pairs)
+        out = torch.empty(len(flat), x.shape[1], dtype=x.dtype, device=x.device)
+        cpu_job = self._start_cpu(layer, x, pairs, plan_cpu, top_k)
+        self._run_slots(layer, x, pairs, plan_gpu, top_k, out)
+        self._run_streamed(layer, x, pairs, streamed, top_k, out)
+        self._finish_cpu(cpu_job, out)
+        self.totals.steps += 1
+        return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    @staticmethod
+    def _pairs(flat: list[int], top_k: int) -> dict[int, list[int]]:
+        pairs: dict[int, list[int]] = {}
+        for row, expert in enumerate(flat):
+            pairs.setdefault(expert, []).append(row)
+        return pairs
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan_decode(self, layer: int, pairs: dict[int, list[int]]):
+        """Hits run from their slots; misses split into copies (admitted) and CPU work."""
+        stats, policy = self.cache.stats[layer], self.cache.policy
+        for expert in pairs:
+            policy.touch((layer, expert))
+        hits = [e for e in pairs if self.cache.lookup(layer, e) >= 0]
+        misses = [e for e in pairs if self.cache.lookup(layer, e) < 0]
+        stats.hits += len(hits)
+        stats.misses += len(misses)
+        q = q_star(len(misses), self.bw.copy, self.bw.cpu) if self.split else len(misses)
+        ranked = [e for _, e in policy.rank((layer, e) for e in misses)]
+        copied, cpu = self._copy_in(layer, ranked[:q], set((layer, e) for e in pairs)), ranked[q:]
+        cpu += [e for e in ranked[:q] if e not in copied]
+        stats.copied += len(copied)
+        stats.cpu += len(cpu)
+        return hits + copied, cpu, []
+
+    def _plan_prefill(self, layer: int, pairs: dict[int, list[int]]):
+        """Many tokens: hits from slots; misses stream through scratch (nothing is evicted)."""
+        stats = self.cache.stats[layer]
+        hits = [e for e in pairs if self.cache.lookup(layer, e) >= 0]
+        misses = [e for e in pairs if self.cache.lookup(layer, e) < 0]
+        stats.hits += len(hits)
+        stats.misses += len(misses)
+        return hits, [], misses
+
+    def _copy_in(self, layer: int, experts: list[int], exclude: set) -> list[int]:
+        """Copy experts into victim slots on the copy stream; returns those that got a slot."""
+        done = []
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for expert in experts:
+                slot = self.cache.admit(layer, expert, exclude)
+                if slot is None:
+                    continue
+                self.cache.slots[slot].copy_(self.store.flat[layer][expert], non_blocking=True)
+                done.append(expert)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.totals.copied += len(done)
+        self.totals.bytes_copied += len(done) * self.store.expert_bytes
+        return done
+
+    # ------------------------------------------------------------------ compute
+
+    def _run_slots(self, layer, x, pairs, experts, top_k, out) -> None:
+        for expert in experts:
+            rows = pairs[expert]
+            slot = self.cache.lookup(layer, expert)
+            idx = torch.tensor(rows, device=x.device) // top_k
+            out[rows] = expert_ffn(x[idx], self.cache.gate_up(slot), self.cache.down(slot))
+
+    def _run_streamed(self, layer, x, pairs, experts, top_k, out) -> None:
+        """Missing experts of a large batch: copy each into scratch and run it there."""
+        if not experts:
+            return
+        scratch = torch.empty(self.store.expert_numel, dtype=self.store.dtype, device=self.device)
+        inter, hidden = self.store.inter, self.store.hidden
+        for expert in experts:
+            scratch.copy_(self.store.flat[layer][expert], non_blocking=True)
+            rows = pairs[expert]
+            idx = torch.tensor(rows, device=x.device) // top_k
+            gate_up = scratch[: 2 * inter * hidden].view(2 * inter, hidden)
+            down = scratch[2 * inter * hidden :].view(hidden, inter)
+            out[rows] = expert_ffn(x[idx], gate_up, down)
+        self.totals.streamed += len(experts)
+        self.totals.bytes_copied += len(experts) * self.store.expert_bytes
+
+    def _start_cpu(self, layer, x, pairs, experts, top_k) -> tuple[Future | None, list[int]] | None:
+        if not experts:
+            return None
+        rows = [r for e in experts for r in pairs[e]]
+        x_host = x[torch.tensor([r // top_k for r in rows], device=x.device)].to(
+            "cpu", self.store.dtype
+        )
+        segments = [(e, len(pairs[e])) for e in experts]
+        self.totals.cpu += len(experts)
+        if not self.on_cuda:
+            return _done(self._cpu_ffn(layer, x_host, segments)), rows
+        return self.worker.submit(self._cpu_ffn, layer, x_host, segments), rows
+
+    def _cpu_ffn(
+        self, layer: int, x_host: torch.Tensor, segments: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        out, begin = torch.empty_like(x_host), 0
+        gate_up, down = self.store.gate_up(layer), self.store.down(layer)
+        with torch.inference_mode():
+            for expert, count in segments:
+                end = begin + count
+                h = F.linear(x_host[begin:end], gate_up[expert])
+                gate, up = h.chunk(2, dim=-1)
+                out[begin:end] = F.linear(F.silu(gate) * up, down[expert])
+                begin = end
+        return out
+
+    def _finish_cpu(self, job, out: torch.Tensor) -> None:
+        if job is None:
+            return
+        future, rows = job
+        result = future.result()
+        out[rows] = result.to(out.device, out.dtype, non_blocking=False)
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future

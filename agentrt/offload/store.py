@@ -1,0 +1,92 @@
+"""`ExpertStore`: every routed expert in host memory, one contiguous block per expert
+(gate_up rows, then down), so that one expert is one copy. Pinned when the host allows it;
+otherwise pageable, with a warning."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from agentrt.models.moe import RoutedExperts
+
+
+class ExpertStore:
+    """`flat[layer]` is `[E, 3*I*H]`; `gate_up(layer)` / `down(layer)` are views of it."""
+
+    def __init__(
+        self, layers, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin: bool
+    ) -> None:
+        self.hidden, self.inter, self.num_experts, self.dtype = hidden, inter, num_experts, dtype
+        self.pinned = pin
+        self.flat: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            self.flat[layer] = self._alloc((num_experts, 3 * inter * hidden), dtype)
+
+    def _alloc(self, shape, dtype) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError as exc:  # e.g. a locked-memory limit
+                self.pinned = False
+                out = torch.empty(shape, dtype=dtype)
+                print(
+                    f"agentrt: pinning host memory failed ({exc}); experts stay pageable: "
+                    f"{_pageable_cost(out[0])}",
+                    file=sys.stderr,
+                )
+                return out
+        return torch.empty(shape, dtype=dtype)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.flat)
+
+    @property
+    def expert_numel(self) -> int:
+        return 3 * self.inter * self.hidden
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_numel * self.dtype.itemsize
+
+    def gate_up(self, layer: int) -> torch.Tensor:
+        return self.flat[layer][:, : 2 * self.inter * self.hidden].view(
+            self.num_experts, 2 * self.inter, self.hidden
+        )
+
+    def down(self, layer: int) -> torch.Tensor:
+        return self.flat[layer][:, 2 * self.inter * self.hidden :].view(
+            self.num_experts, self.hidden, self.inter
+        )
+
+    def as_routed(self) -> RoutedExperts:
+        """Views shaped like `RoutedExperts` (the loader fills the store through them)."""
+        gate_up = {layer: self.gate_up(layer) for layer in self.layers}
+        return RoutedExperts(gate_up, {layer: self.down(layer) for layer in self.layers})
+
+    @classmethod
+    def from_routed(cls, routed: RoutedExperts, pin: bool) -> ExpertStore:
+        first = next(iter(routed.gate_up.values()))
+        num_experts, two_inter, hidden = first.shape
+        store = cls(sorted(routed.gate_up), num_experts, hidden, two_inter // 2, first.dtype, pin)
+        for layer in store.layers:
+            store.gate_up(layer).copy_(routed.gate_up[layer])
+            store.down(layer).copy_(routed.down[layer])
+        return store
+
+
+def _pageable_cost(block: torch.Tensor) -> str:
+    """Measured host->GPU bandwidth of one expert from pageable memory (the cost of not pinning)."""
+    if not torch.cuda.is_available():
+        return "no GPU, nothing lost"
+    dest = torch.empty_like(block, device="cuda")
+    dest.copy_(block)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dest.copy_(block)
+    torch.cuda.synchronize()
+    gbps = 5 * block.numel() * block.element_size() / (time.perf_counter() - t0) / 1e9
+    return f"copies run at {gbps:.1f} GB/s from pageable memory"
