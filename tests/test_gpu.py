@@ -126,3 +126,28 @@ def test_state_cache_restore_on_cuda(tmp_path):
         assert (logits - full).abs().max().item() < 0.1 * full.abs().max().item()
         rt2.close()
     rt.close()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_offloaded_experts_on_cuda_match_resident(split):
+    """Copies on the copy stream into victim slots (and CPU misses) give the resident model's logits."""
+    from agentrt import Runtime
+    from agentrt.config import OffloadConfig
+
+    ids = list(range(10, 200))
+    resident = Runtime.open("tiny", device="cuda", cache="off", eager=True)
+    want = resident.engine.prefill(resident.engine.new_state(), ids, all_logits=True)
+    config = OffloadConfig(
+        mode="auto", expert_cache_slots=12, split=split, copy_bandwidth=1.0, cpu_bandwidth=1.0
+    )
+    rt = Runtime.open("tiny", device="cuda", cache="off", offload=config)
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().mean().item() < 0.01
+    state_a, state_b = resident.engine.new_state(), rt.engine.new_state()
+    resident.engine.prefill(state_a, ids)
+    rt.engine.prefill(state_b, ids)
+    for tok in range(300, 320):  # decode: hits, copies and (split) CPU misses
+        a, b = resident.engine.decode_step(state_a, tok), rt.engine.decode_step(state_b, tok)
+        assert (a - b).abs().mean().item() < 0.01
+    rt.engine.offload.cache.check()
+    assert rt.engine.offload.totals.copied > 0
