@@ -130,7 +130,7 @@ def test_state_cache_restore_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("split", [True, False])
 def test_offloaded_experts_on_cuda_match_resident(split):
-    """Copies on the copy stream into victim slots (and CPU misses) give the resident model's logits."""
+    """Copies into victim slots on the copy stream (and CPU misses) match the resident model."""
     from agentrt import Runtime
     from agentrt.config import OffloadConfig
 
