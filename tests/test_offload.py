@@ -153,3 +153,18 @@ def test_calibration_profile_round_trip(tmp_path):
     path = profile_path(tmp_path, torch.device("cpu"), store.dtype, store.expert_bytes)
     save_profile(profile, path)
     assert load_profile(path) == profile
+
+
+def test_metrics_report_the_expert_cache():
+    from agentrt.server.app import ChatServer, ServerConfig
+
+    rt = Runtime.open("tiny", cache="off", expert_cache_slots=8)
+    rt.generate(list(range(20, 60)), max_tokens=4)
+    server = ChatServer(rt, ServerConfig())
+    text = server._offload_lines()
+    server.worker.stop()
+    sample = next(
+        line for line in text.splitlines() if line.startswith("agentrt_expert_cache_hit_rate ")
+    )
+    rate = float(sample.split()[1])
+    assert 0.0 <= rate <= 1.0 and "agentrt_expert_bytes_copied_total" in text

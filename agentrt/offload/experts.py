@@ -13,7 +13,7 @@ set. `cpu_layers` (the static baseline) computes every expert of those layers on
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,6 @@ class Totals:
     cpu: int = 0
     streamed: int = 0
     bytes_copied: int = 0
-    per_layer_misses: dict[int, int] = field(default_factory=dict)
 
 
 class OffloadedExperts:

@@ -292,9 +292,23 @@ class ChatServer:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.model_name, "cache": self.runtime.cache})
 
+    def _offload_lines(self) -> str:
+        """Expert-cache hit rate and bytes moved, when experts are offloaded."""
+        experts = getattr(self.runtime.engine, "offload", None)
+        if experts is None:
+            return ""
+        lines = [
+            "# TYPE agentrt_expert_cache_hit_rate gauge",
+            f"agentrt_expert_cache_hit_rate {_number(experts.cache.hit_rate())}",
+            "# TYPE agentrt_expert_bytes_copied_total counter",
+            f"agentrt_expert_bytes_copied_total {experts.totals.bytes_copied}",
+        ]
+        return "\n".join(lines) + "\n"
+
     async def metrics_text(self, request: Request) -> Response:
         return PlainTextResponse(
-            self.metrics.render(self.worker.depth()), media_type="text/plain; version=0.0.4"
+            self.metrics.render(self.worker.depth()) + self._offload_lines(),
+            media_type="text/plain; version=0.0.4",
         )
 
 
