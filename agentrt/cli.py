@@ -52,7 +52,9 @@ def _csv(text: str) -> list[str]:
 def _csv_choice(*choices: str):
     """click callback: a comma-separated list whose items must be among `choices`."""
 
-    def parse(ctx, param, value: str) -> list[str]:
+    def parse(ctx, param, value: str | None) -> list[str] | None:
+        if value is None:  # an option without a default: not given
+            return None
         items = _csv(value)
         bad = [i for i in items if i not in choices]
         if bad or not items:
@@ -178,11 +180,13 @@ def offload_options() -> list:
     return [
         click.option(
             "--offload",
-            type=click.Choice(["auto", "none", "static"]),
+            type=click.Choice(["auto", "none", "static", "layer"]),
             default=None,
             help="Expert placement: auto (host store + GPU expert cache + CPU/GPU miss split), "
-            "static (experts of the first --cpu-moe-layers layers on the CPU), none (all on the "
-            "device). Default: auto with --vram-budget or --expert-cache-slots, else none.",
+            "static (experts of the first --cpu-moe-layers layers on the CPU, like llama.cpp "
+            "--n-cpu-moe), layer (the first --cpu-layers whole layers on the CPU, like Ollama), "
+            "none (all on the device). Default: auto with --vram-budget or "
+            "--expert-cache-slots, else none.",
         ),
         click.option(
             "--vram-budget",
@@ -205,9 +209,16 @@ def offload_options() -> list:
         click.option(
             "--cpu-moe-layers",
             type=click.IntRange(min=0),
-            default=0,
-            show_default=True,
-            help="For --offload static: MoE layers whose experts run on the CPU.",
+            default=None,
+            help="For --offload static: MoE layers whose experts run on the CPU "
+            "(default: the fewest that let the rest fit --vram-budget).",
+        ),
+        click.option(
+            "--cpu-layers",
+            type=click.IntRange(min=0),
+            default=None,
+            help="For --offload layer: leading layers run whole on the CPU "
+            "(default: the fewest that let the rest fit --vram-budget).",
         ),
         click.option(
             "--expert-policy",
@@ -244,6 +255,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         expert_cache_slots=opts["expert_cache_slots"],
         split=opts["split"] == "on",
         cpu_moe_layers=opts["cpu_moe_layers"],
+        cpu_layers=opts["cpu_layers"],
         expert_policy=opts["expert_policy"],
         recalibrate=opts["recalibrate"],
     )
@@ -477,13 +489,78 @@ def bench_prefill(
     callback=_csv_choice("on", "off"),
     help="Comma-separated CUDA-graph settings: on, off.",
 )
+@click.option(
+    "--offload",
+    default=None,
+    callback=_csv_choice("auto", "none", "static", "layer"),
+    help="Comma-separated expert placements to compare (auto, none, static, layer): switches to "
+    "the offload benchmark (hit rate, copies / CPU experts / PCIe bytes per token, DESIGN §8 "
+    "bound, peak GPU memory). `none` keeps every expert on the device and gives t_gpu.",
+)
+@click.option(
+    "--split",
+    default="on",
+    show_default=True,
+    callback=_csv_choice("on", "off"),
+    help="For --offload auto: comma-separated miss handling, on (copies + CPU) and/or off.",
+)
+@click.option(
+    "--expert-policy",
+    default="lru",
+    show_default=True,
+    callback=_csv_choice("lru", "lfu"),
+    help="For --offload auto: comma-separated cache policies.",
+)
+@click.option("--vram-budget", default=None, help="Device-memory budget, e.g. 16GiB.")
+@click.option(
+    "--text",
+    type=click.Path(exists=True),
+    default=None,
+    help="Real text (file or directory) the offload benchmark feeds; default: agentrt's sources.",
+)
+@click.option("--tokenizer", default=None, help="Tokenizer directory for --text.")
 def bench_decode(
-    model, device, dtype, linear_attn, seed, eager, json_out, prompt_len, tokens, graphs
+    model,
+    device,
+    dtype,
+    linear_attn,
+    seed,
+    eager,
+    json_out,
+    prompt_len,
+    tokens,
+    graphs,
+    offload,
+    split,
+    expert_policy,
+    vram_budget,
+    text,
+    tokenizer,
 ) -> None:
-    """Greedy decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting."""
+    """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
+    --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
+    modes = ["off"] if eager else graphs
+    if offload:
+        from agentrt import bench_offload as bo
+
+        runs = bo.settings(offload, [v == "on" for v in split], expert_policy)
+        report = bo.offload_decode(
+            model,
+            resolve_device(device),
+            dtype,
+            vram_budget,
+            runs,
+            prompt_len,
+            tokens,
+            seed,
+            graphs=modes[0] == "on",
+            text=text,
+            tokenizer_dir=tokenizer,
+        )
+        _report(report, json_out)
+        return
     from agentrt import bench as b
 
-    modes = ["off"] if eager else graphs
     _report(
         b.decode(
             model, resolve_device(device), dtype, linear_attn, prompt_len, tokens, seed, modes

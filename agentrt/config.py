@@ -380,21 +380,25 @@ class StateCacheConfig:
 
 # ----------------------------------------------------------------------------- offload config
 
-OFFLOAD_MODES = ("none", "auto", "static")
+OFFLOAD_MODES = ("none", "auto", "static", "layer")
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """Expert placement (DESIGN §5). `auto`: host store + device expert cache + q* split;
     `static`: the experts of the first `cpu_moe_layers` MoE layers run on the CPU, the rest stay
-    on the device (llama.cpp's --n-cpu-moe); `none`: every expert on the device."""
+    on the device (llama.cpp's --n-cpu-moe); `layer`: the first `cpu_layers` decoder layers run
+    whole on the CPU (Ollama's partial offload); `none`: every expert on the device. For static
+    and layer, None means the fewest CPU layers that let the rest fit `vram_budget` (0 without a
+    budget)."""
 
     mode: str = "none"
     split: bool = True
     policy: str = "lru"
     expert_cache_slots: int | None = None
     vram_budget: int | None = None  # bytes
-    cpu_moe_layers: int = 0
+    cpu_moe_layers: int | None = None
+    cpu_layers: int | None = None
     kv_reserve_tokens: int = 32768
     workspace_bytes: int = GIB
     copy_bandwidth: float | None = None  # bytes/s overrides (else calibrated)
@@ -411,5 +415,7 @@ class OffloadConfig:
             )
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise InvalidArgumentError("expert_cache_slots must be >= 1")
-        if self.cpu_moe_layers < 0:
-            raise InvalidArgumentError("cpu_moe_layers must be >= 0")
+        for name in ("cpu_moe_layers", "cpu_layers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0")

@@ -89,7 +89,7 @@ def test_bad_options_are_named():
     with pytest.raises(InvalidArgumentError, match="cache must be"):
         Runtime.open(cache="bogus")
     with pytest.raises(InvalidArgumentError, match="offload must be"):
-        Runtime.open(offload="layer")
+        Runtime.open(offload="ollama")
     with pytest.raises(InvalidArgumentError, match="as a size"):
         Runtime.open(vram_budget="lots")
     with pytest.raises(InvalidArgumentError, match="no room for experts"):

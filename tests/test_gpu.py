@@ -128,26 +128,36 @@ def test_state_cache_restore_on_cuda(tmp_path):
     rt.close()
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_offloaded_experts_on_cuda_match_resident(split):
-    """Copies into victim slots on the copy stream (and CPU misses) match the resident model."""
+OFFLOAD_GPU = {
+    "split": dict(mode="auto", expert_cache_slots=12, copy_bandwidth=1.0, cpu_bandwidth=1.0),
+    "copy-only": dict(mode="auto", expert_cache_slots=12, split=False),
+    "static": dict(mode="static", cpu_moe_layers=2),
+    "layer": dict(mode="layer", cpu_layers=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFLOAD_GPU))
+def test_offloaded_decode_on_cuda_matches_resident(name):
+    """Offloaded prefill (eager) and decode (graph pieces cut at every offloaded layer: copies into
+    victim slots, CPU experts, whole CPU layers) match the resident model."""
     from agentrt import Runtime
     from agentrt.config import OffloadConfig
 
     ids = list(range(10, 200))
     resident = Runtime.open("tiny", device="cuda", cache="off", eager=True)
     want = resident.engine.prefill(resident.engine.new_state(), ids, all_logits=True)
-    config = OffloadConfig(
-        mode="auto", expert_cache_slots=12, split=split, copy_bandwidth=1.0, cpu_bandwidth=1.0
-    )
+    config = OffloadConfig(copy_bandwidth=1.0, cpu_bandwidth=1.0, **OFFLOAD_GPU[name])
     rt = Runtime.open("tiny", device="cuda", cache="off", offload=config)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().mean().item() < 0.01
     state_a, state_b = resident.engine.new_state(), rt.engine.new_state()
     resident.engine.prefill(state_a, ids)
     rt.engine.prefill(state_b, ids)
-    for tok in range(300, 320):  # decode: hits, copies and (split) CPU misses
+    for tok in range(300, 320):  # decode: hits, copies, CPU misses, CPU layers
         a, b = resident.engine.decode_step(state_a, tok), rt.engine.decode_step(state_b, tok)
         assert (a - b).abs().mean().item() < 0.01
+    graph = rt.engine.decode_graph
+    assert graph.enabled and len(graph.current.pieces.graphs) > 1
     rt.engine.offload.cache.check()
-    assert rt.engine.offload.totals.copied > 0
+    totals = rt.engine.offload.totals
+    assert totals.copied > 0 if name in ("split", "copy-only") else totals.cpu > 0

@@ -6,12 +6,20 @@ the same kernels on the same buffers. A graph is valid only for the exact cache 
 captured on; the key is their data pointers, so growing the KV buffers or switching to another
 `SequenceState` triggers a new capture (one graph is kept at a time). Any capture failure
 disables graphs for the engine and decode continues eagerly.
+
+Offloaded experts (and layers run on the CPU) need the host in the middle of a step: which experts
+a token routed to decides what to copy and what to compute on the CPU. Such modules cut the
+capture (`Pieces.cut`): the step becomes a chain of graphs sharing one memory pool, with a host
+function between consecutive graphs. A cut's graph side copies what the host needs into pinned
+buffers and, in the next piece, copies the host's results back, so each replay is
+`graph, host, graph, host, ..., graph`.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,11 +27,47 @@ from agentrt.engine.state import SequenceState
 from agentrt.models.cache import KVCache
 from agentrt.models.layers import CausalLM
 
+HostStep = Callable[[int], None]  # called with the position being decoded
+
+
+@dataclass
+class Pieces:
+    """A decode step captured as graphs separated by host steps (one graph when nothing cuts)."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    hosts: list[HostStep] = field(default_factory=list)
+    pool: object = None
+
+    def begin(self) -> None:
+        if self.pool is None:  # one memory pool shared by every piece (replayed in order)
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a state-cache writer thread syncing its events must not break the capture
+        graph.capture_begin(self.pool, capture_error_mode="thread_local")
+        self.graphs.append(graph)
+
+    def cut(self, host: HostStep) -> None:
+        """End the current graph; `host` runs between it and the next one (which begins now)."""
+        self.graphs[-1].capture_end()
+        self.hosts.append(host)
+        self.begin()
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def replay(self, position: int) -> None:
+        stream = torch.cuda.current_stream()
+        for graph, host in zip(self.graphs, self.hosts, strict=False):
+            graph.replay()
+            stream.synchronize()  # the host step reads what the graph wrote to pinned buffers
+            host(position)
+        self.graphs[-1].replay()
+
 
 @dataclass
 class _Captured:
     key: tuple[int, ...]
-    graph: torch.cuda.CUDAGraph
+    pieces: Pieces
     token: torch.Tensor  # [1] long
     pos: torch.Tensor  # [1] long
     logits: torch.Tensor  # [V] fp32
@@ -72,10 +116,23 @@ class DecodeGraph:
         token = torch.zeros(1, dtype=torch.long, device=self.device)
         pos = torch.full((1,), state.num_tokens, dtype=torch.long, device=self.device)
         self._warm_up(state, token, pos)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._static_step(state, token, pos)
-        return _Captured(key, graph, token, pos, logits)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        pieces = Pieces()
+        cutters = _cutters(self.model)
+        for module in cutters:
+            module.recorder = pieces
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                pieces.begin()
+                try:
+                    logits = self._static_step(state, token, pos)
+                finally:
+                    pieces.end()
+        finally:
+            for module in cutters:
+                module.recorder = None
+        return _Captured(key, pieces, token, pos, logits)
 
     def step(self, state: SequenceState, token_id: int) -> torch.Tensor | None:
         """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off).
@@ -99,5 +156,14 @@ class DecodeGraph:
         cap = self.current
         cap.token.fill_(token_id)
         cap.pos.fill_(state.num_tokens)
-        cap.graph.replay()
+        cap.pieces.replay(state.num_tokens)
         return cap.logits.clone()
+
+
+def _cutters(model: CausalLM) -> list:
+    """Objects in the step that cut captures: they have a `recorder` attribute (None outside a
+    capture). The routed-experts object, and any module of the model."""
+    found = [m for m in model.modules() if hasattr(m, "recorder")]
+    if hasattr(model.experts, "recorder"):
+        found.append(model.experts)
+    return found

@@ -73,8 +73,11 @@ class Engine:
         return self.cfg.max_position_embeddings
 
     def new_state(self, capacity: int = 0) -> SequenceState:
+        host = frozenset(
+            i for i, layer in enumerate(self.model.layers) if getattr(layer, "on_host", False)
+        )
         caches = new_layer_caches(
-            self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens
+            self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens, host
         )
         return SequenceState(self.cfg, caches)
 

@@ -1,6 +1,7 @@
 """Expert placement for one engine: size the device expert cache from the VRAM budget (budget minus
 the non-expert weights, a KV reservation and workspace), load or measure the bandwidth profile,
-and install `OffloadedExperts` in the model (auto and static modes)."""
+and install `OffloadedExperts` in the model (auto mode), or place the static / layer baselines
+(the fewest CPU layers that fit the same budget unless given)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from agentrt.models.layers import CausalLM
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.calibrate import calibrate, load_profile, profile_path, save_profile
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
+from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.store import ExpertStore
 
 
@@ -73,22 +75,84 @@ def bandwidths(
 def install(
     model: CausalLM, store: ExpertStore, device, config: OffloadConfig, recalibrate: bool = False
 ):
-    """Build the cache and `OffloadedExperts` for `config.mode` and swap them into the model."""
+    """Build the cache and `OffloadedExperts` for `config.mode` and swap them into the model
+    (`layer` mode also moves its CPU layers into `HostLayer`s)."""
     device = torch.device(device)
-    cpu_layers = (
-        frozenset(store.layers[: config.cpu_moe_layers]) if config.mode == "static" else frozenset()
-    )
-    if config.mode == "static":
+    if config.mode == "auto":
+        cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
+        bw = bandwidths(store, device, config, recalibrate)
+        experts = OffloadedExperts(store, cache, bw, split=config.split)
+    else:
+        cpu_layers = _cpu_expert_layers(model, store, config)
         resident = [layer for layer in store.layers if layer not in cpu_layers]
         cache = ExpertCache(store, max(len(resident) * store.num_experts, 1), device, config.policy)
         _preload(cache, store, resident)
-        bw = Bandwidths(0.0, 1.0)  # nothing is ever missing outside the CPU layers
-    else:
-        cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
-        bw = bandwidths(store, device, config, recalibrate)
-    experts = OffloadedExperts(store, cache, bw, split=config.split, cpu_layers=cpu_layers)
+        # nothing is ever missing outside the CPU layers
+        experts = OffloadedExperts(store, cache, Bandwidths(0.0, 1.0), cpu_layers=cpu_layers)
     model.set_experts(experts)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return experts
+
+
+def _cpu_expert_layers(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> frozenset:
+    """static: the experts of the first N MoE layers; layer: the first N decoder layers, moved
+    whole into `HostLayer`s (their experts too). N from the config, else from the budget."""
+    if config.mode == "static":
+        n = config.cpu_moe_layers
+        if n is None:
+            n = _static_layers_for_budget(model, store, config)
+        return frozenset(store.layers[:n])
+    n = (
+        config.cpu_layers
+        if config.cpu_layers is not None
+        else _layers_for_budget(model, store, config)
+    )
+    n = min(n, len(model.layers))
+    for i in range(n):
+        model.layers[i] = HostLayer(model.layers[i])
+    return frozenset(layer for layer in store.layers if layer < n)
+
+
+def _room(model: CausalLM, config: OffloadConfig, fixed: int) -> int:
+    """Budget bytes left after `fixed` bytes of weights, the KV reservation and the workspace."""
+    return (
+        config.vram_budget
+        - fixed
+        - config.kv_reserve_tokens * kv_bytes_per_token(model)
+        - config.workspace_bytes
+    )
+
+
+def _static_layers_for_budget(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> int:
+    """Fewest MoE layers whose experts go to the CPU so the others' experts fit the budget."""
+    if config.vram_budget is None:
+        return 0
+    per_layer = store.num_experts * store.expert_bytes
+    fit = max(_room(model, config, dense_bytes(model)), 0) // per_layer
+    return max(len(store.layers) - int(fit), 0)
+
+
+def _layers_for_budget(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> int:
+    """Fewest leading decoder layers to run on the CPU so the remaining layers fit the budget."""
+    if config.vram_budget is None:
+        return 0
+    per_layer = [
+        sum(p.numel() * p.element_size() for p in layer.parameters())
+        + (store.num_experts * store.expert_bytes if i in store.flat else 0)
+        for i, layer in enumerate(model.layers)
+    ]
+    room = _room(model, config, dense_bytes(model) - sum(per_layer) + _expert_bytes(store))
+    on_gpu, used = 0, 0
+    for size in reversed(per_layer):  # the last layers stay on the GPU (as llama.cpp -ngl)
+        if used + size > room:
+            break
+        used, on_gpu = used + size, on_gpu + 1
+    return len(per_layer) - on_gpu
+
+
+def _expert_bytes(store: ExpertStore) -> int:
+    return len(store.layers) * store.num_experts * store.expert_bytes
 
 
 def _preload(cache: ExpertCache, store: ExpertStore, layers: list[int]) -> None:

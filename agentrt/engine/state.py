@@ -19,12 +19,21 @@ from agentrt.models.cache import KVCache, LayerCache, LinearCache, Snapshot
 
 
 def new_layer_caches(
-    cfg: ModelConfig, device, dtype: torch.dtype, capacity: int, grow: int
+    cfg: ModelConfig,
+    device,
+    dtype: torch.dtype,
+    capacity: int,
+    grow: int,
+    host_layers: frozenset[int] = frozenset(),
 ) -> list[LayerCache]:
+    """One cache per layer on `device`; layers in `host_layers` (run on the CPU) keep theirs in
+    host memory."""
     caches: list[LayerCache] = []
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     conv_dim = 2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    main = device
     for layer in range(cfg.num_layers):
+        device = "cpu" if layer in host_layers else main
         if layer in cfg.attention_layers:
             caches.append(
                 KVCache.empty(cfg.num_kv_heads, cfg.head_dim, capacity, device, dtype, grow)

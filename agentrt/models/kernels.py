@@ -166,7 +166,7 @@ def gated_delta_rule(q, k, v, g, beta, state, backend: str = "torch"):
     """Run the gated delta rule from `state`.
 
     Returns (output `[T, Hv, dv]` in v's dtype, final state `[Hv, dk, dv]` fp32)."""
-    if backend == "fla":
+    if backend == "fla" and q.is_cuda:  # layers kept on the CPU use the torch path
         out, final = fla_gated_delta_rule(q, k, v, g, beta, state)
     elif q.shape[0] == 1:
         out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state)

@@ -254,9 +254,9 @@ class CausalLM(nn.Module):
     def set_experts(self, experts: RoutedExperts) -> None:
         """Swap the routed-expert implementation (e.g. for the offload engine)."""
         self.experts = experts
-        for layer in self.layers:
-            if isinstance(layer.mlp, MoEBlock):
-                layer.mlp._experts[0] = experts
+        for module in self.modules():
+            if isinstance(module, MoEBlock):
+                module._experts[0] = experts
 
     def forward(
         self,

@@ -28,7 +28,7 @@ class ExpertCache:
     def __init__(self, store: ExpertStore, num_slots: int, device, policy: str = "lru") -> None:
         self.store = store
         self.device = torch.device(device)
-        self.slots = torch.empty(
+        self.slots = torch.zeros(  # zeros: a slot read under weight 0 must hold finite numbers
             num_slots, store.expert_numel, dtype=store.dtype, device=self.device
         )
         self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}

@@ -8,6 +8,13 @@ same place it would in the dense path, and the weighted sum over the k experts i
 the result equals the dense computation. Large batches (prefill) stream the missing experts
 through a scratch slot instead of admitting them, so prefill does not evict the decode working
 set. `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
+
+Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
+cuts the capture: the graph copies the token's routed ids, weights and hidden row to pinned host
+buffers; the host step plans hits/copies/CPU work, issues the copies, runs the CPU experts
+(torch's persistent intra-op thread pool) and writes slot indices, GPU weights and the CPU partial
+sum to pinned buffers; the next graph piece uploads them and runs the GPU experts from their
+slots as one gathered batched matmul.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class OffloadedExperts:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrt-cpu-experts")
         self.totals = Totals()
+        self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
+        self._io: dict[int, _LayerIO] = {}
 
     # ------------------------------------------------------------------ interface
 
@@ -67,6 +76,11 @@ class OffloadedExperts:
     ) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
         num_tokens, top_k = ids.shape
+        if num_tokens == 1 and self.on_cuda:
+            if layer not in self._io:  # pinned buffers exist before any capture needs them
+                self._io[layer] = _LayerIO(top_k, x.shape[1], x.dtype, self.device)
+            if self.recorder is not None:
+                return self._captured(layer, x, ids, weights)
         flat = ids.reshape(-1).tolist()
         pairs = self._pairs(flat, top_k)  # expert -> rows of the flattened pairs
         if layer in self.cpu_layers:
@@ -171,7 +185,7 @@ class OffloadedExperts:
         )
         segments = [(e, len(pairs[e])) for e in experts]
         self.totals.cpu += len(experts)
-        if not self.on_cuda:
+        if not self.on_cuda or x.device.type == "cpu":  # nothing on a GPU to overlap with
             return _done(self._cpu_ffn(layer, x_host, segments)), rows
         return self.worker.submit(self._cpu_ffn, layer, x_host, segments), rows
 
@@ -196,8 +210,73 @@ class OffloadedExperts:
         result = future.result()
         out[rows] = result.to(out.device, out.dtype, non_blocking=False)
 
+    # ------------------------------------------------------------------ captured decode
+
+    def _captured(self, layer, x, ids, weights) -> torch.Tensor:
+        """Graph side of one MoE layer in a captured decode step (see the module docstring)."""
+        io = self._io[layer]
+        io.ids_h.copy_(ids[0], non_blocking=True)
+        io.w_h.copy_(weights[0].float(), non_blocking=True)
+        io.x_h.copy_(x[0], non_blocking=True)
+        self.recorder.cut(lambda _pos: self._host_step(layer, io))
+        io.cpu_d.copy_(io.cpu_h, non_blocking=True)
+        if layer in self.cpu_layers:
+            return io.cpu_d.to(x.dtype).unsqueeze(0)
+        io.slot_d.copy_(io.slot_h, non_blocking=True)
+        io.gw_d.copy_(io.gw_h, non_blocking=True)
+        s = self.store
+        w = self.cache.slots.index_select(0, io.slot_d)  # [k, 3*I*H]
+        gate_up = w[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
+        down = w[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
+        xs = x.expand(w.shape[0], -1).unsqueeze(1)  # [k, 1, H]
+        gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        ys = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [k, H]
+        out = (ys.float() * io.gw_d.unsqueeze(1)).sum(0) + io.cpu_d
+        return out.to(x.dtype).unsqueeze(0)
+
+    def _host_step(self, layer: int, io: _LayerIO) -> None:
+        """Between graph pieces: plan, copy, compute CPU experts, fill the next piece's inputs."""
+        ids, w = io.ids_h.tolist(), io.w_h.tolist()
+        pairs = {expert: [row] for row, expert in enumerate(ids)}
+        if layer in self.cpu_layers:
+            gpu, cpu = [], ids
+        else:
+            gpu, cpu, _ = self._plan_decode(layer, pairs)
+        self.totals.cpu += len(cpu)
+        self.totals.steps += 1
+        on_gpu = set(gpu)
+        for j, expert in enumerate(ids):
+            hit = expert in on_gpu
+            io.slot_h[j] = self.cache.lookup(layer, expert) if hit else 0
+            io.gw_h[j] = w[j] if hit else 0.0
+        io.cpu_h.zero_()
+        if cpu:
+            gate_up, down = self.store.gate_up(layer), self.store.down(layer)
+            x = io.x_h.unsqueeze(0)
+            for expert in cpu:
+                y = expert_ffn(x, gate_up[expert], down[expert])[0]
+                io.cpu_h.add_(y.float(), alpha=w[pairs[expert][0]])
+        if self.copy_stream is not None:  # the next piece reads slots the copies fill
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
     def close(self) -> None:
         self.worker.shutdown(wait=True)
+
+
+class _LayerIO:
+    """Pinned host buffers and their device mirrors for one MoE layer's graph cut."""
+
+    def __init__(self, top_k: int, hidden: int, dtype: torch.dtype, device) -> None:
+        pin = torch.device(device).type == "cuda"
+        self.ids_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
+        self.w_h = torch.zeros(top_k, dtype=torch.float32, pin_memory=pin)
+        self.x_h = torch.zeros(hidden, dtype=dtype, pin_memory=pin)
+        self.slot_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
+        self.gw_h = torch.zeros(top_k, dtype=torch.float32, pin_memory=pin)
+        self.cpu_h = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
+        self.slot_d = torch.zeros(top_k, dtype=torch.long, device=device)
+        self.gw_d = torch.zeros(top_k, dtype=torch.float32, device=device)
+        self.cpu_d = torch.zeros(hidden, dtype=torch.float32, device=device)
 
 
 class _nullcontext:

@@ -70,7 +70,7 @@ def _check_cache(cache: str) -> None:
 
 
 def _offload_config(
-    offload, vram_budget, expert_cache_slots, split, policy, cpu_moe_layers
+    offload, vram_budget, expert_cache_slots, split, policy, cpu_moe_layers, cpu_layers=None
 ) -> OffloadConfig:
     """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
     or a slot count is given, else `none`."""
@@ -87,6 +87,7 @@ def _offload_config(
         expert_cache_slots=expert_cache_slots,
         vram_budget=budget,
         cpu_moe_layers=cpu_moe_layers,
+        cpu_layers=cpu_layers,
     )
 
 
@@ -166,8 +167,9 @@ class Runtime:
         offload: str | OffloadConfig | None = None,
         split: bool = True,
         expert_policy: str = "lru",
-        cpu_moe_layers: int = 0,
+        cpu_moe_layers: int | None = None,
         recalibrate: bool = False,
+        cpu_layers: int | None = None,
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -180,14 +182,20 @@ class Runtime:
         _check_cache(cache)
         device = _check_device(device)
         placement = _offload_config(
-            offload, vram_budget, expert_cache_slots, split, expert_policy, cpu_moe_layers
+            offload,
+            vram_budget,
+            expert_cache_slots,
+            split,
+            expert_policy,
+            cpu_moe_layers,
+            cpu_layers,
         )
         config = EngineConfig(
             device=device,
             dtype=dtype or EngineConfig.default_dtype(device),
             linear_attn=linear_attn,
             prefill_chunk=prefill_chunk,
-            cuda_graphs=not eager and placement.mode == "none",  # offload decisions need the host
+            cuda_graphs=not eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
         )
         check_spec(model)
         tok_dir = tokenizer or tokenizer_dir_of(model)
