@@ -46,6 +46,7 @@ CONFIGS = {
         mode="auto", expert_cache_slots=24, policy="lfu", copy_bandwidth=2.0, cpu_bandwidth=1.0
     ),
     "static": OffloadConfig(mode="static", cpu_moe_layers=2),
+    "layer": OffloadConfig(mode="layer", cpu_layers=2),
 }
 
 
@@ -67,9 +68,12 @@ def test_offloaded_equals_dense(model_spec, reference, name):
         assert t.cpu > 0 and t.copied == 0
     elif name == "split":
         assert t.copied > 0 and t.cpu > 0
-    elif name == "static":
+    elif name in ("static", "layer"):
         assert t.cpu > 0 and t.copied == 0 and t.streamed == 0
-    if name != "static":
+    if name == "layer":
+        hosted = [type(layer).__name__ == "HostLayer" for layer in rt.engine.model.layers]
+        assert hosted[:2] == [True, True] and not any(hosted[2:])
+    if name not in ("static", "layer"):
         assert t.streamed > 0  # the long prompt went through the prefill path
 
 
@@ -168,3 +172,51 @@ def test_metrics_report_the_expert_cache():
     )
     rate = float(sample.split()[1])
     assert 0.0 <= rate <= 1.0 and "agentrt_expert_bytes_copied_total" in text
+
+
+def test_baselines_take_the_fewest_cpu_layers_that_fit_the_budget():
+    """static / layer without an explicit N: the rest must fit the budget, one layer fewer not."""
+    from agentrt.engine.placement import _layers_for_budget, _static_layers_for_budget
+
+    rt = Runtime.open(cache="off", offload="static", cpu_moe_layers=0)
+    model, store = rt.engine.model, rt.engine.offload.store
+    per_layer = store.num_experts * store.expert_bytes
+    base = OffloadConfig(mode="static", kv_reserve_tokens=0, workspace_bytes=0)
+    from agentrt.engine.placement import dense_bytes
+
+    for keep in range(len(store.layers) + 1):
+        budget = dense_bytes(model) + keep * per_layer + per_layer // 2
+        config = OffloadConfig(**{**base.__dict__, "vram_budget": budget})
+        assert _static_layers_for_budget(model, store, config) == len(store.layers) - keep
+    config = OffloadConfig(
+        mode="layer", vram_budget=dense_bytes(model), workspace_bytes=0, kv_reserve_tokens=0
+    )
+    n = _layers_for_budget(model, store, config)
+    assert 0 < n < len(model.layers)  # the experts alone do not fit: some layers go to the CPU
+    assert _layers_for_budget(model, store, OffloadConfig(mode="layer")) == 0  # no budget
+
+
+def test_bench_decode_compares_placements_in_one_run(tmp_path):
+    """`bench decode --offload ...` runs every combination once and reports the per-token
+    figures, the DESIGN §8 bound and ratios (values are not asserted: this is no timing test)."""
+    import json
+
+    from util import run_cli
+
+    out = tmp_path / "decode.json"
+    args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "32"]
+    args += ["--tokens", "4", "--offload", "layer,auto,none,static", "--split", "on,off"]
+    args += ["--vram-budget", "1066MiB", "--json", str(out)]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    labels = [r["label"] for r in report["runs"]]
+    assert labels == ["none", "auto/split/lru", "auto/copy-only/lru", "static", "layer"]
+    split, static = report["runs"][1], report["runs"][3]
+    assert split["copied_per_token"] > 0 and split["cpu_experts_per_token"] > 0
+    assert 0 <= split["hit_rate"] < 1 and split["bound_tok_s"] > 0
+    assert split["pcie_bytes_per_token"] == split["copied_per_token"] * report["expert_bytes"]
+    assert static["cpu_layers"] and static["hit_rate"] < 1
+    assert "auto/split/lru_vs_static" in report["ratios"]
+    assert "auto/split/lru_vs_copy-only" in report["ratios"]
+    assert "setting" in result.stderr  # the summary table

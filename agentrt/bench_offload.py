@@ -1,0 +1,295 @@
+"""`agentrt bench decode --offload ...`: decode throughput of every expert placement in one
+invocation, on one model built once (routed experts in one host store, the rest on the device).
+
+Decode feeds tokens of real text (teacher forcing) rather than the model's own greedy output, so
+routing follows real token statistics even with random weights (a random model's greedy output
+tends to repeat one token, which would inflate the hit rate). Per setting: tok/s, expert-cache
+hit rate, experts copied and CPU-computed per token, PCIe bytes per token, peak device memory
+(allocator statistics) against the budget, and the DESIGN §8 bound
+`1 / (t_gpu + misses_per_token * S / B_miss)` with t_gpu from the all-resident run (`none`) and
+B_miss from the calibration profile (copies: B_P; split: B_P' + B_H'; static/layer: B_H).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrt.config import EngineConfig, OffloadConfig, home_dir, parse_bytes
+from agentrt.engine import Engine
+from agentrt.engine.placement import install
+from agentrt.models import torch_dtype
+from agentrt.models.moe import RoutedExperts
+from agentrt.models.registry import config_of, open_model
+from agentrt.offload.calibrate import Profile, calibrate, load_profile, profile_path, save_profile
+from agentrt.offload.store import ExpertStore
+
+WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
+
+
+def settings(offloads, splits, policies) -> list[dict[str, Any]]:
+    """Every combination; split and policy only vary for `auto`. `none` first (it gives t_gpu),
+    `layer` last (it moves layers to the host for good)."""
+    order = {"none": 0, "auto": 1, "static": 2, "layer": 3}
+    out: list[dict[str, Any]] = []
+    for mode in sorted(dict.fromkeys(offloads), key=order.__getitem__):
+        if mode == "auto":
+            out += [
+                {"offload": mode, "split": s, "policy": p}
+                for s, p in itertools.product(dict.fromkeys(splits), dict.fromkeys(policies))
+            ]
+        else:
+            out.append({"offload": mode})
+    return out
+
+
+def label(setting: dict[str, Any]) -> str:
+    if setting["offload"] != "auto":
+        return setting["offload"]
+    return f"auto/{'split' if setting['split'] else 'copy-only'}/{setting['policy']}"
+
+
+def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None) -> list[int]:
+    """`count` token ids of real text: `text` (a file or a directory of .py/.md/.txt files,
+    default this package's own sources), through the tokenizer when there is one, else UTF-8."""
+    root = Path(text) if text else Path(__file__).parent
+    files = [root] if root.is_file() else sorted(root.rglob("*.py")) + sorted(root.rglob("*.md"))
+    corpus = "\n".join(f.read_text(errors="replace") for f in files)
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(tokenizer_dir).encode(corpus)
+    else:
+        ids = list(corpus.encode())
+    ids = [i % vocab for i in ids]
+    while len(ids) < count:
+        ids = ids + ids
+    return ids[:count]
+
+
+def offload_decode(
+    spec: str,
+    device: str,
+    dtype: str | None,
+    budget: str | None,
+    runs: list[dict[str, Any]],
+    prompt_len: int,
+    tokens: int,
+    seed: int,
+    graphs: bool,
+    text: str | None = None,
+    tokenizer_dir: str | None = None,
+    kv_reserve_tokens: int = 32768,
+) -> dict[str, Any]:
+    from agentrt.bench import machine
+
+    dtype = dtype or EngineConfig.default_dtype(device)
+    cfg = config_of(spec)
+    store = ExpertStore(
+        cfg.moe_layers,
+        cfg.num_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        torch_dtype(dtype),
+        pin=device.startswith("cuda"),
+    )
+    model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
+    ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens, text, tokenizer_dir)
+    profile = _profile(store, torch.device(device))
+    budget_bytes = parse_bytes(budget) if budget else None
+    results = []
+    for setting in runs:
+        print(f"agentrt: bench decode {label(setting)} ...", file=sys.stderr)
+        config = OffloadConfig(
+            mode=setting["offload"] if setting["offload"] != "none" else "auto",
+            split=setting.get("split", True),
+            policy=setting.get("policy", "lru"),
+            vram_budget=budget_bytes,
+            kv_reserve_tokens=kv_reserve_tokens,
+            copy_bandwidth=profile.copy_overlapped,
+            cpu_bandwidth=profile.cpu_overlapped,
+        )
+        run = _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs)
+        run["within_budget"] = (
+            None
+            if budget_bytes is None or run["peak_gpu_bytes"] is None or setting["offload"] == "none"
+            else run["peak_gpu_bytes"] <= budget_bytes
+        )
+        results.append(run)
+    _add_bounds(results, profile, store.expert_bytes)
+    report = {
+        "bench": "decode-offload",
+        "model": spec,
+        "device": device,
+        "dtype": dtype,
+        "vram_budget": budget,
+        "prompt_tokens": prompt_len,
+        "tokens": tokens,
+        "warmup_steps": WARMUP_STEPS,
+        "decode_inputs": "teacher-forced real text" + (" (tokenizer)" if tokenizer_dir else ""),
+        "expert_bytes": store.expert_bytes,
+        "pinned_store": store.pinned,
+        "profile_gb_s": {
+            k: round(getattr(profile, k) / 1e9, 2)
+            for k in ("copy", "cpu", "copy_overlapped", "cpu_overlapped")
+        },
+        "machine": machine(),
+        "runs": results,
+        "ratios": ratios(results),
+    }
+    print(summary_table(results), file=sys.stderr)
+    return report
+
+
+def _profile(store: ExpertStore, device: torch.device) -> Profile:
+    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes)
+    profile = load_profile(path)
+    if profile is None:
+        profile = calibrate(store, device)
+        save_profile(profile, path)
+    return profile
+
+
+def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs) -> dict:
+    _free(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    if setting["offload"] == "none":
+        experts = None
+        resident = RoutedExperts(
+            {layer: store.gate_up(layer).to(device) for layer in store.layers},
+            {layer: store.down(layer).to(device) for layer in store.layers},
+        )
+        model.set_experts(resident)
+    else:
+        experts = install(model, store, device, config)
+    engine = Engine(model, EngineConfig(device=device, dtype=dtype, cuda_graphs=graphs))
+    engine.offload = experts
+    state = engine.new_state(capacity=len(ids) + 8)
+    engine.prefill(state, ids[:prompt_len])
+    for token in ids[prompt_len : prompt_len + WARMUP_STEPS]:
+        engine.decode_step(state, token)
+    engine.synchronize()
+    before = _counters(experts)
+    t0 = time.perf_counter()
+    for token in ids[prompt_len + WARMUP_STEPS :]:
+        engine.decode_step(state, token)
+    engine.synchronize()
+    elapsed = time.perf_counter() - t0
+    after = _counters(experts)
+    run = {
+        "label": label(setting),
+        **setting,
+        "cuda_graph": bool(engine.decode_graph and engine.decode_graph.enabled),
+        "tok_s": tokens / elapsed,
+        "ms_per_token": 1000 * elapsed / tokens,
+        **_per_token(before, after, tokens, store.expert_bytes, setting["offload"] == "auto"),
+        "expert_cache_slots": experts.cache.num_slots if experts else None,
+        "cpu_layers": sorted(experts.cpu_layers) if experts else [],
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
+    }
+    run["peak_gpu_gib"] = run["peak_gpu_bytes"] / 2**30 if run["peak_gpu_bytes"] else None
+    engine.decode_graph = None
+    if experts is not None:
+        experts.close()
+    model.set_experts(store.as_routed())  # drop the device cache / resident copy
+    del engine, state, experts
+    return run
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _counters(experts) -> dict[str, int]:
+    if experts is None:
+        return dict(hits=0, misses=0, copied=0, cpu=0, bytes=0)
+    stats = experts.cache.stats.values()
+    return dict(
+        hits=sum(s.hits for s in stats),
+        misses=sum(s.misses for s in stats),
+        copied=experts.totals.copied,
+        cpu=experts.totals.cpu,
+        bytes=experts.totals.bytes_copied,
+    )
+
+
+def _per_token(
+    before: dict, after: dict, tokens: int, expert_bytes: int, cached: bool
+) -> dict[str, Any]:
+    """Per-token figures over the timed steps. hit rate = expert uses served from device memory
+    (for static/layer the CPU layers' experts count as misses)."""
+    d = {k: after[k] - before[k] for k in before}
+    looked_up = d["hits"] + d["misses"] + (0 if cached else d["cpu"])
+    return {
+        "hit_rate": d["hits"] / looked_up if looked_up else None,
+        "misses_per_token": d["misses"] / tokens,
+        "copied_per_token": d["copied"] / tokens,
+        "cpu_experts_per_token": d["cpu"] / tokens,
+        "pcie_bytes_per_token": d["bytes"] / tokens,
+        "cpu_expert_bytes_per_token": d["cpu"] * expert_bytes / tokens,
+    }
+
+
+def _add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:
+    """DESIGN §8: bound = 1 / (t_gpu + misses/token * S / B_miss); t_gpu from the `none` run."""
+    resident = next((r for r in runs if r["offload"] == "none"), None)
+    t_gpu = resident["ms_per_token"] / 1000 if resident else None
+    for run in runs:
+        if run["offload"] == "auto":
+            b_miss = (
+                profile.copy_overlapped + profile.cpu_overlapped if run["split"] else profile.copy
+            )
+            slow = run["misses_per_token"] * expert_bytes
+        else:
+            b_miss = profile.cpu
+            slow = run["cpu_expert_bytes_per_token"]
+        run["t_gpu_ms"] = None if t_gpu is None else 1000 * t_gpu
+        run["b_miss_gb_s"] = b_miss / 1e9
+        if t_gpu is None or run["offload"] == "none":
+            run["bound_tok_s"] = run["measured_over_bound"] = None
+            continue
+        run["bound_tok_s"] = 1 / (t_gpu + slow / b_miss)
+        run["measured_over_bound"] = run["tok_s"] / run["bound_tok_s"]
+
+
+def ratios(runs: list[dict]) -> dict[str, float]:
+    """tok/s ratios between settings of the same invocation."""
+    by = {r["label"]: r["tok_s"] for r in runs}
+    out = {}
+    autos = [r["label"] for r in runs if r["offload"] == "auto"]
+    for name in autos:
+        for base in ("static", "layer", "none"):
+            if base in by:
+                out[f"{name}_vs_{base}"] = by[name] / by[base]
+        if "/split/" in name and name.replace("/split/", "/copy-only/") in by:
+            out[f"{name}_vs_copy-only"] = by[name] / by[name.replace("/split/", "/copy-only/")]
+        if name.endswith("/lfu") and name[:-4] + "/lru" in by:
+            out[f"{name}_vs_lru"] = by[name] / by[name[:-4] + "/lru"]
+    return out
+
+
+def summary_table(runs: list[dict]) -> str:
+    head = f"{'setting':<24}{'tok/s':>8}{'hit':>7}{'copied':>8}{'cpu':>7}{'MB/tok':>8}"
+    head += f"{'bound':>8}{'meas/bd':>9}{'peak GiB':>10}"
+    lines = [head]
+    for r in runs:
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
+        bound = "-" if r["bound_tok_s"] is None else f"{r['bound_tok_s']:.1f}"
+        ratio = "-" if r["measured_over_bound"] is None else f"{r['measured_over_bound']:.2f}"
+        peak = "-" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
+        lines.append(
+            f"{r['label']:<24}{r['tok_s']:>8.2f}{hit:>7}{r['copied_per_token']:>8.1f}"
+            f"{r['cpu_experts_per_token']:>7.1f}{r['pcie_bytes_per_token'] / 1e6:>8.1f}"
+            f"{bound:>8}{ratio:>9}{peak:>10}"
+        )
+    return "\n".join(lines)
