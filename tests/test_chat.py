@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SHARED
 
 from agentrt import Runtime
 from agentrt.session.chat import OutputParser, opens_in_reasoning
@@ -198,3 +199,24 @@ def test_bad_argument_types_are_typed_errors():
             rt.chat(msgs, **kwargs)
     with pytest.raises(InvalidArgumentError):
         rt.generate([1.7])
+
+
+QWEN3 = SHARED / "tokenizers" / "qwen3"
+
+
+@pytest.mark.skipif(not QWEN3.is_dir(), reason="../shared/data/tokenizers/qwen3 is absent")
+def test_null_content_tool_call_renders_with_the_qwen3_template():
+    """OpenAI clients send `content: null` on assistant tool-call turns; Qwen3's template tests
+    `'</think>' in content`, so null must render as an empty string, not fail."""
+    from agentrt.session.chat import normalize_messages, render
+    from agentrt.session.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(QWEN3, QWEN3 / "chat_template.qwen3-hybrid-thinking.jinja")
+    call = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "list"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+    ]
+    text = render(tok, normalize_messages(messages), None)
+    assert "<tool_call>" in text and "<tool_response>\na.py" in text

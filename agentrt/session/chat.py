@@ -100,7 +100,9 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
             )
         clean = copy.deepcopy(msg)
         clean["role"] = "system" if role == "developer" else role
-        clean["content"] = _text_of(msg.get("content"), f"messages[{i}]")
+        # null content (an assistant message that only calls tools) renders as "": templates
+        # such as Qwen3's test `'</think>' in content` and fail on None
+        clean["content"] = _text_of(msg.get("content"), f"messages[{i}]") or ""
         if clean.get("tool_calls"):
             clean["tool_calls"] = [
                 _normalize_call(c, f"messages[{i}].tool_calls[{j}]")
