@@ -324,7 +324,8 @@ def _statecache_run(
     )
     cache.flush()
     t_ram, hit_ram = _timed(device, lambda: _restore(cache, state, ids))
-    fresh = open_cache(0)
+    fresh = open_cache(0)  # a new process's cache: nothing in RAM, everything from LMDB
+    fresh.wait_staging()  # its pinned ring is set up at start-up, not on the first restore
     t_lmdb, hit_lmdb = _timed(device, lambda: _restore(fresh, state, ids))
     restored = engine.prefill(state, ids[target:])
     fresh.close()
