@@ -452,7 +452,12 @@ def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str
 
     from agentrt.config import home_dir
     from agentrt.models.registry import config_of
-    from agentrt.offload.calibrate import calibrate, profile_path, save_profile
+    from agentrt.offload.calibrate import (
+        calibrate,
+        dram_read_bandwidth,
+        profile_path,
+        save_profile,
+    )
     from agentrt.offload.store import ExpertStore
 
     dtype = dtype or EngineConfig.default_dtype(device)
@@ -467,6 +472,7 @@ def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str
     )
     torch.nn.init.uniform_(store.flat[store.layers[0]], -0.02, 0.02)
     profile = calibrate(store, torch.device(device), count)
+    dram = dram_read_bandwidth()
     path = profile_path(
         home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes
     )
@@ -479,6 +485,8 @@ def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str
         "dtype": dtype,
         "profile": asdict(profile),
         "gb_per_s": gb,
+        "dram_read_gb_s": round(dram / 1e9, 2),
+        "cpu_kernel_fraction_of_dram_read": profile.cpu / dram,
         "saved_to": str(path),
         "machine": machine(),
     }

@@ -90,6 +90,17 @@ def _time_cpu(store: ExpertStore, layer: int, count: int) -> float:
     return count * store.expert_bytes / (time.perf_counter() - t0)
 
 
+def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 3) -> float:
+    """Bytes/s of a multi-threaded fp32 sum over a buffer far larger than the caches: the memory
+    bandwidth the CPU expert kernel is compared against."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()  # warm-up (page faults)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        data.sum()
+    return repeat * num_bytes / (time.perf_counter() - t0)
+
+
 def calibrate(store: ExpertStore, device: torch.device, count: int = 64) -> Profile:
     """Measure in a few seconds (for a 6 MB expert, 64 copies and 64 CPU expert passes each)."""
     layer = store.layers[0]
