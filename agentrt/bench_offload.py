@@ -191,6 +191,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "ms_per_token": 1000 * elapsed / tokens,
         **_per_token(before, after, tokens, store.expert_bytes, setting["offload"] == "auto"),
         "expert_cache_slots": experts.cache.num_slots if experts else None,
+        "q_star_bandwidths_gb_s": _gb(experts.bw) if experts else None,
         "cpu_layers": sorted(experts.cpu_layers) if experts else [],
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
     }
@@ -203,6 +204,11 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     return run
 
 
+def _gb(bw) -> dict[str, float]:
+    """The bandwidths q* used at the end of the run (adapted to what decode measured)."""
+    return {"copy": bw.copy / 1e9, "cpu": bw.cpu / 1e9}
+
+
 def _free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
@@ -211,16 +217,13 @@ def _free(device: str) -> None:
 
 
 def _counters(experts) -> dict[str, int]:
+    names = ("hits", "misses", "copied", "cpu", "bytes", "copy_s", "copy_b", "cpu_s", "cpu_b")
     if experts is None:
-        return dict(hits=0, misses=0, copied=0, cpu=0, bytes=0)
-    stats = experts.cache.stats.values()
-    return dict(
-        hits=sum(s.hits for s in stats),
-        misses=sum(s.misses for s in stats),
-        copied=experts.totals.copied,
-        cpu=experts.totals.cpu,
-        bytes=experts.totals.bytes_copied,
-    )
+        return dict.fromkeys(names, 0)
+    stats, t = experts.cache.stats.values(), experts.totals
+    values = (sum(s.hits for s in stats), sum(s.misses for s in stats), t.copied, t.cpu)
+    values += (t.bytes_copied, t.copy_seconds, t.copy_timed_bytes, t.cpu_seconds)
+    return dict(zip(names, values + (t.cpu_timed_bytes,), strict=True))
 
 
 def _per_token(
@@ -237,6 +240,9 @@ def _per_token(
         "cpu_experts_per_token": d["cpu"] / tokens,
         "pcie_bytes_per_token": d["bytes"] / tokens,
         "cpu_expert_bytes_per_token": d["cpu"] * expert_bytes / tokens,
+        # bandwidths as decode saw them (copies: CUDA events; CPU experts: wall time)
+        "measured_copy_gb_s": d["copy_b"] / d["copy_s"] / 1e9 if d["copy_s"] else None,
+        "measured_cpu_gb_s": d["cpu_b"] / d["cpu_s"] / 1e9 if d["cpu_s"] else None,
     }
 
 
@@ -260,6 +266,18 @@ def _add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:
             continue
         run["bound_tok_s"] = 1 / (t_gpu + slow / b_miss)
         run["measured_over_bound"] = run["tok_s"] / run["bound_tok_s"]
+        seen = _measured_b_miss(run)
+        run["bound_at_measured_bandwidths_tok_s"] = 1 / (t_gpu + slow / seen) if seen else None
+
+
+def _measured_b_miss(run: dict) -> float | None:
+    """B_miss from the bandwidths decode itself measured (the engine's real arrangement)."""
+    copy, cpu = run["measured_copy_gb_s"], run["measured_cpu_gb_s"]
+    if run["offload"] == "auto":
+        sides = [copy] + ([cpu] if run["split"] else [])
+    else:
+        sides = [cpu]
+    return sum(sides) * 1e9 if all(sides) else None
 
 
 def ratios(runs: list[dict]) -> dict[str, float]:

@@ -129,7 +129,7 @@ def test_state_cache_restore_on_cuda(tmp_path):
 
 
 OFFLOAD_GPU = {
-    "split": dict(mode="auto", expert_cache_slots=12, copy_bandwidth=1.0, cpu_bandwidth=1.0),
+    "split": dict(mode="auto", expert_cache_slots=12),
     "copy-only": dict(mode="auto", expert_cache_slots=12, split=False),
     "static": dict(mode="static", cpu_moe_layers=2),
     "layer": dict(mode="layer", cpu_layers=2),
@@ -139,23 +139,25 @@ OFFLOAD_GPU = {
 @pytest.mark.parametrize("name", sorted(OFFLOAD_GPU))
 def test_offloaded_decode_on_cuda_matches_resident(name):
     """Offloaded prefill (eager) and decode (graph pieces cut at every offloaded layer: copies into
-    victim slots, CPU experts, whole CPU layers) match the resident model."""
+    victim slots, CPU experts, whole CPU layers) match the resident model. fp32, so that a wrong
+    expert or a stale buffer cannot hide in bf16 rounding noise."""
     from agentrt import Runtime
     from agentrt.config import OffloadConfig
 
     ids = list(range(10, 200))
-    resident = Runtime.open("tiny", device="cuda", cache="off", eager=True)
+    opts = dict(device="cuda", dtype="float32", cache="off")
+    resident = Runtime.open("tiny", eager=True, **opts)
     want = resident.engine.prefill(resident.engine.new_state(), ids, all_logits=True)
     config = OffloadConfig(copy_bandwidth=1.0, cpu_bandwidth=1.0, **OFFLOAD_GPU[name])
-    rt = Runtime.open("tiny", device="cuda", cache="off", offload=config)
+    rt = Runtime.open("tiny", offload=config, **opts)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
-    assert (got - want).abs().mean().item() < 0.01
+    assert (got - want).abs().max().item() < 1e-3
     state_a, state_b = resident.engine.new_state(), rt.engine.new_state()
     resident.engine.prefill(state_a, ids)
     rt.engine.prefill(state_b, ids)
     for tok in range(300, 320):  # decode: hits, copies, CPU misses, CPU layers
         a, b = resident.engine.decode_step(state_a, tok), rt.engine.decode_step(state_b, tok)
-        assert (a - b).abs().mean().item() < 0.01
+        assert (a - b).abs().max().item() < 1e-3, tok
     graph = rt.engine.decode_graph
     assert graph.enabled and len(graph.current.pieces.graphs) > 1
     rt.engine.offload.cache.check()

@@ -130,6 +130,22 @@ def test_lru_and_lfu_choose_different_victims():
     assert lfu.rank([(0, 2), (0, 1)])[0] == (0, 1)
 
 
+def test_lfu_heap_victim_is_the_least_frequent_resident():
+    """The lazily invalidated heap picks what a full scan would: min (count, last use)."""
+    lfu, rng = LFU(half_life=97), random.Random(1)
+    for step in range(3000):
+        key = (rng.randrange(4), rng.randrange(16))
+        lfu.touch(key)
+        if key not in lfu.order:
+            if len(lfu.order) >= 20:
+                exclude = {(rng.randrange(4), rng.randrange(16)) for _ in range(3)}
+                resident = [k for k in lfu.order if k not in exclude]
+                want = min(resident, key=lambda k: (lfu.count.get(k, 0.0), lfu.last_use[k]))
+                assert lfu.victim(exclude) == want, step
+                lfu.remove(want)
+            lfu.insert(key)
+
+
 def test_slots_follow_the_vram_budget():
     from agentrt.engine.placement import dense_bytes, kv_bytes_per_token, slots_for_budget
 

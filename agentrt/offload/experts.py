@@ -19,6 +19,7 @@ slots as one gathered batched matmul.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,10 +36,21 @@ PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as
 
 @dataclass
 class Bandwidths:
-    """Bytes/s: `copy` = host->device expert copies, `cpu` = CPU expert compute while copying."""
+    """Bytes/s: `copy` = host->device expert copies, `cpu` = CPU expert compute while copying.
+
+    They start from the calibration profile and follow what decode steps measure in the engine's
+    real arrangement (an exponential moving average), so q* adapts when, say, the CPU is slower
+    next to running copies than the calibration saw."""
 
     copy: float
     cpu: float
+    alpha: float = 0.1  # weight of each new measurement
+
+    def observe(self, side: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        old = getattr(self, side)
+        setattr(self, side, (1 - self.alpha) * old + self.alpha * num_bytes / seconds)
 
 
 @dataclass
@@ -48,6 +60,10 @@ class Totals:
     cpu: int = 0
     streamed: int = 0
     bytes_copied: int = 0
+    copy_seconds: float = 0.0  # measured by CUDA events around decode copies
+    copy_timed_bytes: int = 0
+    cpu_seconds: float = 0.0  # wall time of decode-step CPU expert work
+    cpu_timed_bytes: int = 0
 
 
 class OffloadedExperts:
@@ -68,6 +84,10 @@ class OffloadedExperts:
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, _LayerIO] = {}
+        self._copy_timing: tuple | None = None  # (start event, end event, bytes) of the last copies
+        # follow measured bandwidths (auto mode, on a GPU where both sides are measured; CPU-only
+        # runs keep the configured ones, so their decisions stay reproducible)
+        self.adaptive = split and not cpu_layers and self.on_cuda
 
     # ------------------------------------------------------------------ interface
 
@@ -88,6 +108,7 @@ class OffloadedExperts:
         elif len(flat) > PREFILL_PAIRS:
             plan_gpu, plan_cpu, streamed = self._plan_prefill(layer, pairs)
         else:
+            self._read_copy_timing()  # `tolist` synchronised: earlier copies are done
             plan_gpu, plan_cpu, streamed = self._plan_decode(layer, pairs)
         out = torch.empty(len(flat), x.shape[1], dtype=x.dtype, device=x.device)
         cpu_job = self._start_cpu(layer, x, pairs, plan_cpu, top_k)
@@ -136,15 +157,19 @@ class OffloadedExperts:
         """Copy experts into victim slots on the copy stream; returns those that got a slot."""
         done = []
         stream = self.copy_stream
+        timed = stream is not None and bool(experts)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            start = _event() if timed else None
             for expert in experts:
                 slot = self.cache.admit(layer, expert, exclude)
                 if slot is None:
                     continue
                 self.cache.slots[slot].copy_(self.store.flat[layer][expert], non_blocking=True)
                 done.append(expert)
+            if timed and done:
+                self._copy_timing = (start, _event(), len(done) * self.store.expert_bytes)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
         self.totals.copied += len(done)
@@ -194,6 +219,7 @@ class OffloadedExperts:
     ) -> torch.Tensor:
         out, begin = torch.empty_like(x_host), 0
         gate_up, down = self.store.gate_up(layer), self.store.down(layer)
+        t0 = time.perf_counter()
         with torch.inference_mode():
             for expert, count in segments:
                 end = begin + count
@@ -201,6 +227,7 @@ class OffloadedExperts:
                 gate, up = h.chunk(2, dim=-1)
                 out[begin:end] = F.linear(F.silu(gate) * up, down[expert])
                 begin = end
+        self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
         return out
 
     def _finish_cpu(self, job, out: torch.Tensor) -> None:
@@ -236,6 +263,7 @@ class OffloadedExperts:
 
     def _host_step(self, layer: int, io: _LayerIO) -> None:
         """Between graph pieces: plan, copy, compute CPU experts, fill the next piece's inputs."""
+        self._read_copy_timing()  # the stream was synchronised: the last copies are done
         ids, w = io.ids_h.tolist(), io.w_h.tolist()
         pairs = {expert: [row] for row, expert in enumerate(ids)}
         if layer in self.cpu_layers:
@@ -251,16 +279,41 @@ class OffloadedExperts:
             io.gw_h[j] = w[j] if hit else 0.0
         io.cpu_h.zero_()
         if cpu:
+            t0 = time.perf_counter()
             gate_up, down = self.store.gate_up(layer), self.store.down(layer)
             x = io.x_h.unsqueeze(0)
             for expert in cpu:
                 y = expert_ffn(x, gate_up[expert], down[expert])[0]
                 io.cpu_h.add_(y.float(), alpha=w[pairs[expert][0]])
+            self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
         if self.copy_stream is not None:  # the next piece reads slots the copies fill
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
+    def _observe_cpu(self, num_bytes: int, seconds: float) -> None:
+        self.totals.cpu_seconds += seconds
+        self.totals.cpu_timed_bytes += num_bytes
+        if self.adaptive:
+            self.bw.observe("cpu", num_bytes, seconds)
+
+    def _read_copy_timing(self) -> None:
+        if self._copy_timing is None:
+            return
+        start, end, num_bytes = self._copy_timing
+        self._copy_timing = None
+        seconds = start.elapsed_time(end) / 1000
+        self.totals.copy_seconds += seconds
+        self.totals.copy_timed_bytes += num_bytes
+        if self.adaptive:
+            self.bw.observe("copy", num_bytes, seconds)
+
     def close(self) -> None:
         self.worker.shutdown(wait=True)
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class _LayerIO:
