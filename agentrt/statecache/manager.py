@@ -15,6 +15,7 @@ deleted and the next candidate is tried. Recent payloads also live in an in-proc
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -151,8 +152,10 @@ class StateCache:
         self._known: set[bytes] = set()  # chunk keys present in LMDB
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
+        # restores read and decompress chunks in parallel: one thread per core, up to 16
+        restore_threads = max(config.workers, min(16, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(
-            max_workers=config.workers, thread_name_prefix="agentrt-restore"
+            max_workers=restore_threads, thread_name_prefix="agentrt-restore"
         )
         self._ring = PinnedRing(config.staging_bytes) if device.type == "cuda" else None
         self._writer = threading.Thread(target=self._write_loop, name="agentrt-writer", daemon=True)
@@ -444,33 +447,44 @@ class StateCache:
         )
 
     def _fill(self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool) -> None:
-        """Read what RAM lacks from LMDB, decode chunks on worker threads into host buffers laid
-        out like the caches, upload them with one copy per tensor, then the blob (tail KV, conv,
-        recurrent states)."""
+        """Worker threads read what RAM lacks straight from LMDB's memory map, decompress it into
+        host buffers laid out like the caches, then one upload per tensor, then the blob (tail
+        KV, conv, recurrent states). A chunk that vanished raises KeyError (caches then hold a
+        partial state: `dirty`)."""
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
-        need = [ck for ck, t in ram_chunks.items() if t is None]
         blob = entry[1] if entry is not None else None
-        raws, blob_raw = self.store.read_payloads(key, need)
-        if any(r is None for r in raws) or (needs_blob and blob is None and blob_raw is None):
-            raise KeyError("payload missing")
-        if needs_blob and blob is None:
-            blob = self._decode_blob(blob_raw, pos)
-        raw_of = dict(zip(need, raws, strict=True))
         with torch.inference_mode():
             for cache in kv_caches:
                 cache.reserve(pos, 0)
             full = len(chunk_keys) * BLOCK
             targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
             staged, region = self._stage_for_upload(targets)
+            self.dirty = True  # until every chunk and the blob are in place
 
             def fill(job) -> None:
                 index, ck = job
-                self._fill_chunk(staged, index, ram_chunks[ck], raw_of.get(ck))
+                tensors = ram_chunks[ck]
+                if tensors is None:
+                    data = self.store.read_chunk(ck, unpack)
+                    if data is None:
+                        raise KeyError("payload missing")
+                    tensors = [t for pair in chunk_tensors(data, self.layout) for t in pair]
+                self._fill_chunk(staged, index, tensors)
 
-            list(self._pool.map(fill, list(enumerate(chunk_keys))))
+            try:
+                with self.store.parallel_reads():
+                    load = needs_blob and blob is None  # decoded beside the chunks
+                    blob_job = self._pool.submit(self._load_blob, key, pos) if load else None
+                    list(self._pool.map(fill, list(enumerate(chunk_keys))))
+                    blob = blob_job.result() if blob_job is not None else blob
+            except BaseException:
+                if region is not None:
+                    self._ring.free(region)
+                raise
             self._upload(staged, targets, region)
             if needs_blob:
                 self._fill_blob(kv_caches, linear, pos, blob)
+            self.dirty = False
 
     def _stage_for_upload(self, targets: list[torch.Tensor]):
         """Host buffers to assemble device-bound KV in: the targets themselves on CPU, else a
@@ -491,20 +505,20 @@ class StateCache:
             torch.cuda.current_stream(self.device).synchronize()
             self._ring.free(region)
 
-    def _fill_chunk(
-        self, staged: list[torch.Tensor], index: int, tensors, raw: bytes | None
-    ) -> None:
+    def _fill_chunk(self, staged: list[torch.Tensor], index: int, tensors) -> None:
         """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers."""
-        if tensors is None:
-            tensors = [t for pair in chunk_tensors(unpack(raw), self.layout) for t in pair]
         lo = index * BLOCK
         with torch.inference_mode():
             for dest, src in zip(staged, tensors, strict=True):
                 dest[:, lo : lo + BLOCK].copy_(src)
 
-    def _decode_blob(self, raw: bytes, pos: int) -> list[torch.Tensor]:
+    def _load_blob(self, key: bytes, pos: int) -> list[torch.Tensor]:
+        """A record's blob from LMDB (in a worker, inside `parallel_reads`), decoded."""
+        data = self.store.read_chunk(key, unpack, blob=True)
+        if data is None:
+            raise KeyError("payload missing")
         tail = pos - (pos // BLOCK) * BLOCK
-        tail_kv, conv, rec = blob_tensors(unpack(raw), self.layout, tail)
+        tail_kv, conv, rec = blob_tensors(data, self.layout, tail)
         return [t for pair in tail_kv for t in pair] + conv + rec
 
     def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor]) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -131,6 +132,26 @@ class Store:
             return chunks, txn.get(key, db=self.blobs)
 
         return self._txn(read)
+
+    @contextmanager
+    def parallel_reads(self) -> Iterator[None]:
+        """Hold the environment lock, so no map resize happens in this process, while worker
+        threads read chunks with `read_chunk`."""
+        with self.shared.lock:
+            yield
+
+    def read_chunk(
+        self, key: bytes, decode: Callable[[memoryview], T], blob: bool = False
+    ) -> T | None:
+        """`decode(payload)` of a chunk (or with `blob`, of a record's blob) straight from the
+        memory map (no copy), in this thread's own read transaction; None when absent. Only
+        inside `parallel_reads`."""
+        try:
+            with self.env.begin(buffers=True) as txn:
+                view = txn.get(key, db=self.blobs if blob else self.chunks)
+                return None if view is None else decode(view)
+        except lmdb.Error:  # e.g. another process grew the map mid-restore: treat as absent
+            return None
 
     def total_bytes(self) -> int:
         return self._txn(lambda txn: _u64(txn.get(_TOTAL, db=self.meta)))
