@@ -931,8 +931,16 @@ def replay_cmd(
     help="PNG prefix: one plot per variant.",
 )
 @_max_requests_option
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=8,
+    show_default=True,
+    help="Requests of the first trace run once, untimed, before any mode (compilation, "
+    "autotuning and graph capture then count in no mode's figures); 0 turns it off.",
+)
 @json_option
-def bench_ttft(traces, variants, max_tokens, plot, max_requests, json_out, **opts) -> None:
+def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_out, **opts) -> None:
     """Replay TRACES in every --cache mode with one loaded model; TTFT per mode and ratios."""
     from agentrt import bench as b
 
@@ -944,6 +952,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, json_out, **opt
         variants,
         max_tokens,
         lambda traces_, target, label: _run_replay(traces_, target, max_tokens, label),
+        warmup,
     )
     for variant, reports in result["reports"].items():
         click.echo(f"\n[{variant}]")

@@ -261,6 +261,19 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
     ]
     assert "recorded:off/semantic:max" in result["ratios"]
     assert (tmp_path / "ttft-recorded.png").stat().st_size > 1000
+    assert result["warmup_requests"] == 8
+    semantic = result["reports"]["recorded"][0]["requests"]
+    for row in semantic:  # where each TTFT went, and where reused state came from
+        t = row["timings"]
+        assert 0 <= t["restore_s"] <= t["prefill_s"] <= row["ttft_s"]
+        if row["cached_tokens"] == 0:
+            assert t["restore_source"] is None
+    assert {r["timings"]["restore_source"] for r in semantic if r["cached_tokens"]} <= {
+        "ram",
+        "lmdb",
+        "live",
+    }
+    assert any(r["timings"]["restore_source"] == "ram" for r in semantic)
 
 
 def test_replay_against_an_endpoint(small_trace, tmp_path):

@@ -29,6 +29,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class NoReuse:
     mode = "off"
+    source: str | None = None  # where the last `begin` found its state ("live", "ram", "lmdb")
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         """Make `state` hold a prefix of `prompt`; return (its length, checkpoint kind)."""
@@ -66,7 +67,8 @@ class PrefixReuse(NoReuse):
             state.reset()
         else:
             state.truncate(keep)
-        return keep, "live" if keep else None
+        self.source = "live" if keep else None
+        return keep, self.source
 
 
 class SemanticReuse(PrefixReuse):
@@ -84,6 +86,7 @@ class SemanticReuse(PrefixReuse):
                 return 0, None
             return super().begin(state, prompt)
         state.adopt(prompt[: hit.pos])
+        self.source = hit.source
         return hit.pos, hit.kind
 
     def capture_positions(self, prompt: Sequence[int], start: int) -> dict[int, str]:

@@ -33,6 +33,7 @@ class Row:
     decode_s: float
     checkpoint: str | None
     output_token_ids: list[int] | None = None
+    timings: dict[str, Any] | None = None  # local runs: where the TTFT went (see `local_target`)
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -47,6 +48,8 @@ class Row:
         }
         if self.output_token_ids is not None:
             out["output_token_ids"] = self.output_token_ids
+        if self.timings is not None:
+            out["timings"] = self.timings
         return out
 
 
@@ -80,6 +83,12 @@ def local_target(rt) -> Target:
             "decode_s": result.timings["decode_s"],
             "checkpoint": rt.checkpoint_label(result.checkpoint),
             "output_token_ids": result.token_ids,
+            "timings": {  # the parts of the TTFT, and where reused state came from
+                "restore_s": result.reuse_s["restore_s"],
+                "prefill_s": result.timings["prefill_s"],
+                "capture_s": result.reuse_s["capture_s"],
+                "restore_source": result.restore_source,
+            },
         }
 
     return Target(rt.model_name, rt.cache, str(rt.engine.device), send)

@@ -379,6 +379,8 @@ class Runtime:
                 "completion_tokens": len(gen.token_ids),
             },
             checkpoint=gen.checkpoint,
+            restore_source=gen.restore_source,
+            reuse_s={"restore_s": gen.timings.restore_s, "capture_s": gen.timings.capture_s},
             timings=gen.timings.as_dict(),
         )
 
