@@ -433,3 +433,34 @@ def test_restored_state_is_bitwise_the_captured_state(tmp_path, ram):
     _assert_bitwise_equal(fresh.export(), captured)
     sem.close()
     reader.close()
+
+
+def test_pinned_ring_hands_out_regions_first_in_first_out(monkeypatch):
+    """Ring placement: in order, wrapping to the start, None when full; out-of-order frees are
+    tolerated; one ring per size per process. (Plain memory stands in for page-locked here.)"""
+    import torch
+
+    from agentrt.statecache.staging import PinnedRing
+
+    def plain(self):
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        self.ready.set()
+
+    monkeypatch.setattr(PinnedRing, "_allocate", plain)
+    ring = PinnedRing(1024)
+    ring.ready.wait()
+    a, b = ring.alloc(400), ring.alloc(400)
+    assert a == (0, 512) and b == (512, 1024) and ring.alloc(1) is None  # 256-byte aligned
+    ring.free(a)
+    d = ring.alloc(256)
+    assert d == (0, 256)  # wrapped into the space a left
+    ring.free(d)  # out of order (b is older): accepted, its space is free again
+    assert ring.alloc(256) == (0, 256)
+    ring.free(b)
+    c = ring.alloc(256)
+    assert c == (256, 512)
+    views = ring.views(c, [torch.zeros(2, 3, dtype=torch.float32)])
+    assert views[0].shape == (2, 3) and views[0].dtype == torch.float32
+    monkeypatch.setattr(PinnedRing, "_shared", {})
+    assert PinnedRing.shared(2048) is PinnedRing.shared(2048)
+    assert PinnedRing.shared(2048) is not PinnedRing.shared(4096)

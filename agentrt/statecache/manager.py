@@ -157,7 +157,7 @@ class StateCache:
         self._pool = ThreadPoolExecutor(
             max_workers=restore_threads, thread_name_prefix="agentrt-restore"
         )
-        self._ring = PinnedRing(config.staging_bytes) if device.type == "cuda" else None
+        self._ring = PinnedRing.shared(config.staging_bytes) if device.type == "cuda" else None
         self._writer = threading.Thread(target=self._write_loop, name="agentrt-writer", daemon=True)
         self._writer.start()
         self._closed = False

@@ -1,7 +1,8 @@
 """Pinned host staging for checkpoint copies: one page-locked buffer allocated once, handed out
-first-in first-out. The single writer thread finishes jobs in queue order, so regions are freed
-in the order they were taken and a ring suffices. A request that does not fit gets None (the
-caller then copies into ordinary memory)."""
+first-in first-out, shared by the cache objects of a process. A writer thread finishes jobs in
+queue order, so regions are mostly freed in the order they were taken and a ring suffices (a
+region freed out of order is reclaimed once those before it are). A request that does not fit
+gets None (the caller then copies into ordinary memory)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ _ALIGN = 256
 
 
 class PinnedRing:
+    _shared: dict[int, PinnedRing] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, num_bytes: int) -> PinnedRing:
+        """The process's ring of this size: page-locking gigabytes takes a while and stalls other
+        CUDA calls, so it happens once per process, not once per cache object (a runtime that
+        switches cache modes, a benchmark that runs several)."""
+        with cls._shared_lock:
+            ring = cls._shared.get(num_bytes)
+            if ring is None:
+                ring = cls._shared[num_bytes] = cls(num_bytes)
+            return ring
+
     def __init__(self, num_bytes: int) -> None:
         self.capacity = num_bytes
         self.buffer: torch.Tensor | None = None
@@ -55,7 +70,7 @@ class PinnedRing:
         with self.lock:
             if self.live and self.live[0] == region:
                 self.live.popleft()
-            else:  # out of order (should not happen with one writer): drop it wherever it is
+            else:  # out of order (a restore, another cache's writer): drop it where it is
                 self.live.remove(region)
 
     def views(self, region: tuple[int, int], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
