@@ -268,12 +268,11 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
         assert 0 <= t["restore_s"] <= t["prefill_s"] <= row["ttft_s"]
         if row["cached_tokens"] == 0:
             assert t["restore_source"] is None
-    assert {r["timings"]["restore_source"] for r in semantic if r["cached_tokens"]} <= {
-        "ram",
-        "lmdb",
-        "live",
-    }
-    assert any(r["timings"]["restore_source"] == "ram" for r in semantic)
+    sources = {r["timings"]["restore_source"] for r in semantic if r["cached_tokens"]}
+    assert sources <= {"ram", "lmdb", "live", "ram+live_kv", "lmdb+live_kv"}
+    # the next request carries the recorded reply, not the generated one: the live KV agrees up
+    # to the checkpoint, so only the snapshot (linear state) is restored
+    assert "ram+live_kv" in sources
 
 
 def test_replay_against_an_endpoint(small_trace, tmp_path):

@@ -88,7 +88,7 @@ def test_semantic_is_transparent_and_reuses_exactly_where_possible(model, tmp_pa
     off = Runtime.open(model, cache="off")
     sem = _semantic(model, tmp_path / "state")
     oracle = _Oracle(sem.reuse.cache.boundaries, hybrid=sem.engine.cfg.is_hybrid)
-    cached = []
+    cached, sources = [], set()
     for tag in ("a", "b"):
         for msgs in agent_requests(tag, output_len=700):
             want = off.chat(msgs, tools=TOOLS, max_tokens=10)
@@ -98,7 +98,10 @@ def test_semantic_is_transparent_and_reuses_exactly_where_possible(model, tmp_pa
             assert got.usage["cached_tokens"] == oracle.expected(prompt)
             oracle.record(prompt, got.token_ids, got.usage["cached_tokens"])
             cached.append(got.usage["cached_tokens"])
+            sources.add(got.restore_source)
     assert cached[0] == 0 and all(c > 0 for c in cached[1:5])  # every later turn reuses state
+    if sem.engine.cfg.is_hybrid:  # the snapshot alone, over KV kept from the live state
+        assert "ram+live_kv" in sources, sources
     stats = sem.reuse.cache.stats
     sem.close()
     assert stats["dropped_queue_full"] == 0 and stats["write_errors"] == 0

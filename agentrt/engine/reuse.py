@@ -79,7 +79,10 @@ class SemanticReuse(PrefixReuse):
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         live = self.live_length(state, prompt)
-        hit = self.cache.restore_into(prompt, live, state.kv_caches(), state.linear_caches())
+        kv_valid = common_prefix(state.token_ids, prompt)  # KV there can be kept (cut back)
+        hit = self.cache.restore_into(
+            prompt, live, state.kv_caches(), state.linear_caches(), kv_valid
+        )
         if hit is None:
             if self.cache.dirty:  # a corrupt candidate overwrote part of the live state
                 state.reset()

@@ -66,7 +66,7 @@ def layout_for(cfg: ModelConfig, dtype: torch.dtype) -> Layout:
 class Hit:
     pos: int
     kind: str
-    source: str  # "ram" | "lmdb"
+    source: str  # "ram" | "lmdb"; with "+live_kv" when the KV already in the caches was kept
 
 
 @dataclass
@@ -394,14 +394,19 @@ class StateCache:
         min_pos: int,
         kv_caches: Sequence[KVCache],
         linear: Sequence[LinearCache],
+        kv_valid: int = 0,
     ) -> Hit | None:
         """Fill the caches with the longest verified checkpoint for a prefix of `ids` longer than
         `min_pos`. Returns None (caches untouched) when there is none, or when every candidate
-        that was tried turned out corrupt (caches then hold garbage: the caller resets them)."""
+        that was tried turned out corrupt (caches then hold garbage: the caller resets them).
+
+        `kv_valid`: the caches' KV already holds `ids[:kv_valid]` (the live sequence agrees with
+        the prompt that far). KV can be cut back, linear-attention state cannot: a checkpoint
+        within that range only needs its snapshot (conv / recurrent state), not its KV chunks."""
         keys = PrefixKeys(self.fp, ids)
         self.dirty = False
         for pos, kind in self.candidates(ids, min_pos):
-            hit = self._restore(keys, pos, kind, kv_caches, linear)
+            hit = self._restore(keys, pos, kind, kv_caches, linear, pos <= kv_valid)
             if hit is not None:
                 self.stats[f"hits_{hit.source}"] += 1
                 self.stats["restored_tokens"] += pos
@@ -409,7 +414,9 @@ class StateCache:
         self.stats["misses"] += 1
         return None
 
-    def _restore(self, keys: PrefixKeys, pos: int, kind: str, kv_caches, linear) -> Hit | None:
+    def _restore(
+        self, keys: PrefixKeys, pos: int, kind: str, kv_caches, linear, kv_ready: bool = False
+    ) -> Hit | None:
         """Load the checkpoint at `pos` (a record, or for attention-only models bare chunks at a
         block edge); None when absent or corrupt (corrupt records are deleted)."""
         key = keys.key(pos)
@@ -424,9 +431,10 @@ class StateCache:
             kind = "block"  # KV chunks alone hold the state of an attention-only model
         else:
             return None
-        chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
+        kv_ready = kv_ready and kind != "block"
+        chunk_keys = [] if kv_ready else [keys.chunk_key(c) for c in range(pos // BLOCK)]
         try:
-            self._fill(key, pos, chunk_keys, entry, kv_caches, linear, needs_blob=kind != "block")
+            self._fill(key, pos, chunk_keys, entry, kv_caches, linear, kind != "block", kv_ready)
         except CorruptPayload:
             self.stats["corrupt_deleted"] += 1
             self.dirty = True
@@ -437,7 +445,7 @@ class StateCache:
             return None
         if record is not None:
             self.store.touch(key)
-        return Hit(pos, kind, source)
+        return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
 
     def _valid(self, record: Record, pos: int) -> bool:
         return (
@@ -446,16 +454,25 @@ class StateCache:
             and record.n_tokens == pos
         )
 
-    def _fill(self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool) -> None:
+    def _fill(
+        self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool, kv_ready: bool
+    ) -> None:
         """Worker threads read what RAM lacks straight from LMDB's memory map, decompress it into
         host buffers laid out like the caches, then one upload per tensor, then the blob (tail
         KV, conv, recurrent states). A chunk that vanished raises KeyError (caches then hold a
-        partial state: `dirty`)."""
+        partial state: `dirty`). With `kv_ready` (and no `chunk_keys`) the caches keep their KV."""
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
         blob = entry[1] if entry is not None else None
         with torch.inference_mode():
             for cache in kv_caches:
-                cache.reserve(pos, 0)
+                cache.reserve(pos, pos if kv_ready else 0)
+            if not chunk_keys:  # a prefix shorter than a chunk, or KV kept from the live state
+                if needs_blob:
+                    if blob is None:
+                        with self.store.parallel_reads():
+                            blob = self._load_blob(key, pos)
+                    self._fill_blob(kv_caches, linear, pos, blob)
+                return
             full = len(chunk_keys) * BLOCK
             targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
             staged, region = self._stage_for_upload(targets)
