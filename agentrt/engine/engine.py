@@ -56,7 +56,7 @@ class Generation:
     started_at: float | None = None  # perf_counter of the request's start (TTFT origin)
     should_stop: Callable[[], bool] | None = None  # polled between prefill chunks and tokens
     checkpoint: str | None = None  # kind of the reused state ("live", a boundary kind, "block")
-    restore_source: str | None = None  # where it came from: "live", "ram", "lmdb"
+    restore_source: str | None = None  # where it came from: "live", "device", "ram", "lmdb"
     timings: Timings = field(default_factory=Timings)
 
 

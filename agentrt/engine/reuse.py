@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from agentrt.engine.state import SequenceState
 from agentrt.statecache import StateCache
+from agentrt.statecache.boundaries import BOUNDARY_KINDS
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -29,7 +30,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class NoReuse:
     mode = "off"
-    source: str | None = None  # where the last `begin` found its state ("live", "ram", "lmdb")
+    # where the last `begin` found its state: "live" (the live sequence extended), "device"
+    # (cut back to a boundary captured in the last prefill), "ram" / "lmdb" (+"+live_kv")
+    source: str | None = None
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         """Make `state` hold a prefix of `prompt`; return (its length, checkpoint kind)."""
@@ -80,13 +83,24 @@ class SemanticReuse(PrefixReuse):
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         live = self.live_length(state, prompt)
         kv_valid = common_prefix(state.token_ids, prompt)  # KV there can be kept (cut back)
+        # device tier: boundaries captured in the live sequence's last prefill are still in
+        # device memory; cutting back to one costs a copy of the linear state, nothing more
+        on_device = max(
+            (p for p in state.captured_positions() if p <= min(kv_valid, len(prompt) - 1)),
+            default=0,
+        )
         hit = self.cache.restore_into(
-            prompt, live, state.kv_caches(), state.linear_caches(), kv_valid
+            prompt, max(live, on_device), state.kv_caches(), state.linear_caches(), kv_valid
         )
         if hit is None:
             if self.cache.dirty:  # a corrupt candidate overwrote part of the live state
                 state.reset()
                 return 0, None
+            if on_device > live:
+                state.truncate(on_device)
+                self.source = "device"
+                kind = self.cache.boundaries.ends_with(prompt[:on_device], BOUNDARY_KINDS)
+                return on_device, kind or "live"
             return super().begin(state, prompt)
         state.adopt(prompt[: hit.pos])
         self.source = hit.source

@@ -127,10 +127,23 @@ class SequenceState:
 
     @torch.inference_mode()
     def truncate(self, pos: int) -> None:
-        """Keep the first `pos` tokens (only where a state at `pos` exists)."""
+        """Keep the first `pos` tokens (only where a state at `pos` exists), in place: KV is cut
+        back, linear-attention state comes from the capture at `pos`; captures at or before
+        `pos` stay valid."""
         if pos == self.num_tokens:
             return
-        self.import_(self.export(pos))
+        if not self.can_export(pos):
+            raise ValueError(
+                f"no state at position {pos} (length {self.num_tokens}, "
+                f"captured {self.captured_positions()})"
+            )
+        conv, rec = self.linear_at(pos)
+        for cache, c, r in zip(self.linear_caches(), conv, rec, strict=True):
+            cache.conv.copy_(c)
+            cache.recurrent.copy_(r)
+            for p in [p for p in cache.captured if p > pos]:
+                del cache.captured[p]
+        self.token_ids = self.token_ids[:pos]
 
     @torch.inference_mode()
     def reset(self) -> None:

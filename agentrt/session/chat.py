@@ -36,7 +36,7 @@ class ChatResult:
     usage: dict[str, int]
     timings: dict[str, float]
     checkpoint: str | None = None  # kind of reused state: "live", a boundary kind, "block"
-    restore_source: str | None = None  # where it came from: "live", "ram", "lmdb"
+    restore_source: str | None = None  # where it came from: "live", "device", "ram", "lmdb"
     reuse_s: dict[str, float] | None = None  # parts of prefill_s: restore_s, capture_s
 
     def message(self) -> dict[str, Any]:
