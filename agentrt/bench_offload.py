@@ -111,9 +111,7 @@ def offload_decode(
             split=setting.get("split", True),
             policy=setting.get("policy", "lru"),
             vram_budget=budget_bytes,
-            kv_reserve_tokens=kv_reserve_tokens,
-            copy_bandwidth=profile.copy_overlapped,
-            cpu_bandwidth=profile.cpu_overlapped,
+            kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured
         )
         run = _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs)
         run["within_budget"] = (

@@ -119,6 +119,32 @@ def test_reasoning_dropped_and_truncated_outputs_reuse_earlier_boundaries(tmp_pa
     sem.close()
 
 
+def test_vanished_chunks_fall_back_with_identical_outputs(tmp_path):
+    """KV chunks deleted behind the cache's back (another process evicting): restores that need
+    them fail after other workers filled part of the caches; the turn falls back, outputs stay
+    identical to `off`, and the cache keeps working."""
+    state = tmp_path / "state"
+    requests = agent_requests("v", 700)
+    sem = _semantic("tiny", state, ram_bytes=0)  # nothing in RAM: every restore reads LMDB
+    for msgs in requests[:3]:
+        sem.chat(msgs, tools=TOOLS, max_tokens=4)
+    sem.close()
+    env = lmdb.open(str(state), max_dbs=8)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True) as txn:
+        keys = [bytes(k) for k, _ in txn.cursor(db=chunks)]
+        for key in keys[len(keys) // 2 :]:  # the later half of the chunks
+            txn.delete(key, db=chunks)
+    env.close()
+    off = Runtime.open(cache="off")
+    sem = _semantic("tiny", state, ram_bytes=0)
+    for msgs in requests[2:]:  # the first of them restores past a chunk edge (no live state)
+        got = sem.chat(msgs, tools=TOOLS, max_tokens=4)
+        assert got.token_ids == off.chat(msgs, tools=TOOLS, max_tokens=4).token_ids
+    assert sem.reuse.cache.stats["payload_missing"] >= 1  # a restore did hit a missing chunk
+    sem.close()
+
+
 def _run_script(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return subprocess.run(

@@ -34,9 +34,11 @@ HostStep = Callable[[int], None]  # called with the position being decoded
 class Pieces:
     """A decode step captured as graphs separated by host steps (one graph when nothing cuts)."""
 
+    device: torch.device
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     hosts: list[HostStep] = field(default_factory=list)
     pool: object = None
+    capturing: bool = False
 
     def begin(self) -> None:
         if self.pool is None:  # one memory pool shared by every piece (replayed in order)
@@ -45,18 +47,21 @@ class Pieces:
         # thread_local: a state-cache writer thread syncing its events must not break the capture
         graph.capture_begin(self.pool, capture_error_mode="thread_local")
         self.graphs.append(graph)
+        self.capturing = True
 
     def cut(self, host: HostStep) -> None:
         """End the current graph; `host` runs between it and the next one (which begins now)."""
-        self.graphs[-1].capture_end()
+        self.end()
         self.hosts.append(host)
         self.begin()
 
     def end(self) -> None:
-        self.graphs[-1].capture_end()
+        if self.capturing:  # never end a capture twice (it would hide the first error)
+            self.capturing = False
+            self.graphs[-1].capture_end()
 
     def replay(self, position: int) -> None:
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(self.device)
         for graph, host in zip(self.graphs, self.hosts, strict=False):
             graph.replay()
             stream.synchronize()  # the host step reads what the graph wrote to pinned buffers
@@ -118,7 +123,7 @@ class DecodeGraph:
         self._warm_up(state, token, pos)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        pieces = Pieces()
+        pieces = Pieces(self.device)
         cutters = _cutters(self.model)
         for module in cutters:
             module.recorder = pieces
@@ -156,7 +161,14 @@ class DecodeGraph:
         cap = self.current
         cap.token.fill_(token_id)
         cap.pos.fill_(state.num_tokens)
-        cap.pieces.replay(state.num_tokens)
+        try:
+            cap.pieces.replay(state.num_tokens)
+        except BaseException:
+            # a host step failed midway: the pieces already run advanced the linear-attention
+            # state without the token being recorded; the sequence is no longer consistent
+            state.reset()
+            self.current = None
+            raise
         return cap.logits.clone()
 
 

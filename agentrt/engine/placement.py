@@ -81,7 +81,8 @@ def install(
     if config.mode == "auto":
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
         bw = bandwidths(store, device, config, recalibrate)
-        experts = OffloadedExperts(store, cache, bw, split=config.split)
+        given = config.copy_bandwidth is not None or config.cpu_bandwidth is not None
+        experts = OffloadedExperts(store, cache, bw, split=config.split, adaptive=not given)
     else:
         cpu_layers = _cpu_expert_layers(model, store, config)
         resident = [layer for layer in store.layers if layer not in cpu_layers]

@@ -74,6 +74,7 @@ class OffloadedExperts:
         bandwidths: Bandwidths,
         split: bool = True,
         cpu_layers: frozenset[int] = frozenset(),
+        adaptive: bool = True,
     ) -> None:
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
@@ -87,7 +88,7 @@ class OffloadedExperts:
         self._copy_timing: tuple | None = None  # (start event, end event, bytes) of the last copies
         # follow measured bandwidths (auto mode, on a GPU where both sides are measured; CPU-only
         # runs keep the configured ones, so their decisions stay reproducible)
-        self.adaptive = split and not cpu_layers and self.on_cuda
+        self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
 
     # ------------------------------------------------------------------ interface
 
@@ -258,7 +259,9 @@ class OffloadedExperts:
         xs = x.expand(w.shape[0], -1).unsqueeze(1)  # [k, 1, H]
         gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
         ys = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [k, H]
-        out = (ys.float() * io.gw_d.unsqueeze(1)).sum(0) + io.cpu_d
+        # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
+        gw = io.gw_d.unsqueeze(1)
+        out = torch.where(gw != 0, ys.float() * gw, 0.0).sum(0) + io.cpu_d
         return out.to(x.dtype).unsqueeze(0)
 
     def _host_step(self, layer: int, io: _LayerIO) -> None:

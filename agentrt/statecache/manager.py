@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -406,7 +406,9 @@ class StateCache:
         keys = PrefixKeys(self.fp, ids)
         self.dirty = False
         for pos, kind in self.candidates(ids, min_pos):
-            hit = self._restore(keys, pos, kind, kv_caches, linear, pos <= kv_valid)
+            # once a failed candidate wrote into the caches, their KV is no longer the live one
+            kv_ready = pos <= kv_valid and not self.dirty
+            hit = self._restore(keys, pos, kind, kv_caches, linear, kv_ready)
             if hit is not None:
                 self.stats[f"hits_{hit.source}"] += 1
                 self.stats["restored_tokens"] += pos
@@ -442,6 +444,7 @@ class StateCache:
             self.store.delete(key)
             return None
         except KeyError:  # a payload vanished (evicted, possibly by another process)
+            self.stats["payload_missing"] += 1
             return None
         if record is not None:
             self.store.touch(key)
@@ -464,6 +467,8 @@ class StateCache:
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
         blob = entry[1] if entry is not None else None
         with torch.inference_mode():
+            if any(cache.capacity < pos for cache in kv_caches):
+                self.dirty = True  # growing drops what the caches held
             for cache in kv_caches:
                 cache.reserve(pos, pos if kv_ready else 0)
             if not chunk_keys:  # a prefix shorter than a chunk, or KV kept from the live state
@@ -471,37 +476,50 @@ class StateCache:
                     if blob is None:
                         with self.store.parallel_reads():
                             blob = self._load_blob(key, pos)
+                    self.dirty = True
                     self._fill_blob(kv_caches, linear, pos, blob)
                 return
             full = len(chunk_keys) * BLOCK
             targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
             staged, region = self._stage_for_upload(targets)
-            self.dirty = True  # until every chunk and the blob are in place
-
-            def fill(job) -> None:
-                index, ck = job
-                tensors = ram_chunks[ck]
-                if tensors is None:
-                    data = self.store.read_chunk(ck, unpack)
-                    if data is None:
-                        raise KeyError("payload missing")
-                    tensors = [t for pair in chunk_tensors(data, self.layout) for t in pair]
-                self._fill_chunk(staged, index, tensors)
-
+            if staged is targets:
+                self.dirty = True  # chunks land straight in the caches
             try:
-                with self.store.parallel_reads():
-                    load = needs_blob and blob is None  # decoded beside the chunks
-                    blob_job = self._pool.submit(self._load_blob, key, pos) if load else None
-                    list(self._pool.map(fill, list(enumerate(chunk_keys))))
-                    blob = blob_job.result() if blob_job is not None else blob
+                load_blob = needs_blob and blob is None
+                loaded = self._load_chunks(key, pos, chunk_keys, ram_chunks, staged, load_blob)
             except BaseException:
                 if region is not None:
                     self._ring.free(region)
                 raise
+            blob = blob if blob is not None else loaded
+            self.dirty = True
             self._upload(staged, targets, region)
             if needs_blob:
                 self._fill_blob(kv_caches, linear, pos, blob)
             self.dirty = False
+
+    def _load_chunks(self, key, pos, chunk_keys, ram_chunks, staged, load_blob: bool):
+        """Chunks into `staged` on worker threads (what RAM lacks read straight from LMDB's map),
+        and the record's blob beside them when `load_blob`; returns the blob (or None). Waits for
+        every worker before returning or raising, so none writes into `staged` afterwards."""
+
+        def fill(index: int, ck: bytes) -> None:
+            tensors = ram_chunks[ck]
+            if tensors is None:
+                data = self.store.read_chunk(ck, unpack)
+                if data is None:
+                    raise KeyError("payload missing")
+                tensors = [t for pair in chunk_tensors(data, self.layout) for t in pair]
+            self._fill_chunk(staged, index, tensors)
+
+        with self.store.parallel_reads():
+            blob_job = self._pool.submit(self._load_blob, key, pos) if load_blob else None
+            jobs = [self._pool.submit(fill, i, ck) for i, ck in enumerate(chunk_keys)]
+            jobs += [blob_job] if blob_job is not None else []
+            wait(jobs)
+        for job in jobs:
+            job.result()  # the first failure, if any
+        return blob_job.result() if blob_job is not None else None
 
     def _stage_for_upload(self, targets: list[torch.Tensor]):
         """Host buffers to assemble device-bound KV in: the targets themselves on CPU, else a
