@@ -16,5 +16,5 @@ source "$(dirname "$0")/device_env.sh"
 python3 -m agentrt.cli bench ttft .traces-dev/msa/*.zst .traces-dev/tau/*.zst \
   --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
   --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja \
-  --variants recorded,dropped --max-tokens 8 --max-requests 40 --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/ttft.log" 2>&1
+  --variants recorded,dropped --max-tokens 8 --max-requests 32 --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/ttft.log" 2>&1
 tail -30 "$OUT/ttft.log"
