@@ -478,38 +478,41 @@ def bench_prefill(
     )
 
 
+def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: str):
+    """A comma-separated list option whose items must be among `choices`."""
+    return click.option(
+        name,
+        default=default,
+        show_default=default is not None,
+        callback=_csv_choice(*choices),
+        help=help,
+    )
+
+
 @bench.command("decode")
 @_bench_options
 @click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option(
-    "--graphs",
-    default="on",
-    show_default=True,
-    callback=_csv_choice("on", "off"),
-    help="Comma-separated CUDA-graph settings: on, off.",
-)
-@click.option(
+@_csv_option("--graphs", ("on", "off"), "on", "Comma-separated CUDA-graph settings: on, off.")
+@_csv_option(
     "--offload",
-    default=None,
-    callback=_csv_choice("auto", "none", "static", "layer"),
-    help="Comma-separated expert placements to compare (auto, none, static, layer): switches to "
+    ("auto", "none", "static", "layer"),
+    None,
+    "Comma-separated expert placements to compare (auto, none, static, layer): switches to "
     "the offload benchmark (hit rate, copies / CPU experts / PCIe bytes per token, DESIGN §8 "
     "bound, peak GPU memory). `none` keeps every expert on the device and gives t_gpu.",
 )
-@click.option(
+@_csv_option(
     "--split",
-    default="on",
-    show_default=True,
-    callback=_csv_choice("on", "off"),
-    help="For --offload auto: comma-separated miss handling, on (copies + CPU) and/or off.",
+    ("on", "off"),
+    "on",
+    "For --offload auto: comma-separated miss handling, on (copies + CPU) and/or off.",
 )
-@click.option(
+@_csv_option(
     "--expert-policy",
-    default="lru",
-    show_default=True,
-    callback=_csv_choice("lru", "lfu"),
-    help="For --offload auto: comma-separated cache policies.",
+    ("lru", "lfu"),
+    "lru",
+    "For --offload auto: comma-separated cache policies.",
 )
 @click.option("--vram-budget", default=None, help="Device-memory budget, e.g. 16GiB.")
 @click.option(
