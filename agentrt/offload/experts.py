@@ -187,20 +187,48 @@ class OffloadedExperts:
             out[rows] = expert_ffn(x[idx], self.cache.gate_up(slot), self.cache.down(slot))
 
     def _run_streamed(self, layer, x, pairs, experts, top_k, out) -> None:
-        """Missing experts of a large batch: copy each into scratch and run it there."""
+        """Missing experts of a large batch (prefill), double-buffered: expert i+1 is copied into
+        one scratch buffer on the copy stream while expert i computes from the other."""
         if not experts:
             return
-        scratch = torch.empty(self.store.expert_numel, dtype=self.store.dtype, device=self.device)
-        inter, hidden = self.store.inter, self.store.hidden
-        for expert in experts:
-            scratch.copy_(self.store.flat[layer][expert], non_blocking=True)
-            rows = pairs[expert]
-            idx = torch.tensor(rows, device=x.device) // top_k
-            gate_up = scratch[: 2 * inter * hidden].view(2 * inter, hidden)
-            down = scratch[2 * inter * hidden :].view(hidden, inter)
-            out[rows] = expert_ffn(x[idx], gate_up, down)
+        scratch = [
+            torch.empty(self.store.expert_numel, dtype=self.store.dtype, device=self.device)
+            for _ in range(2)
+        ]
+        stream, ready, freed = self.copy_stream, [None, None], [None, None]
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def fetch(i: int) -> None:
+            buf = i % 2
+            if stream is None:
+                scratch[buf].copy_(self.store.flat[layer][experts[i]])
+                return
+            with torch.cuda.stream(stream):
+                if freed[buf] is not None:  # the expert computed from this buffer is done
+                    stream.wait_event(freed[buf])
+                scratch[buf].copy_(self.store.flat[layer][experts[i]], non_blocking=True)
+                ready[buf] = _event(stream)
+
+        fetch(0)
+        for i, expert in enumerate(experts):
+            if i + 1 < len(experts):
+                fetch(i + 1)
+            buf = i % 2
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready[buf])
+            self._run_scratch(scratch[buf], x, pairs[expert], top_k, out)
+            if stream is not None:
+                freed[buf] = _event(torch.cuda.current_stream(self.device))
         self.totals.streamed += len(experts)
         self.totals.bytes_copied += len(experts) * self.store.expert_bytes
+
+    def _run_scratch(self, weights: torch.Tensor, x, rows: list[int], top_k: int, out) -> None:
+        inter, hidden = self.store.inter, self.store.hidden
+        idx = torch.tensor(rows, device=x.device) // top_k
+        gate_up = weights[: 2 * inter * hidden].view(2 * inter, hidden)
+        down = weights[2 * inter * hidden :].view(hidden, inter)
+        out[rows] = expert_ffn(x[idx], gate_up, down)
 
     def _start_cpu(self, layer, x, pairs, experts, top_k) -> tuple[Future | None, list[int]] | None:
         if not experts:
@@ -313,9 +341,10 @@ class OffloadedExperts:
         self.worker.shutdown(wait=True)
 
 
-def _event() -> torch.cuda.Event:
+def _event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    """A timing event recorded on `stream` (default: the current stream)."""
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(stream)
     return event
 
 
