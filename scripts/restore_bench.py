@@ -45,8 +45,12 @@ def main(tokens: int, spec: str) -> None:
     conv = [c.conv.normal_(generator=gen) for c in state.linear_caches()]
     rec = [c.recurrent.normal_(generator=gen) for c in state.linear_caches()]
     writer = open_cache()
+    t0 = time.perf_counter()
     writer.save(ids, tokens - 1, "message_end", state.kv_caches(), conv, rec)
     writer.flush()
+    seconds, raw = time.perf_counter() - t0, writer.stats["raw_bytes_written"]
+    mib = raw / 2**20
+    print(f"save + write of {mib:.0f} MiB: {seconds:.3f} s ({mib / seconds:.0f} MiB/s)")
     writer.close()
     for _ in range(3):
         fresh = open_cache()

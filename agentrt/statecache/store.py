@@ -40,7 +40,12 @@ class _SharedEnv:
     registry_lock = threading.Lock()
 
     def __init__(self, path: Path, map_size: int) -> None:
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=8, max_readers=512, subdir=True)
+        # writemap: checkpoints are written into the map directly instead of through malloc'd
+        # pages and write(2); commits still sync data before the meta page (crash safe), and
+        # every process opening a state dir uses the same flag (LMDB requires that)
+        self.env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=8, max_readers=512, subdir=True, writemap=True
+        )
         self.lock = threading.RLock()
         self.users = 0
 
@@ -187,9 +192,20 @@ class Store:
         self, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes
     ) -> str:
         """Write one checkpoint atomically. Returns "written", "exists" or "missing_chunk"."""
-        if self.total_bytes() + len(blob) + sum(map(len, chunks.values())) > self.max_bytes:
+        size = len(blob) + sum(map(len, chunks.values()))
+        if self.total_bytes() + size > self.max_bytes:
             self.evict(int(self.max_bytes * 0.8))
+        self._make_room(size)
         return self._txn(lambda txn: self._put(txn, key, record, chunks, blob), write=True)
+
+    def _make_room(self, size: int) -> None:
+        """Grow the map ahead of a write of `size` bytes (plus B-tree overhead), so that a large
+        checkpoint is written once, not retried after every doubling that turned out too small."""
+        with self.shared.lock:
+            info, page = self.env.info(), self.env.stat()["psize"]
+            needed = (info["last_pgno"] + 1) * page + int(size * 1.25) + _MIN_MAP
+            if needed > info["map_size"] and info["map_size"] < self.map_limit:
+                self.env.set_mapsize(min(self.map_limit, max(needed, 2 * info["map_size"])))
 
     def _put(self, txn, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes) -> str:
         if txn.get(key, db=self.records) is not None:
