@@ -35,8 +35,7 @@ from agentrt.statecache.codec import (
     Record,
     blob_tensors,
     chunk_tensors,
-    pack,
-    tensors_to_bytes,
+    pack_tensors,
     unpack,
 )
 from agentrt.statecache.keys import BLOCK, FORMAT_VERSION, PrefixKeys
@@ -319,14 +318,12 @@ class StateCache:
                 with self._lock:
                     self._known.discard(ck)
                 return
-            payloads[ck] = pack(
-                tensors_to_bytes(tensors), self.config.compress_level, self.config.workers
-            )
+            payloads[ck] = pack_tensors(tensors, self.config.compress_level, self.config.workers)
         for index, ck in enumerate(job.chunk_keys):
             tensors = self._chunk_from_job(job, index)
             if tensors is not None:
                 self.ram.put(ck, tensors, _nbytes(tensors))
-        blob_payload = pack(tensors_to_bytes(blob), self.config.compress_level, self.config.workers)
+        blob_payload = pack_tensors(blob, self.config.compress_level, self.config.workers)
         now = time.time()
         chunk_bytes = sum(map(len, payloads.values()))
         record = Record(
