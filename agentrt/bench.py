@@ -427,6 +427,10 @@ def ttft(rt, load, modes, variants, max_tokens, run, warmup: int = 8) -> dict[st
             with tempfile.TemporaryDirectory(prefix="agentrt-ttft-") as state_dir:
                 rt.set_cache(mode, StateCacheConfig(state_dir=Path(state_dir)))
                 rep = run(traces, local_target(rt), f"{variant}/{mode}")
+                cache = getattr(rt.reuse, "cache", None)
+                if cache is not None:  # hits per tier, drops, write errors: what TTFT hides
+                    cache.flush()
+                    rep["state_cache_stats"] = dict(cache.stats)
                 rt.set_cache("off")
             reports[variant].append(rep)
     return {

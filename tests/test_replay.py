@@ -262,6 +262,8 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
     assert "recorded:off/semantic:max" in result["ratios"]
     assert (tmp_path / "ttft-recorded.png").stat().st_size > 1000
     assert result["warmup_requests"] == 8
+    stats = result["reports"]["recorded"][0]["state_cache_stats"]
+    assert stats["write_written"] > 0 and "misses" in stats
     semantic = result["reports"]["recorded"][0]["requests"]
     for row in semantic:  # where each TTFT went, and where reused state came from
         t = row["timings"]
