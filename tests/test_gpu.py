@@ -1,5 +1,7 @@
 """GPU checks (skipped without CUDA): fla kernels == torch reference, bf16 CUDA logits close to the
-fp32 CPU path, chunked prefill == one pass on CUDA."""
+fp32 CPU path, chunked prefill == one pass on CUDA, CUDA-graph decode == eager, state-cache restores
+and semantic reuse on CUDA, offloaded experts (graph pieces, copies, CPU experts, CPU layers) ==
+the resident model."""
 
 from __future__ import annotations
 
@@ -163,3 +165,30 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     rt.engine.offload.cache.check()
     totals = rt.engine.offload.totals
     assert totals.copied > 0 if name in ("split", "copy-only") else totals.cpu > 0
+
+
+def test_semantic_reuse_on_cuda_is_transparent(tmp_path):
+    """A multi-turn tool loop on CUDA in fp32: greedy outputs with the state cache (cut back on
+    the device, snapshots over the live KV, pinned staging) equal those without it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from util import TOOLS, agent_requests
+
+    from agentrt import Runtime
+    from agentrt.config import StateCacheConfig
+
+    opts = dict(device="cuda", dtype="float32")
+    off = Runtime.open("tiny", cache="off", **opts)
+    cfg = StateCacheConfig(state_dir=tmp_path / "state", min_distance=0)
+    sem = Runtime.open("tiny", cache="semantic", state_cache=cfg, **opts)
+    sources = set()
+    for tag in ("g", "h"):
+        for msgs in agent_requests(tag, output_len=2000):
+            want = off.chat(msgs, tools=TOOLS, max_tokens=8)
+            got = sem.chat(msgs, tools=TOOLS, max_tokens=8)
+            assert got.token_ids == want.token_ids
+            sources.add(got.restore_source)
+    assert "device" in sources and "ram+live_kv" in sources, sources
+    sem.close()
