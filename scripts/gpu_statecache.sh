@@ -5,7 +5,7 @@
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"; lscpu | grep "Model name" >> "$OUT/gpu.txt"
-python3 -m pytest -q -rs tests/test_gpu.py -k "state_cache or graph" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+python3 -m pytest -q -rs tests/test_gpu.py -k "state_cache or graph or semantic" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
   --lengths 8192,32768,65536 --state-dir /tmp/bench-state --json "$OUT/statecache.json" > "$OUT/statecache.log" 2>&1
 tail -5 "$OUT/statecache.log"
