@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from agentrt.config import EngineConfig, OffloadConfig, home_dir, parse_bytes
+from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
-from agentrt.engine.placement import install
+from agentrt.engine.placement import install, profile_for
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
-from agentrt.offload.calibrate import Profile, calibrate, load_profile, profile_path, save_profile
+from agentrt.offload.calibrate import Profile
 from agentrt.offload.store import ExpertStore
 
 WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
@@ -101,7 +101,7 @@ def offload_decode(
     )
     model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
     ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens, text, tokenizer_dir)
-    profile = _profile(store, torch.device(device))
+    profile = profile_for(store, torch.device(device))
     budget_bytes = parse_bytes(budget) if budget else None
     results = []
     for setting in runs:
@@ -143,15 +143,6 @@ def offload_decode(
     }
     print(summary_table(results), file=sys.stderr)
     return report
-
-
-def _profile(store: ExpertStore, device: torch.device) -> Profile:
-    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes)
-    profile = load_profile(path)
-    if profile is None:
-        profile = calibrate(store, device)
-        save_profile(profile, path)
-    return profile
 
 
 def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs) -> dict:

@@ -13,7 +13,13 @@ from agentrt.config import OffloadConfig, home_dir
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.layers import CausalLM
 from agentrt.offload.cache import ExpertCache
-from agentrt.offload.calibrate import calibrate, load_profile, profile_path, save_profile
+from agentrt.offload.calibrate import (
+    Profile,
+    calibrate,
+    load_profile,
+    profile_path,
+    save_profile,
+)
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.store import ExpertStore
@@ -52,12 +58,9 @@ def slots_for_budget(model: CausalLM, store: ExpertStore, config: OffloadConfig)
     return int(slots)
 
 
-def bandwidths(
-    store: ExpertStore, device: torch.device, config: OffloadConfig, recalibrate: bool
-) -> Bandwidths:
-    """Configured overrides, else the saved profile, else a few seconds of measurement."""
-    if config.copy_bandwidth and config.cpu_bandwidth:
-        return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
+def profile_for(store: ExpertStore, device: torch.device, recalibrate: bool = False) -> Profile:
+    """The saved calibration profile for this GPU / CPU / expert shape, else a few seconds of
+    measurement (saved for the next start)."""
     path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes)
     profile = None if recalibrate else load_profile(path)
     if profile is None:
@@ -66,6 +69,16 @@ def bandwidths(
         )
         profile = calibrate(store, device)
         save_profile(profile, path)
+    return profile
+
+
+def bandwidths(
+    store: ExpertStore, device: torch.device, config: OffloadConfig, recalibrate: bool
+) -> Bandwidths:
+    """Configured overrides, else the saved profile, else a few seconds of measurement."""
+    if config.copy_bandwidth and config.cpu_bandwidth:
+        return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
+    profile = profile_for(store, device, recalibrate)
     return Bandwidths(
         config.copy_bandwidth or profile.copy_overlapped,
         config.cpu_bandwidth or profile.cpu_overlapped,

@@ -57,9 +57,14 @@ class NoReuse:
 class PrefixReuse(NoReuse):
     mode = "prefix"
 
-    def live_length(self, state: SequenceState, prompt: Sequence[int]) -> int:
-        """How much of the live state can serve `prompt` (at least one token is left to prefill)."""
-        common = min(common_prefix(state.token_ids, prompt), len(prompt) - 1)
+    def live_length(
+        self, state: SequenceState, prompt: Sequence[int], common: int | None = None
+    ) -> int:
+        """How much of the live state can serve `prompt` (at least one token is left to prefill);
+        `common`: the common prefix of the two, when the caller has it already."""
+        if common is None:
+            common = common_prefix(state.token_ids, prompt)
+        common = min(common, len(prompt) - 1)
         if common == state.num_tokens or not state.linear_caches():
             return max(common, 0)
         return 0  # hybrid state that is not an exact prefix cannot be cut back
@@ -81,8 +86,8 @@ class SemanticReuse(PrefixReuse):
         self.cache = cache
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
-        live = self.live_length(state, prompt)
         kv_valid = common_prefix(state.token_ids, prompt)  # KV there can be kept (cut back)
+        live = self.live_length(state, prompt, kv_valid)
         # device tier: boundaries captured in the live sequence's last prefill are still in
         # device memory; cutting back to one costs a copy of the linear state, nothing more
         on_device = max(

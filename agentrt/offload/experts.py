@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,6 @@ class Bandwidths:
 
 @dataclass
 class Totals:
-    steps: int = 0
     copied: int = 0
     cpu: int = 0
     streamed: int = 0
@@ -116,7 +116,6 @@ class OffloadedExperts:
         self._run_slots(layer, x, pairs, plan_gpu, top_k, out)
         self._run_streamed(layer, x, pairs, streamed, top_k, out)
         self._finish_cpu(cpu_job, out)
-        self.totals.steps += 1
         return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
     @staticmethod
@@ -161,7 +160,7 @@ class OffloadedExperts:
         timed = stream is not None and bool(experts)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             start = _event() if timed else None
             for expert in experts:
                 slot = self.cache.admit(layer, expert, exclude)
@@ -302,7 +301,6 @@ class OffloadedExperts:
         else:
             gpu, cpu, _ = self._plan_decode(layer, pairs)
         self.totals.cpu += len(cpu)
-        self.totals.steps += 1
         on_gpu = set(gpu)
         for j, expert in enumerate(ids):
             hit = expert in on_gpu
@@ -362,14 +360,6 @@ class _LayerIO:
         self.slot_d = torch.zeros(top_k, dtype=torch.long, device=device)
         self.gw_d = torch.zeros(top_k, dtype=torch.float32, device=device)
         self.cpu_d = torch.zeros(hidden, dtype=torch.float32, device=device)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _done(value) -> Future:
