@@ -147,7 +147,9 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     from agentrt.config import OffloadConfig
 
     ids = list(range(10, 200))
-    opts = dict(device="cuda", dtype="float32", cache="off")
+    # torch's linear attention on both sides: layers on the CPU run it, and fla's Triton kernels
+    # compute fp32 products in tf32 (differences of ~0.1 in logits after two layers)
+    opts = dict(device="cuda", dtype="float32", cache="off", linear_attn="torch")
     resident = Runtime.open("tiny", eager=True, **opts)
     want = resident.engine.prefill(resident.engine.new_state(), ids, all_logits=True)
     config = OffloadConfig(copy_bandwidth=1.0, cpu_bandwidth=1.0, **OFFLOAD_GPU[name])
@@ -179,7 +181,9 @@ def test_semantic_reuse_on_cuda_is_transparent(tmp_path):
     from agentrt import Runtime
     from agentrt.config import StateCacheConfig
 
-    opts = dict(device="cuda", dtype="float32")
+    # torch's linear attention: fla's Triton kernels compute fp32 products in tf32, so chunking
+    # a prefill differently changes logits by ~1e-3 and flips near-tied greedy choices
+    opts = dict(device="cuda", dtype="float32", linear_attn="torch")
     off = Runtime.open("tiny", cache="off", **opts)
     cfg = StateCacheConfig(state_dir=tmp_path / "state", min_distance=0)
     sem = Runtime.open("tiny", cache="semantic", state_cache=cfg, **opts)
@@ -188,7 +192,7 @@ def test_semantic_reuse_on_cuda_is_transparent(tmp_path):
         for msgs in agent_requests(tag, output_len=2000):
             want = off.chat(msgs, tools=TOOLS, max_tokens=8)
             got = sem.chat(msgs, tools=TOOLS, max_tokens=8)
-            assert got.token_ids == want.token_ids
+            assert got.token_ids == want.token_ids, (tag, len(msgs), got.restore_source)
             sources.add(got.restore_source)
     assert "device" in sources and "ram+live_kv" in sources, sources
     sem.close()

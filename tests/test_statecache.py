@@ -493,3 +493,49 @@ def test_pinned_ring_hands_out_regions_first_in_first_out(monkeypatch):
     monkeypatch.setattr(PinnedRing, "_shared", {})
     assert PinnedRing.shared(2048) is PinnedRing.shared(2048)
     assert PinnedRing.shared(2048) is not PinnedRing.shared(4096)
+
+
+def test_reads_do_not_wait_for_a_write_in_progress(tmp_path):
+    """A request's lookups run beside the background writer's (long) transaction; a map resize
+    waits until no transaction of this process is open."""
+    import threading
+
+    store = Store(tmp_path / "s", 2**30)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_write(txn):
+        txn.put(b"k", b"v", db=store.meta)
+        inside.set()
+        release.wait(10)
+
+    writer = threading.Thread(target=lambda: store._txn(slow_write, write=True))
+    writer.start()
+    assert inside.wait(10)
+    t0 = time.perf_counter()
+    assert not store.has_record(b"absent")  # would block until the write commits if serialised
+    assert time.perf_counter() - t0 < 5
+    resized = threading.Event()
+    grower = threading.Thread(target=lambda: (store._grow(), resized.set()))
+    grower.start()
+    assert not resized.wait(0.3)  # the open write transaction holds the resize off
+    release.set()
+    writer.join(10)
+    assert resized.wait(10)
+    grower.join(10)
+    with store.shared.lock.shared(), store.shared.lock.shared():  # re-entrant per thread
+        with pytest.raises(RuntimeError):
+            with store.shared.lock.alone():
+                pass
+    store.close()
+
+
+def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
+    out = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "agentrt.cli", "bench", "statecache", "--model", "tiny"]
+    cmd += ["--lengths", "600", "--state-dir", str(tmp_path / "st"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["repeats"] == 3 and run["restore_sources"] == ["ram", "lmdb"]
+    assert run["kv_chunk_bytes"] > 0 and run["writer_mib_s"] > 0
+    assert run["restored_vs_recomputed_max_abs_diff"] < 1e-4  # fp32 on the CPU

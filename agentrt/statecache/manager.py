@@ -150,7 +150,9 @@ class StateCache:
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # chunk keys present in LMDB
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
+        # checkpoints to write, and keys of records to touch (hit counts: a write transaction,
+        # so it happens on the writer thread, never in a request)
+        self._queue: queue.Queue[_Job | bytes | None] = queue.Queue(maxsize=config.queue_size)
         # restores read and decompress chunks in parallel: one thread per core, up to 16
         restore_threads = max(config.workers, min(16, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(
@@ -274,12 +276,15 @@ class StateCache:
             try:
                 if job is None:
                     return
-                self._write(job)
+                if isinstance(job, bytes):
+                    self.store.touch(job)
+                else:
+                    self._write(job)
             except Exception as exc:  # noqa: BLE001 - the writer must survive any single failure
                 self.stats["write_errors"] += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
             finally:
-                if job is not None:
+                if isinstance(job, _Job):
                     with self._lock:
                         self._pending.difference_update(job.new_chunks)
                 self._queue.task_done()
@@ -444,8 +449,15 @@ class StateCache:
             self.stats["payload_missing"] += 1
             return None
         if record is not None:
-            self.store.touch(key)
+            self._touch(key)
         return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
+
+    def _touch(self, key: bytes) -> None:
+        """Count a hit on the writer thread (a full queue drops the count, never blocks)."""
+        try:
+            self._queue.put_nowait(key)
+        except queue.Full:
+            self.stats["touch_dropped"] += 1
 
     def _valid(self, record: Record, pos: int) -> bool:
         return (

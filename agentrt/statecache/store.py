@@ -32,9 +32,60 @@ def _u64(value: bytes | None) -> int:
     return _U64.unpack(value)[0] if value else 0
 
 
+class _ResizeLock:
+    """Transactions share it; a map resize (`set_mapsize`, which LMDB forbids while this process
+    has a transaction open) takes it alone. So a request's reads never queue behind the
+    background writer's commit (LMDB itself lets readers run beside the one writer), and a
+    waiting resize goes first (new transactions wait for it). Shared holds are re-entrant per
+    thread; a thread that holds it shared must not ask for it alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0  # shared holds
+        self._resizing = False
+        self._waiting = 0  # resizes waiting
+        self._mine = threading.local()
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        depth = getattr(self._mine, "depth", 0)
+        if depth == 0:
+            with self._cond:
+                while self._resizing or self._waiting:
+                    self._cond.wait()
+                self._active += 1
+        self._mine.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._mine.depth = depth
+            if depth == 0:
+                with self._cond:
+                    self._active -= 1
+                    if self._active == 0:
+                        self._cond.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        if getattr(self._mine, "depth", 0):
+            raise RuntimeError("state cache: a map resize inside a transaction of the same thread")
+        with self._cond:
+            self._waiting += 1
+            while self._resizing or self._active:
+                self._cond.wait()
+            self._waiting -= 1
+            self._resizing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
 class _SharedEnv:
     """One LMDB environment per directory per process (LMDB allows no second one), shared by
-    every `Store` on that directory; `lock` serialises transactions and map resizes."""
+    every `Store` on that directory; `lock` keeps map resizes away from open transactions."""
 
     opened: dict[str, _SharedEnv] = {}
     registry_lock = threading.Lock()
@@ -46,7 +97,7 @@ class _SharedEnv:
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=8, max_readers=512, subdir=True, writemap=True
         )
-        self.lock = threading.RLock()
+        self.lock = _ResizeLock()
         self.users = 0
 
     @classmethod
@@ -97,10 +148,10 @@ class Store:
         """Run `fn` in a transaction; adopt map growth by other processes, grow when full."""
         for _ in range(64):
             try:
-                with self.shared.lock, self.env.begin(write=write) as txn:
+                with self.shared.lock.shared(), self.env.begin(write=write) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                with self.shared.lock:
+                with self.shared.lock.alone():
                     self.env.set_mapsize(0)
             except lmdb.MapFullError:
                 if not self._grow():
@@ -108,7 +159,7 @@ class Store:
         raise RuntimeError("state cache: could not complete an LMDB transaction")
 
     def _grow(self) -> bool:
-        with self.shared.lock:
+        with self.shared.lock.alone():
             current = self.env.info()["map_size"]
             if current >= self.map_limit:
                 return False
@@ -140,9 +191,9 @@ class Store:
 
     @contextmanager
     def parallel_reads(self) -> Iterator[None]:
-        """Hold the environment lock, so no map resize happens in this process, while worker
-        threads read chunks with `read_chunk`."""
-        with self.shared.lock:
+        """Hold the environment lock shared, so no map resize happens in this process, while
+        worker threads read chunks with `read_chunk` (they rely on this hold: they take none)."""
+        with self.shared.lock.shared():
             yield
 
     def read_chunk(
@@ -201,7 +252,7 @@ class Store:
     def _make_room(self, size: int) -> None:
         """Grow the map ahead of a write of `size` bytes (plus B-tree overhead), so that a large
         checkpoint is written once, not retried after every doubling that turned out too small."""
-        with self.shared.lock:
+        with self.shared.lock.alone():
             info, page = self.env.info(), self.env.stat()["psize"]
             needed = (info["last_pgno"] + 1) * page + int(size * 1.25) + _MIN_MAP
             if needed > info["map_size"] and info["map_size"] < self.map_limit:
