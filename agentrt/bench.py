@@ -332,7 +332,7 @@ def _statecache_run(
         write_s += cache.stats["write_seconds"] - seconds0
         write_raw += cache.stats["raw_bytes_written"] - raw0
     record = cache.store.get_record(_key(cache, ids, target))
-    t_many = []
+    t_many, dropped0 = [], _dropped(cache)
     for v in variants[reps:]:
         t_many.append(capture(v, many + [target]))
         cache.flush()
@@ -354,6 +354,7 @@ def _statecache_run(
         "captures_many": len(many) + 1,
         "prefill_capture_many_s": t_many_s,
         "capture_overhead_many": t_many_s / t_plain - 1,
+        "dropped_many": _dropped(cache) - dropped0,  # writer behind: staging or queue full
         "writer_flush_s": t_write,
         "writer_busy_s": write_s,
         "writer_mib_s": write_raw / 2**20 / write_s if write_s > 0 else None,
@@ -369,6 +370,10 @@ def _statecache_run(
         "restored_vs_one_pass_max_abs_diff": float((restored - logits).abs().max()),
         "max_abs_logit": float(logits.abs().max()),
     }
+
+
+def _dropped(cache) -> int:
+    return cache.stats["dropped_staging_full"] + cache.stats["dropped_queue_full"]
 
 
 def _other_start(ids: list[int], index: int, marker: int) -> list[int]:

@@ -539,3 +539,34 @@ def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
     assert run["repeats"] == 3 and run["restore_sources"] == ["ram", "lmdb"]
     assert run["kv_chunk_bytes"] > 0 and run["writer_mib_s"] > 0
     assert run["restored_vs_recomputed_max_abs_diff"] < 1e-4  # fp32 on the CPU
+
+
+def test_full_staging_ring_drops_checkpoints_instead_of_stalling(tmp_path, monkeypatch):
+    """A pinned ring held by queued jobs means the writer is behind: a checkpoint that could fit
+    is dropped and counted (no synchronous copy in the request); one larger than the whole ring
+    is copied into ordinary memory and written."""
+    import torch
+
+    from agentrt.statecache.staging import PinnedRing
+
+    def plain(self):
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        self.ready.set()
+
+    monkeypatch.setattr(PinnedRing, "_allocate", plain)
+    sem = _semantic("tiny", tmp_path / "state")
+    cache = sem.reuse.cache
+    cache._ring = PinnedRing(64 * 2**20)
+    cache._ring.ready.wait()
+    held = cache._ring.alloc(cache._ring.capacity)  # all of it, as queued jobs would hold it
+    msgs = agent_requests("r", 300)[0]
+    sem.chat(msgs, tools=TOOLS, max_tokens=2)
+    cache.flush()
+    assert cache.stats["dropped_staging_full"] > 0 and cache.stats["write_written"] == 0
+    cache._ring.free(held)
+    cache._ring = PinnedRing(256)  # smaller than any checkpoint
+    cache._ring.ready.wait()
+    sem.chat(agent_requests("s", 300)[0], tools=TOOLS, max_tokens=2)
+    cache.flush()
+    assert cache.stats["write_written"] > 0
+    sem.close()

@@ -212,6 +212,9 @@ class StateCache:
         new = self._new_chunks(chunk_keys)
         lo = min((chunk_keys.index(ck) * BLOCK for ck in new), default=(pos // BLOCK) * BLOCK)
         job = self._copy_out(key, pos, kind, chunk_keys, lo, kv_caches, conv, rec)
+        if job is None:  # the writer is that far behind: drop it, as with a full queue
+            self.stats["dropped_staging_full"] += 1
+            return False
         job.new_chunks = new
         try:
             self._queue.put_nowait(job)
@@ -230,19 +233,22 @@ class StateCache:
             self._known.update(ck for ck in unsure if ck not in missing)
         return [ck for ck in unsure if ck in missing]
 
-    def _copy_out(self, key, pos, kind, chunk_keys, lo, kv_caches, conv, rec) -> _Job:
+    def _copy_out(self, key, pos, kind, chunk_keys, lo, kv_caches, conv, rec) -> _Job | None:
         """Host copies of what the job needs: into the pinned ring (asynchronous, ordered on the
-        current stream) when there is room, else into ordinary memory (synchronous)."""
+        current stream); None when the ring is full (queued jobs hold it: the writer is behind,
+        and a synchronous copy into ordinary memory would stall the request). Without a ring
+        (CPU, page-locking refused, not allocated yet) into ordinary memory."""
         with torch.inference_mode():
             sources = (
                 [t for c in kv_caches for t in (c.k[:, lo:pos], c.v[:, lo:pos])]
                 + list(conv)
                 + list(rec)
             )
-            region = self._ring.alloc(PinnedRing.span(sources)) if self._ring is not None else None
+            span = PinnedRing.span(sources)
+            region = self._ring.alloc(span) if self._ring is not None else None
             if region is None:
-                if self._ring is not None:
-                    self.stats["staging_full"] += 1
+                if self._ring is not None and self._ring.usable and span <= self._ring.capacity:
+                    return None
                 hosts = [t.to("cpu", copy=True) for t in sources]
             else:
                 hosts = self._ring.views(region, sources)

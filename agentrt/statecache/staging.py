@@ -44,6 +44,11 @@ class PinnedRing:
             self.buffer = None
         self.ready.set()
 
+    @property
+    def usable(self) -> bool:
+        """Allocated and page-locked (so a failed `alloc` means: full)."""
+        return self.ready.is_set() and self.buffer is not None
+
     def alloc(self, num_bytes: int) -> tuple[int, int] | None:
         """A free region of `num_bytes` (aligned), or None when the ring is full or not ready."""
         if not self.ready.is_set() or self.buffer is None:
