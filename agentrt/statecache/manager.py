@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from agentrt.config import ModelConfig, StateCacheConfig
@@ -556,11 +557,18 @@ class StateCache:
             self._ring.free(region)
 
     def _fill_chunk(self, staged: list[torch.Tensor], index: int, tensors) -> None:
-        """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers."""
+        """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers.
+
+        Runs on many worker threads at once: host copies go through numpy (one thread each, GIL
+        released), because a torch copy would start an OpenMP team of all cores per worker."""
         lo = index * BLOCK
         with torch.inference_mode():
             for dest, src in zip(staged, tensors, strict=True):
-                dest[:, lo : lo + BLOCK].copy_(src)
+                target = dest[:, lo : lo + BLOCK]
+                if target.device.type == "cpu" and src.device.type == "cpu":
+                    np.copyto(_bytes_view(target), _bytes_view(src))
+                else:
+                    target.copy_(src)
 
     def _load_blob(self, key: bytes, pos: int) -> list[torch.Tensor]:
         """A record's blob from LMDB (in a worker, inside `parallel_reads`), decoded."""
@@ -581,3 +589,8 @@ class StateCache:
             cache.conv.copy_(states[j])
             cache.recurrent.copy_(states[len(linear) + j])
             cache.captured.clear()
+
+
+def _bytes_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's bytes (same strides; last dimension contiguous)."""
+    return t.view(torch.uint8).numpy()
