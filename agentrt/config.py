@@ -372,6 +372,8 @@ class StateCacheConfig:
     staging_bytes: int = 2 * GIB  # pinned host ring for device->host checkpoint copies (CUDA)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.state_dir, Path):  # a str from Python callers
+            object.__setattr__(self, "state_dir", Path(self.state_dir).expanduser())
         if self.max_bytes <= 0 or self.ram_bytes < 0:
             raise InvalidArgumentError("state cache sizes must be positive")
         if self.min_distance < 0 or self.queue_size < 1 or self.workers < 1:

@@ -570,3 +570,22 @@ def test_full_staging_ring_drops_checkpoints_instead_of_stalling(tmp_path, monke
     cache.flush()
     assert cache.stats["write_written"] > 0
     sem.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")
+def test_writer_thread_runs_below_request_priority(tmp_path):
+    """The background writer (and the zstd threads it starts) yields the CPU to the thread that
+    launches kernels and to restores."""
+    sem = _semantic("tiny", tmp_path / "state")
+    cache = sem.reuse.cache
+    sem.chat(agent_requests("p", 200)[0], tools=TOOLS, max_tokens=2)
+    cache.flush()
+    me = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, cache._writer.native_id) > me or me == 19
+    sem.close()
+
+
+def test_state_dir_may_be_given_as_a_string(tmp_path):
+    config = StateCacheConfig(state_dir=str(tmp_path / "s"))
+    assert config.state_dir == tmp_path / "s"
+    Store(config.state_dir, config.max_bytes).close()

@@ -36,6 +36,7 @@ from agentrt.statecache.codec import (
     Record,
     blob_tensors,
     chunk_tensors,
+    numpy_view,
     pack_tensors,
     unpack,
 )
@@ -278,6 +279,7 @@ class StateCache:
     # ------------------------------------------------------------------ writer thread
 
     def _write_loop(self) -> None:
+        _lower_priority()  # requests (prefill launches, restores) come first
         while True:
             job = self._queue.get()
             try:
@@ -308,8 +310,9 @@ class StateCache:
         t0 = time.perf_counter()
         try:
             if job.region is not None:  # keep staged data only as long as needed
-                job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
-                job.conv, job.rec = [c.clone() for c in job.conv], [r.clone() for r in job.rec]
+                job.kv = [(_host_copy(k), _host_copy(v)) for k, v in job.kv]
+                job.conv = [_host_copy(c) for c in job.conv]
+                job.rec = [_host_copy(r) for r in job.rec]
         finally:
             if job.region is not None:
                 self._ring.free(job.region)
@@ -566,7 +569,7 @@ class StateCache:
             for dest, src in zip(staged, tensors, strict=True):
                 target = dest[:, lo : lo + BLOCK]
                 if target.device.type == "cpu" and src.device.type == "cpu":
-                    np.copyto(_bytes_view(target), _bytes_view(src))
+                    np.copyto(numpy_view(target), numpy_view(src))
                 else:
                     target.copy_(src)
 
@@ -591,6 +594,18 @@ class StateCache:
             cache.captured.clear()
 
 
-def _bytes_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's bytes (same strides; last dimension contiguous)."""
-    return t.view(torch.uint8).numpy()
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU tensor made by numpy (see `codec.host_bytes`)."""
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    np.copyto(numpy_view(out), numpy_view(t))
+    return out
+
+
+def _lower_priority(step: int = 10) -> None:
+    """Lower the calling thread's scheduling priority (Linux: threads are tasks with their own
+    nice value, inherited by threads they start, such as zstd's compression workers)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
