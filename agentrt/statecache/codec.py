@@ -14,7 +14,6 @@ import zlib
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 import torch
 import zstandard
 
@@ -92,7 +91,7 @@ def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1, threads: int =
     """Frame the tensors' bytes laid end to end, compressed straight from tensor memory (no
     joined copy of the raw bytes: the writer thread holds the GIL for less); `threads` > 0
     compresses on that many zstd worker threads."""
-    views = [memoryview(host_bytes(t).reshape(-1)) for t in tensors]
+    views = [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors]
     raw_len = sum(v.nbytes for v in views)
     cobj = _compressor(level, threads).compressobj(size=raw_len)
     parts = [cobj.compress(v) for v in views]
@@ -101,23 +100,6 @@ def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1, threads: int =
     for part in parts:
         crc = zlib.crc32(part, crc)
     return b"".join([_HEAD.pack(MAGIC, crc, raw_len), *parts])
-
-
-def host_bytes(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a C-contiguous numpy array: a view when the tensor is contiguous,
-    else a copy made by numpy. Background threads (writer, restore workers) copy this way: one
-    thread, the GIL released; a torch copy would start an OpenMP team of every core, competing
-    with the thread that launches the model's kernels."""
-    return np.ascontiguousarray(numpy_view(t)).view(np.uint8)
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's elements as integers of the same size (any strides; numpy
-    has no bfloat16)."""
-    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
 def unpack(value: bytes | memoryview) -> bytearray:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from agentrt.config import ModelConfig, StateCacheConfig
@@ -36,7 +35,6 @@ from agentrt.statecache.codec import (
     Record,
     blob_tensors,
     chunk_tensors,
-    numpy_view,
     pack_tensors,
     unpack,
 )
@@ -310,9 +308,8 @@ class StateCache:
         t0 = time.perf_counter()
         try:
             if job.region is not None:  # keep staged data only as long as needed
-                job.kv = [(_host_copy(k), _host_copy(v)) for k, v in job.kv]
-                job.conv = [_host_copy(c) for c in job.conv]
-                job.rec = [_host_copy(r) for r in job.rec]
+                job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
+                job.conv, job.rec = [c.clone() for c in job.conv], [r.clone() for r in job.rec]
         finally:
             if job.region is not None:
                 self._ring.free(job.region)
@@ -560,18 +557,11 @@ class StateCache:
             self._ring.free(region)
 
     def _fill_chunk(self, staged: list[torch.Tensor], index: int, tensors) -> None:
-        """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers.
-
-        Runs on many worker threads at once: host copies go through numpy (one thread each, GIL
-        released), because a torch copy would start an OpenMP team of all cores per worker."""
+        """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers."""
         lo = index * BLOCK
         with torch.inference_mode():
             for dest, src in zip(staged, tensors, strict=True):
-                target = dest[:, lo : lo + BLOCK]
-                if target.device.type == "cpu" and src.device.type == "cpu":
-                    np.copyto(numpy_view(target), numpy_view(src))
-                else:
-                    target.copy_(src)
+                dest[:, lo : lo + BLOCK].copy_(src)
 
     def _load_blob(self, key: bytes, pos: int) -> list[torch.Tensor]:
         """A record's blob from LMDB (in a worker, inside `parallel_reads`), decoded."""
@@ -594,16 +584,10 @@ class StateCache:
             cache.captured.clear()
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a CPU tensor made by numpy (see `codec.host_bytes`)."""
-    out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    np.copyto(numpy_view(out), numpy_view(t))
-    return out
-
-
 def _lower_priority(step: int = 10) -> None:
     """Lower the calling thread's scheduling priority (Linux: threads are tasks with their own
-    nice value, inherited by threads they start, such as zstd's compression workers)."""
+    nice value, inherited by threads they start: zstd's compression workers, the OpenMP team of
+    its tensor copies), so that they yield cores to the thread launching the model's kernels."""
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
