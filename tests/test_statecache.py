@@ -589,3 +589,23 @@ def test_state_dir_may_be_given_as_a_string(tmp_path):
     config = StateCacheConfig(state_dir=str(tmp_path / "s"))
     assert config.state_dir == tmp_path / "s"
     Store(config.state_dir, config.max_bytes).close()
+
+
+def test_payload_checks_cover_the_frame_header_and_the_data():
+    """Reads verify zstd's content checksum; a header that no longer declares it, or declares
+    another size, is rejected too (so no flipped bit can switch the check off)."""
+    import torch
+
+    from agentrt.statecache.codec import _HEAD, CorruptPayload, pack_tensors, unpack
+
+    t = torch.arange(4096, dtype=torch.float32)
+    payload = pack_tensors([t], 1, 0)
+    assert bytes(unpack(payload)) == t.numpy().tobytes()
+    descriptor = _HEAD.size + 4  # zstd magic, then the frame header descriptor
+    for position, bit in [(descriptor, 0x04), (descriptor, 0x80), (len(payload) - 2, 0x01)]:
+        bad = bytearray(payload)
+        bad[position] ^= bit  # checksum flag, size field width, the stored checksum itself
+        with pytest.raises(CorruptPayload):
+            unpack(bytes(bad))
+    with pytest.raises(CorruptPayload):
+        unpack(payload[:-5])
