@@ -2,8 +2,12 @@
 
 Per layer and step: dedupe the routed experts; hits run from their device slots; of the m misses,
 q (chosen by the q* rule from calibrated bandwidths, most valuable first by the policy) are copied
-into victim slots on a copy stream, and the other m - q run on the CPU in a persistent worker
-thread (hidden rows to host, results back). Every (token, expert) pair's output lands in the
+into victim slots on a copy stream, and the other m - q run on the CPU (hidden rows to host,
+results back) on the calling thread while the GPU works through what was queued before. All
+CPU experts run on that one thread: every thread that runs torch's parallel CPU kernels brings
+its own OpenMP team, and once a process has more OpenMP threads than cores, libgomp lets idle
+threads spin 100 times instead of 300,000 before sleeping (GOMP_SPINCOUNT), so each kernel of
+a short burst pays for waking its team. Every (token, expert) pair's output lands in the
 same place it would in the dense path, and the weighted sum over the k experts is the same, so
 the result equals the dense computation. Large batches (prefill) stream the missing experts
 through a scratch slot instead of admitting them, so prefill does not evict the decode working
@@ -20,7 +24,6 @@ slots as one gathered batched matmul.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -81,7 +84,6 @@ class OffloadedExperts:
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrt-cpu-experts")
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, _LayerIO] = {}
@@ -112,10 +114,12 @@ class OffloadedExperts:
             self._read_copy_timing()  # `tolist` synchronised: earlier copies are done
             plan_gpu, plan_cpu, streamed = self._plan_decode(layer, pairs)
         out = torch.empty(len(flat), x.shape[1], dtype=x.dtype, device=x.device)
-        cpu_job = self._start_cpu(layer, x, pairs, plan_cpu, top_k)
-        self._run_slots(layer, x, pairs, plan_gpu, top_k, out)
+        rows, x_host = self._cpu_inputs(x, pairs, plan_cpu, top_k)
+        self._run_slots(layer, x, pairs, plan_gpu, top_k, out)  # queued on the GPU ...
         self._run_streamed(layer, x, pairs, streamed, top_k, out)
-        self._finish_cpu(cpu_job, out)
+        if plan_cpu:  # ... while this thread computes the CPU experts
+            result = self._cpu_ffn(layer, x_host, [(e, len(pairs[e])) for e in plan_cpu])
+            out[rows] = result.to(out.device, out.dtype)
         return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
     @staticmethod
@@ -229,18 +233,14 @@ class OffloadedExperts:
         down = weights[2 * inter * hidden :].view(hidden, inter)
         out[rows] = expert_ffn(x[idx], gate_up, down)
 
-    def _start_cpu(self, layer, x, pairs, experts, top_k) -> tuple[Future | None, list[int]] | None:
+    def _cpu_inputs(self, x, pairs, experts, top_k) -> tuple[list[int], torch.Tensor | None]:
+        """The rows the CPU experts compute, and their hidden states on the host."""
         if not experts:
-            return None
+            return [], None
         rows = [r for e in experts for r in pairs[e]]
-        x_host = x[torch.tensor([r // top_k for r in rows], device=x.device)].to(
-            "cpu", self.store.dtype
-        )
-        segments = [(e, len(pairs[e])) for e in experts]
+        index = torch.tensor([r // top_k for r in rows], device=x.device)
         self.totals.cpu += len(experts)
-        if not self.on_cuda or x.device.type == "cpu":  # nothing on a GPU to overlap with
-            return _done(self._cpu_ffn(layer, x_host, segments)), rows
-        return self.worker.submit(self._cpu_ffn, layer, x_host, segments), rows
+        return rows, x[index].to("cpu", self.store.dtype)
 
     def _cpu_ffn(
         self, layer: int, x_host: torch.Tensor, segments: list[tuple[int, int]]
@@ -257,13 +257,6 @@ class OffloadedExperts:
                 begin = end
         self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
         return out
-
-    def _finish_cpu(self, job, out: torch.Tensor) -> None:
-        if job is None:
-            return
-        future, rows = job
-        result = future.result()
-        out[rows] = result.to(out.device, out.dtype, non_blocking=False)
 
     # ------------------------------------------------------------------ captured decode
 
@@ -336,7 +329,7 @@ class OffloadedExperts:
             self.bw.observe("copy", num_bytes, seconds)
 
     def close(self) -> None:
-        self.worker.shutdown(wait=True)
+        """Nothing to release (kept for callers that close what they open)."""
 
 
 def _event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
@@ -360,9 +353,3 @@ class _LayerIO:
         self.slot_d = torch.zeros(top_k, dtype=torch.long, device=device)
         self.gw_d = torch.zeros(top_k, dtype=torch.float32, device=device)
         self.cpu_d = torch.zeros(hidden, dtype=torch.float32, device=device)
-
-
-def _done(value) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.config import ModelConfig, StateCacheConfig
+from agentrt.cputhreads import single_threaded
 from agentrt.models.cache import KVCache, LinearCache
 from agentrt.statecache.boundaries import Boundaries
 from agentrt.statecache.codec import (
@@ -156,7 +157,9 @@ class StateCache:
         # restores read and decompress chunks in parallel: one thread per core, up to 16
         restore_threads = max(config.workers, min(16, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(
-            max_workers=restore_threads, thread_name_prefix="agentrt-restore"
+            max_workers=restore_threads,
+            thread_name_prefix="agentrt-restore",
+            initializer=single_threaded,  # one thread per worker, no OpenMP team each
         )
         self._ring = PinnedRing.shared(config.staging_bytes) if device.type == "cuda" else None
         self._writer = threading.Thread(target=self._write_loop, name="agentrt-writer", daemon=True)
@@ -278,6 +281,7 @@ class StateCache:
 
     def _write_loop(self) -> None:
         _lower_priority()  # requests (prefill launches, restores) come first
+        single_threaded()  # its copies need no OpenMP team (see agentrt.cputhreads)
         while True:
             job = self._queue.get()
             try:

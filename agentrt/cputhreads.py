@@ -1,0 +1,49 @@
+"""Keeps torch's CPU parallelism to one OpenMP team per process: helper threads (the state-cache
+writer and restore workers) run their tensor copies on themselves alone.
+
+Every thread that runs a parallel torch CPU kernel gets an OpenMP team of its own, of
+`torch.get_num_threads()` threads, for the rest of its life. Sixteen restore workers would bring
+sixteen teams (256 threads on 16 cores) that thrash while restoring; and in a process with more
+OpenMP threads than cores libgomp lets idle threads spin 100 times instead of 300,000 before
+sleeping (GOMP_SPINCOUNT), so the engine thread's own short bursts of CPU work (CPU experts in
+offloaded decode) pay for waking their team at every kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Callable
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """`omp_set_num_threads` of the OpenMP runtime torch loaded (libgomp or Intel's), if any."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "/lib" in line]
+    except OSError:
+        return None
+    for path in paths:
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith(("libgomp", "libiomp5")):
+            try:
+                return ctypes.CDLL(path).omp_set_num_threads
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+def single_threaded() -> None:
+    """Make torch's CPU kernels called from this thread run on it alone. Changes only this
+    thread's OpenMP setting (`torch.set_num_threads` would also change the default every new
+    thread starts from); a no-op where the OpenMP runtime cannot be found."""
+    import torch
+
+    torch.get_num_threads()  # torch's per-thread lazy setup first: it would overwrite ours
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        set_threads(1)
