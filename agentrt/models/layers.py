@@ -62,18 +62,31 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, partial: float, theta: float) -> None:
         super().__init__()
         self.rotary_dim = int(head_dim * partial)
+        self.theta = theta
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
+
+    # the last (key, cos, sin) computed for an int start: every attention layer of a forward
+    # asks for the same positions, so the later ones launch no kernels for it
+    _last: tuple | None = None
 
     def cos_sin(
         self, start: Position, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(start, torch.Tensor):  # static decode: position held in a device tensor
             pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
-        else:
-            pos = torch.arange(
-                start, start + length, device=self.inv_freq.device, dtype=torch.float
-            )
+            return self._cos_sin(pos, dtype)
+        inv = self.inv_freq
+        key = (start, length, dtype, inv.device, self.rotary_dim, self.theta)
+        last = Rotary._last
+        if last is not None and last[0] == key:
+            return last[1], last[2]
+        pos = torch.arange(start, start + length, device=inv.device, dtype=torch.float)
+        cos, sin = self._cos_sin(pos, dtype)
+        Rotary._last = (key, cos, sin)
+        return cos, sin
+
+    def _cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
