@@ -590,8 +590,8 @@ class StateCache:
 
 def _lower_priority(step: int = 10) -> None:
     """Lower the calling thread's scheduling priority (Linux: threads are tasks with their own
-    nice value, inherited by threads they start: zstd's compression workers, the OpenMP team of
-    its tensor copies), so that they yield cores to the thread launching the model's kernels."""
+    nice value, inherited by threads they start, such as zstd's compression workers), so that
+    they yield cores to the thread launching the model's kernels."""
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
