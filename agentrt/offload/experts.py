@@ -3,11 +3,10 @@
 Per layer and step: dedupe the routed experts; hits run from their device slots; of the m misses,
 q (chosen by the q* rule from calibrated bandwidths, most valuable first by the policy) are copied
 into victim slots on a copy stream, and the other m - q run on the CPU (hidden rows to host,
-results back) on the calling thread while the GPU works through what was queued before. All
-CPU experts run on that one thread: every thread that runs torch's parallel CPU kernels brings
-its own OpenMP team, and once a process has more OpenMP threads than cores, libgomp lets idle
-threads spin 100 times instead of 300,000 before sleeping (GOMP_SPINCOUNT), so each kernel of
-a short burst pays for waking its team. Every (token, expert) pair's output lands in the
+results back) on the calling thread, with torch's intra-op thread pool, while the GPU works
+through what was queued before; every CPU expert of the process runs on that one thread (a
+second thread would bring a second OpenMP team to compete for the same cores). Every (token,
+expert) pair's output lands in the
 same place it would in the dense path, and the weighted sum over the k experts is the same, so
 the result equals the dense computation. Large batches (prefill) stream the missing experts
 through a scratch slot instead of admitting them, so prefill does not evict the decode working
