@@ -207,12 +207,14 @@ def _free(device: str) -> None:
 
 def _counters(experts) -> dict[str, int]:
     names = ("hits", "misses", "copied", "cpu", "bytes", "copy_s", "copy_b", "cpu_s", "cpu_b")
+    names += ("host_n", "host_s", "plan_s")
     if experts is None:
         return dict.fromkeys(names, 0)
     stats, t = experts.cache.stats.values(), experts.totals
     values = (sum(s.hits for s in stats), sum(s.misses for s in stats), t.copied, t.cpu)
     values += (t.bytes_copied, t.copy_seconds, t.copy_timed_bytes, t.cpu_seconds)
-    return dict(zip(names, values + (t.cpu_timed_bytes,), strict=True))
+    values += (t.cpu_timed_bytes, t.host_steps, t.host_seconds, t.plan_seconds)
+    return dict(zip(names, values, strict=True))
 
 
 def _per_token(
@@ -232,6 +234,12 @@ def _per_token(
         # bandwidths as decode saw them (copies: CUDA events; CPU experts: wall time)
         "measured_copy_gb_s": d["copy_b"] / d["copy_s"] / 1e9 if d["copy_s"] else None,
         "measured_cpu_gb_s": d["cpu_b"] / d["cpu_s"] / 1e9 if d["cpu_s"] else None,
+        # graph decode's host steps (between pieces): all of them, planning + issuing copies,
+        # CPU experts; the rest of a token's time is the GPU pieces and waiting for them
+        "host_steps_per_token": d["host_n"] / tokens,
+        "host_ms_per_token": 1e3 * d["host_s"] / tokens,
+        "host_plan_ms_per_token": 1e3 * d["plan_s"] / tokens,
+        "host_cpu_experts_ms_per_token": 1e3 * d["cpu_s"] / tokens,
     }
 
 

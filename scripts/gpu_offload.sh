@@ -15,3 +15,10 @@ python3 -m agentrt.cli bench decode --model $M --device cuda --vram-budget 16GiB
   --tokenizer .tok/qwen3 --prompt-len 256 --tokens 48 --json "$OUT/decode_offload.json" \
   > "$OUT/decode_offload.log" 2>&1
 grep -v '^ \|^{\|^}' "$OUT/decode_offload.log" | tail -20
+# the split again with idle OpenMP threads spinning instead of sleeping (diagnosis of the CPU
+# side's speed inside decode: host_*_ms_per_token in the JSON split a token's host time)
+OMP_WAIT_POLICY=ACTIVE timeout 240 python3 -m agentrt.cli bench decode --model $M --device cuda \
+  --vram-budget 16GiB --offload auto --split on,off --expert-policy lru --tokenizer .tok/qwen3 \
+  --prompt-len 256 --tokens 48 --json "$OUT/decode_offload_active.json" \
+  > "$OUT/decode_offload_active.log" 2>&1
+grep -v '^ \|^{\|^}' "$OUT/decode_offload_active.log" | tail -6

@@ -233,6 +233,8 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     assert 0 <= split["hit_rate"] < 1 and split["bound_tok_s"] > 0
     assert split["pcie_bytes_per_token"] == split["copied_per_token"] * report["expert_bytes"]
     assert static["cpu_layers"] and static["hit_rate"] < 1
+    assert split["host_steps_per_token"] == 0  # no CUDA graph on the CPU: no host steps
+    assert split["host_cpu_experts_ms_per_token"] > 0  # CPU experts are timed either way
     assert "auto/split/lru_vs_static" in report["ratios"]
     assert "auto/split/lru_vs_copy-only" in report["ratios"]
     assert "setting" in result.stderr  # the summary table

@@ -66,6 +66,9 @@ class Totals:
     copy_timed_bytes: int = 0
     cpu_seconds: float = 0.0  # wall time of decode-step CPU expert work
     cpu_timed_bytes: int = 0
+    host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
+    host_seconds: float = 0.0  # their wall time, all of it
+    plan_seconds: float = 0.0  # of which planning and issuing the copies
 
 
 class OffloadedExperts:
@@ -285,6 +288,7 @@ class OffloadedExperts:
 
     def _host_step(self, layer: int, io: _LayerIO) -> None:
         """Between graph pieces: plan, copy, compute CPU experts, fill the next piece's inputs."""
+        t_begin = time.perf_counter()
         self._read_copy_timing()  # the stream was synchronised: the last copies are done
         ids, w = io.ids_h.tolist(), io.w_h.tolist()
         pairs = {expert: [row] for row, expert in enumerate(ids)}
@@ -292,6 +296,7 @@ class OffloadedExperts:
             gpu, cpu = [], ids
         else:
             gpu, cpu, _ = self._plan_decode(layer, pairs)
+        self.totals.plan_seconds += time.perf_counter() - t_begin
         self.totals.cpu += len(cpu)
         on_gpu = set(gpu)
         for j, expert in enumerate(ids):
@@ -309,6 +314,8 @@ class OffloadedExperts:
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
         if self.copy_stream is not None:  # the next piece reads slots the copies fill
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.totals.host_steps += 1
+        self.totals.host_seconds += time.perf_counter() - t_begin
 
     def _observe_cpu(self, num_bytes: int, seconds: float) -> None:
         self.totals.cpu_seconds += seconds
