@@ -84,6 +84,11 @@ class _Job:
     new_chunks: list[bytes] = field(default_factory=list)
 
 
+# longest a restore waits for the writer to store a checkpoint an earlier request queued (past
+# that the request recomputes instead: a writer that far behind must not stall requests)
+PENDING_WAIT_S = 1.0
+
+
 class _RamTier:
     """LRU of decoded payloads (chunks and blobs), bounded by bytes, shared by threads."""
 
@@ -151,6 +156,8 @@ class StateCache:
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # chunk keys present in LMDB
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
+        self._queued: Counter[bytes] = Counter()  # checkpoint keys of queued jobs
+        self._written = threading.Condition(self._lock)  # notified after each job
         # checkpoints to write, and keys of records to touch (hit counts: a write transaction,
         # so it happens on the writer thread, never in a request)
         self._queue: queue.Queue[_Job | bytes | None] = queue.Queue(maxsize=config.queue_size)
@@ -226,6 +233,7 @@ class StateCache:
             return False
         with self._lock:
             self._pending.update(new)
+            self._queued[key] += 1
         return True
 
     def _new_chunks(self, chunk_keys: list[bytes]) -> list[bytes]:
@@ -280,7 +288,6 @@ class StateCache:
     # ------------------------------------------------------------------ writer thread
 
     def _write_loop(self) -> None:
-        _lower_priority()  # requests (prefill launches, restores) come first
         single_threaded()  # its copies need no OpenMP team (see agentrt.cputhreads)
         while True:
             job = self._queue.get()
@@ -298,6 +305,10 @@ class StateCache:
                 if isinstance(job, _Job):
                     with self._lock:
                         self._pending.difference_update(job.new_chunks)
+                        self._queued[job.key] -= 1
+                        if self._queued[job.key] <= 0:
+                            del self._queued[job.key]
+                        self._written.notify_all()
                 self._queue.task_done()
 
     def _chunk_from_job(self, job: _Job, index: int) -> list[torch.Tensor] | None:
@@ -418,7 +429,9 @@ class StateCache:
         within that range only needs its snapshot (conv / recurrent state), not its KV chunks."""
         keys = PrefixKeys(self.fp, ids)
         self.dirty = False
-        for pos, kind in self.candidates(ids, min_pos):
+        candidates = self.candidates(ids, min_pos)
+        self._await_queued([keys.key(pos) for pos, _ in candidates])
+        for pos, kind in candidates:
             # once a failed candidate wrote into the caches, their KV is no longer the live one
             kv_ready = pos <= kv_valid and not self.dirty
             hit = self._restore(keys, pos, kind, kv_caches, linear, kv_ready)
@@ -462,6 +475,16 @@ class StateCache:
         if record is not None:
             self._touch(key)
         return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
+
+    def _await_queued(self, keys: list[bytes], timeout: float = PENDING_WAIT_S) -> None:
+        """Wait (up to `timeout`) until no checkpoint among `keys` is still queued for writing:
+        one captured by an earlier request must apply even when the writer has not reached it."""
+        wanted = set(keys)
+        with self._written:
+            if not wanted & self._queued.keys():
+                return
+            self.stats["waited_for_writer"] += 1
+            self._written.wait_for(lambda: not wanted & self._queued.keys(), timeout)
 
     def _touch(self, key: bytes) -> None:
         """Count a hit on the writer thread (a full queue drops the count, never blocks)."""
@@ -586,14 +609,3 @@ class StateCache:
             cache.conv.copy_(states[j])
             cache.recurrent.copy_(states[len(linear) + j])
             cache.captured.clear()
-
-
-def _lower_priority(step: int = 10) -> None:
-    """Lower the calling thread's scheduling priority (Linux: threads are tasks with their own
-    nice value, inherited by threads they start, such as zstd's compression workers), so that
-    they yield cores to the thread launching the model's kernels."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
-    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
-        pass
