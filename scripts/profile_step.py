@@ -16,7 +16,7 @@ from agentrt.models import build_empty
 from agentrt.models.synthetic import init_value, model_config, named_tensors
 
 
-def build(size: str, layers: int):
+def build(size: str, layers: int, device: str = "cuda"):
     cfg = model_config(size)
     types = (
         tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers))
@@ -24,7 +24,7 @@ def build(size: str, layers: int):
         else (FULL,) * layers
     )
     cfg = cfg.with_changes(num_layers=layers, layer_types=types)
-    model = build_empty(cfg, "cuda", torch.bfloat16)
+    model = build_empty(cfg, device, torch.bfloat16)
     with torch.inference_mode():
         for name, t in named_tensors(model):
             init_value(name, t, 0, cfg.arch == "qwen3_5_moe")

@@ -1,0 +1,112 @@
+"""Where the capture overhead of a prefill goes (CUDA): a layer-truncated synthetic model (same
+per-layer shapes as the full one), one prompt, checkpoints every EVERY tokens. Times, as medians
+of 3 (each on a prompt with its own first token, so no checkpoint is found stored):
+plain prefill; prefill with the cuts only (linear states recorded, nothing saved); prefill and
+the saves (device->host copies queued, as `bench statecache` does); then a torch profile of one
+such run. Prints JSON, then the profile table.
+
+    python scripts/profile_capture.py [tokens] [layers] [every]     (default 8192 8 2000)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_step import build  # noqa: E402
+
+from agentrt.config import EngineConfig, StateCacheConfig  # noqa: E402
+from agentrt.engine import Engine  # noqa: E402
+from agentrt.statecache import Boundaries, StateCache  # noqa: E402
+from agentrt.statecache.manager import layout_for  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script only
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    args = [int(a) for a in sys.argv[1:]] + [8192, 8, 2000][len(sys.argv) - 1 :]
+    tokens, layers, every = args[:3]
+    model = build("qwen3.5-35b-a3b", layers, DEVICE)
+    engine = Engine(model, EngineConfig(device=DEVICE, dtype="bfloat16", cuda_graphs=False))
+    marker = engine.cfg.vocab_size - 1
+    cache = StateCache(
+        StateCacheConfig(state_dir=Path(tempfile.mkdtemp()), min_distance=0, queue_size=64),
+        b"profile-capture",
+        "profile",
+        layout_for(engine.cfg, engine.dtype),
+        Boundaries({"message_end": ((marker,),)}),
+        False,
+        engine.device,
+    )
+    cache.wait_staging()
+    base = torch.randint(0, marker - 1, (tokens,)).tolist()
+    positions = list(range(every, tokens - 1, every)) + [tokens - 1]
+    state = engine.new_state(capacity=tokens + 16)
+
+    def prompt(i: int) -> list[int]:
+        ids = list(base)
+        ids[0] = i
+        return ids
+
+    def plain(ids):
+        state.reset()
+        engine.prefill(state, ids)
+
+    def cuts(ids):
+        state.reset()
+        engine.prefill(state, ids, capture=positions)
+
+    def saves(ids):
+        cuts(ids)
+        for pos in positions:
+            conv, rec = state.linear_at(pos)
+            cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec)
+
+    plain(prompt(0))
+    saves(prompt(1))  # warm-up of every path
+    cache.flush()
+    out: dict[str, float | int] = {"tokens": tokens, "layers": layers}
+    out["checkpoints"] = len(positions)
+    first = iter(range(10, 10_000))  # a new first token for every run
+    for name, fn in (("plain", plain), ("cuts", cuts), ("cuts_and_saves", saves)):
+        runs = []
+        for _ in range(3):
+            ids = prompt(next(first))
+            runs.append(timed(lambda fn=fn, ids=ids: fn(ids)))
+            cache.flush()
+        out[f"{name}_s"] = sorted(runs)[1]
+    out["cuts_overhead"] = out["cuts_s"] / out["plain_s"] - 1
+    out["saves_overhead"] = out["cuts_and_saves_s"] / out["plain_s"] - 1
+    print(json.dumps(out, indent=2))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        saves(prompt(next(first)))
+        sync()
+    cache.flush()
+    key = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25))
+    cache.close()
+
+
+if __name__ == "__main__":
+    main()
