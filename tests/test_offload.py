@@ -238,3 +238,25 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     assert "auto/split/lru_vs_static" in report["ratios"]
     assert "auto/split/lru_vs_copy-only" in report["ratios"]
     assert "setting" in result.stderr  # the summary table
+
+
+def test_measured_bandwidths_keep_probing_the_cpu_side():
+    """With bandwidths that follow measurements, a slow CPU estimate sends every miss over the
+    copy path, but every PROBE_EVERY-th such decision still runs one miss on the CPU, so the
+    estimate can recover; with fixed bandwidths the decisions stay as configured."""
+    from agentrt.offload.experts import PROBE_EVERY, Bandwidths, OffloadedExperts
+
+    store = _store(layers=1, experts=16)
+    runs = {}
+    for adaptive in (False, True):
+        cache = ExpertCache(store, 6, "cpu", "lru")  # room for every copy: no forced CPU work
+        experts = OffloadedExperts(store, cache, Bandwidths(copy=1e9, cpu=1.0))
+        experts.adaptive = adaptive  # on the CPU it is off by default (reproducible decisions)
+        rng = random.Random(0)
+        for _ in range(4 * PROBE_EVERY):
+            pairs = {e: [i] for i, e in enumerate(rng.sample(range(16), 4))}
+            gpu, cpu, _ = experts._plan_decode(0, pairs)
+            assert sorted(gpu + cpu) == sorted(pairs)
+        cache.check()
+        runs[adaptive] = cache.stats[0].cpu
+    assert runs[False] == 0 and 1 <= runs[True] <= 4

@@ -35,6 +35,9 @@ from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
 
 PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as prefill
+# with measured bandwidths, every PROBE_EVERY-th decision that would send no miss to the CPU
+# sends one anyway: otherwise a few slow early samples would settle q* = m for good
+PROBE_EVERY = 64
 
 
 @dataclass
@@ -93,6 +96,7 @@ class OffloadedExperts:
         # follow measured bandwidths (auto mode, on a GPU where both sides are measured; CPU-only
         # runs keep the configured ones, so their decisions stay reproducible)
         self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
+        self._copy_only_decisions = 0
 
     # ------------------------------------------------------------------ interface
 
@@ -143,6 +147,10 @@ class OffloadedExperts:
         stats.hits += len(hits)
         stats.misses += len(misses)
         q = q_star(len(misses), self.bw.copy, self.bw.cpu) if self.split else len(misses)
+        if self.adaptive and q == len(misses) >= 2:
+            self._copy_only_decisions += 1
+            if self._copy_only_decisions % PROBE_EVERY == 0:
+                q -= 1  # the least valuable miss (last by the policy's rank) runs on the CPU
         ranked = [e for _, e in policy.rank((layer, e) for e in misses)]
         copied, cpu = self._copy_in(layer, ranked[:q], set((layer, e) for e in pairs)), ranked[q:]
         cpu += [e for e in ranked[:q] if e not in copied]
