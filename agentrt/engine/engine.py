@@ -31,14 +31,18 @@ class Cancelled(Exception):
 
 @dataclass
 class Timings:
-    """Seconds. `prefill_s` runs from the start of state reuse to logits ready; `restore_s` and
-    `capture_s` are its reuse parts (finding + loading a checkpoint, queueing new ones)."""
+    """Seconds. `prefill_s` runs from the start of state reuse to logits ready; `restore_s` is
+    its first part (finding + loading a checkpoint); `capture_s` is the host time spent queueing
+    new checkpoints after the prefill's kernels were launched (it overlaps their execution),
+    `capture_gpu_s` the device time of their device->host copies after the prefill's last
+    kernel (CUDA events; 0 on the CPU, where the copies are part of `capture_s`)."""
 
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     restore_s: float = 0.0
     capture_s: float = 0.0
+    capture_gpu_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """The public `timings` of a result (DESIGN §2: exactly these three)."""
@@ -87,6 +91,14 @@ class Engine:
             self.cfg, self.device, self.dtype, capacity, self.config.kv_grow_tokens, host
         )
         return SequenceState(self.cfg, caches)
+
+    def _event(self) -> torch.cuda.Event | None:
+        """A timing event on the current stream (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -188,11 +200,13 @@ class Engine:
         logits = self.prefill(
             state, prompt_ids[start:], capture=positions, should_stop=gen.should_stop
         )
-        t1 = time.perf_counter()
+        t1, prefill_end = time.perf_counter(), self._event()
         reuse.after_prefill(state, prompt_ids, positions)
+        capture_end, gen.timings.capture_s = self._event(), time.perf_counter() - t1
         self.synchronize()
-        t2 = time.perf_counter()
-        gen.timings.capture_s, gen.timings.prefill_s = t2 - t1, t2 - t0
+        gen.timings.prefill_s = time.perf_counter() - t0
+        if prefill_end is not None:
+            gen.timings.capture_gpu_s = prefill_end.elapsed_time(capture_end) / 1000
         yield from self._decode_loop(state, logits, params, rng, gen, gen.started_at or t0, reuse)
 
     def _decode_loop(

@@ -87,6 +87,7 @@ def local_target(rt) -> Target:
                 "restore_s": result.reuse_s["restore_s"],
                 "prefill_s": result.timings["prefill_s"],
                 "capture_s": result.reuse_s["capture_s"],
+                "capture_gpu_s": result.reuse_s["capture_gpu_s"],
                 "restore_source": result.restore_source,
             },
         }

@@ -380,7 +380,11 @@ class Runtime:
             },
             checkpoint=gen.checkpoint,
             restore_source=gen.restore_source,
-            reuse_s={"restore_s": gen.timings.restore_s, "capture_s": gen.timings.capture_s},
+            reuse_s={
+                "restore_s": gen.timings.restore_s,
+                "capture_s": gen.timings.capture_s,
+                "capture_gpu_s": gen.timings.capture_gpu_s,
+            },
             timings=gen.timings.as_dict(),
         )
 
