@@ -628,3 +628,51 @@ def test_restore_waits_briefly_for_a_checkpoint_still_queued(tmp_path):
     with cache._lock:
         cache._queued.clear()
     sem.close()
+
+
+def test_store_reads_beside_writes_that_grow_the_map(tmp_path):
+    """Threads reading (plain and parallel zero-copy reads) while another writes checkpoints
+    large enough to grow the map several times: no error, no deadlock, nothing lost."""
+    import threading
+
+    from agentrt.statecache.codec import Record
+
+    store = Store(tmp_path / "s", 2**30)
+    start_map = store.env.info()["map_size"]
+    errors: list[BaseException] = []
+    done = threading.Event()
+    payload = os.urandom(4 * 2**20)
+
+    def write() -> None:
+        try:
+            for i in range(40):
+                key, chunk = f"rec{i}".encode(), f"chunk{i}".encode()
+                record = Record(b"fp", "t", i, "message_end", [chunk], 16, len(payload), 0.0, 0.0)
+                assert store.put_checkpoint(key, record, {chunk: payload}, b"b" * 16) == "written"
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                store.has_record(b"rec3")
+                store.missing_chunks([b"chunk1", b"chunk2"])
+                with store.parallel_reads():
+                    store.read_chunk(b"chunk1", len)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+    assert store.env.info()["map_size"] >= 2 * start_map  # it did grow while being read
+    assert store.stats()["records"] == 40
+    with store.parallel_reads():
+        assert store.read_chunk(b"chunk39", len) == len(payload)
+    store.close()
