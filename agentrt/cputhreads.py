@@ -26,7 +26,8 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
             paths = [line.split()[-1] for line in maps if "/lib" in line]
     except OSError:
         return None
-    for path in paths:
+    # torch's own copy first (a process may also have loaded another, e.g. through numpy)
+    for path in sorted(set(paths), key=lambda path: "/torch/" not in path):
         name = path.rsplit("/", 1)[-1]
         if name.startswith(("libgomp", "libiomp5")):
             try:

@@ -676,3 +676,44 @@ def test_store_reads_beside_writes_that_grow_the_map(tmp_path):
     with store.parallel_reads():
         assert store.read_chunk(b"chunk39", len) == len(payload)
     store.close()
+
+
+def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monkeypatch):
+    """Every queued checkpoint is uncounted once written, and one that cannot be queued after
+    its copies were staged gives its staging region back (else the ring would fill for good)."""
+    import queue as queue_mod
+
+    import torch
+
+    from agentrt.statecache.staging import PinnedRing
+
+    class Event:  # stands in for a CUDA event on this CPU-only run
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    def plain(self):
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        self.ready.set()
+
+    monkeypatch.setattr(PinnedRing, "_allocate", plain)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    sem = _semantic("tiny", tmp_path / "state")
+    cache = sem.reuse.cache
+    sem.chat(agent_requests("q", 300)[0], tools=TOOLS, max_tokens=2)
+    cache.flush()
+    assert cache.stats["write_written"] > 0 and not cache._queued and not cache._pending
+    cache._ring = PinnedRing(64 * 2**20)
+    cache._ring.ready.wait()
+
+    def full(item):
+        raise queue_mod.Full
+
+    monkeypatch.setattr(cache._queue, "put_nowait", full)
+    sem.chat(agent_requests("r", 300)[0], tools=TOOLS, max_tokens=2)
+    assert cache.stats["dropped_queue_full"] > 0
+    assert not cache._ring.live and not cache._queued and not cache._pending
+    sem.close()

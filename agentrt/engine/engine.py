@@ -97,7 +97,7 @@ class Engine:
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def synchronize(self) -> None:

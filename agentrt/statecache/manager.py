@@ -218,6 +218,9 @@ class StateCache:
         if self._stored(key):
             self.stats["skipped_existing"] += 1
             return False
+        if self._queue.full():  # the writer is behind: drop it before copying anything
+            self.stats["dropped_queue_full"] += 1
+            return False
         chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
         new = self._new_chunks(chunk_keys)
         lo = min((chunk_keys.index(ck) * BLOCK for ck in new), default=(pos // BLOCK) * BLOCK)
@@ -226,15 +229,35 @@ class StateCache:
             self.stats["dropped_staging_full"] += 1
             return False
         job.new_chunks = new
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            self.stats["dropped_queue_full"] += 1
-            return False
-        with self._lock:
+        with self._lock:  # counted before the writer can see the job (it uncounts it)
             self._pending.update(new)
             self._queued[key] += 1
-        return True
+            try:
+                self._queue.put_nowait(job)  # never blocks, so holding the lock is fine
+                return True
+            except queue.Full:  # filled since the check above (touches share the queue)
+                self._pending.difference_update(new)
+                self._uncount(key)
+        self.stats["dropped_queue_full"] += 1
+        self._release(job)
+        return False
+
+    def _uncount(self, key: bytes) -> None:
+        """One queued job of `key` less (under `_lock`); wakes restores waiting for it."""
+        self._queued[key] -= 1
+        if self._queued[key] <= 0:
+            del self._queued[key]
+        self._written.notify_all()
+
+    def _release(self, job: _Job) -> None:
+        """Give a job's staging region back (once its device->host copies are done)."""
+        if job.region is None:
+            return
+        try:
+            job.event.synchronize()
+        finally:
+            self._ring.free(job.region)
+            job.region = None
 
     def _new_chunks(self, chunk_keys: list[bytes]) -> list[bytes]:
         with self._lock:
@@ -266,9 +289,9 @@ class StateCache:
                 for host, src in zip(hosts, sources, strict=True):
                     host.copy_(src, non_blocking=True)
             event = None
-            if region is not None:
+            if region is not None:  # on the stream the copies were queued on (this device's)
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(self.device))
         n_kv = 2 * len(kv_caches)
         kv = list(zip(hosts[0:n_kv:2], hosts[1:n_kv:2], strict=True))
         n_conv = len(conv)
@@ -305,10 +328,7 @@ class StateCache:
                 if isinstance(job, _Job):
                     with self._lock:
                         self._pending.difference_update(job.new_chunks)
-                        self._queued[job.key] -= 1
-                        if self._queued[job.key] <= 0:
-                            del self._queued[job.key]
-                        self._written.notify_all()
+                        self._uncount(job.key)
                 self._queue.task_done()
 
     def _chunk_from_job(self, job: _Job, index: int) -> list[torch.Tensor] | None:
@@ -318,16 +338,14 @@ class StateCache:
         return [t[:, start : start + BLOCK] for pair in job.kv for t in pair]
 
     def _write(self, job: _Job) -> None:
-        if job.event is not None:
-            job.event.synchronize()
         t0 = time.perf_counter()
         try:
             if job.region is not None:  # keep staged data only as long as needed
+                job.event.synchronize()
                 job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
                 job.conv, job.rec = [c.clone() for c in job.conv], [r.clone() for r in job.rec]
         finally:
-            if job.region is not None:
-                self._ring.free(job.region)
+            self._release(job)
         self._commit(job)
         self.stats["write_seconds"] += time.perf_counter() - t0
 

@@ -233,7 +233,8 @@ class Store:
             }
 
         info = self._txn(read)
-        info["map_bytes"] = self.env.info()["map_size"]
+        with self.shared.lock.shared():  # no resize while the map's meta pages are read
+            info["map_bytes"] = self.env.info()["map_size"]
         info["file_bytes"] = (self.path / "data.mdb").stat().st_size
         return info
 
@@ -251,12 +252,24 @@ class Store:
 
     def _make_room(self, size: int) -> None:
         """Grow the map ahead of a write of `size` bytes (plus B-tree overhead), so that a large
-        checkpoint is written once, not retried after every doubling that turned out too small."""
+        checkpoint is written once, not retried after every doubling that turned out too small.
+        The environment lock is taken alone only when the map must grow."""
+        with self.shared.lock.shared():  # no resize while the map's meta pages are read
+            if self._room_needed(size) is None:
+                return
         with self.shared.lock.alone():
-            info, page = self.env.info(), self.env.stat()["psize"]
-            needed = (info["last_pgno"] + 1) * page + int(size * 1.25) + _MIN_MAP
-            if needed > info["map_size"] and info["map_size"] < self.map_limit:
-                self.env.set_mapsize(min(self.map_limit, max(needed, 2 * info["map_size"])))
+            needed = self._room_needed(size)  # again: another thread may have grown it
+            if needed is not None:
+                self.env.set_mapsize(needed)
+
+    def _room_needed(self, size: int) -> int | None:
+        """The map size a write of `size` bytes needs, or None when the map is big enough (or
+        at its limit). Reads the environment's info without a transaction (hold the lock)."""
+        info, page = self.env.info(), self.env.stat()["psize"]
+        needed = (info["last_pgno"] + 1) * page + int(size * 1.25) + _MIN_MAP
+        if needed <= info["map_size"] or info["map_size"] >= self.map_limit:
+            return None
+        return min(self.map_limit, max(needed, 2 * info["map_size"]))
 
     def _put(self, txn, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes) -> str:
         if txn.get(key, db=self.records) is not None:
