@@ -15,14 +15,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
+
+from agentrt.models.moe import expert_ffn as ffn
 
 H, INTER, EXPERTS = 2048, 512, 192
-
-
-def ffn(x, gate_up, down):
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
 
 
 def main() -> None:

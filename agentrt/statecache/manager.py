@@ -448,7 +448,8 @@ class StateCache:
         keys = PrefixKeys(self.fp, ids)
         self.dirty = False
         candidates = self.candidates(ids, min_pos)
-        self._await_queued([keys.key(pos) for pos, _ in candidates])
+        if self._queued:  # the writer has work queued: hash the candidates only then
+            self._await_queued([keys.key(pos) for pos, _ in candidates])
         for pos, kind in candidates:
             # once a failed candidate wrote into the caches, their KV is no longer the live one
             kv_ready = pos <= kv_valid and not self.dirty

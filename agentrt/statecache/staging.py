@@ -51,7 +51,7 @@ class PinnedRing:
 
     def alloc(self, num_bytes: int) -> tuple[int, int] | None:
         """A free region of `num_bytes` (aligned), or None when the ring is full or not ready."""
-        if not self.ready.is_set() or self.buffer is None:
+        if not self.usable:
             return None
         size = -(-num_bytes // _ALIGN) * _ALIGN
         with self.lock:
