@@ -7,6 +7,7 @@ Synthetic models carry random weights with real shapes: figures say nothing abou
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import statistics
 import time
@@ -27,7 +28,11 @@ def machine() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        # how idle OpenMP workers wait (agentrt.cputhreads sets them for offloaded decode)
+        "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
     }
+    if os.path.isdir("/proc/self/task"):  # more than one OpenMP team shows as extra threads
+        info["process_threads"] = len(os.listdir("/proc/self/task"))
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     try:

@@ -1,9 +1,8 @@
 """The `agentrt` command line (click). Every command has `--help`; user errors print one line
 (`error: ...`) and exit with status 2, never a traceback.
 
-Commands in this build: `chat`, `model make|info`, `bench prefill|decode|accuracy|statecache`,
-`cache ls|stats|gc|clear`. (serve, run, replay, trace and the offload benchmarks arrive with their
-issues; see README.)
+Commands: `chat`, `serve`, `run`, `replay`, `trace ...`, `model make|info`,
+`bench prefill|decode|accuracy|statecache|ttft|bw`, `cache ls|stats|gc|clear`.
 """
 
 from __future__ import annotations
@@ -35,6 +34,15 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+
+
+def prepare_cpu_threads(device: str, offloads: list[str]) -> None:
+    """Before torch loads: spinning OpenMP workers for offloaded decode on a GPU, where the CPU
+    computes experts in short bursts between GPU steps (see `agentrt.cputhreads`)."""
+    from agentrt.cputhreads import spin_between_steps
+
+    gpu = device == "cuda" or (device == "auto" and Path("/dev/nvidiactl").exists())
+    spin_between_steps(gpu and any(mode != "none" for mode in offloads))
 
 
 def resolve_device(device: str) -> str:
@@ -232,6 +240,8 @@ def offload_options() -> list:
 
 
 def open_runtime(opts: dict, require_tokenizer: bool = False):
+    offloaded = opts["vram_budget"] or opts["expert_cache_slots"]
+    prepare_cpu_threads(opts["device"], [opts["offload"] or ("auto" if offloaded else "none")])
     from agentrt import Runtime
     from agentrt.session.boundaries import parse_overrides
 
@@ -544,6 +554,7 @@ def bench_decode(
     --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
     modes = ["off"] if eager else graphs
     if offload:
+        prepare_cpu_threads(device, offload)
         from agentrt import bench_offload as bo
 
         runs = bo.settings(offload, [v == "on" for v in split], expert_policy)
@@ -988,6 +999,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
 @json_option
 def bench_bw(model, device, dtype, count, json_out) -> None:
     """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""
+    prepare_cpu_threads(device, ["auto"])  # the CPU side as offloaded decode runs it
     from agentrt import bench as b
 
     _report(b.bandwidth(model, resolve_device(device), dtype, count), json_out)

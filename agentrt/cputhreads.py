@@ -1,5 +1,6 @@
 """Keeps torch's CPU parallelism to one OpenMP team per process: helper threads (the state-cache
-writer and restore workers) run their tensor copies on themselves alone.
+writer and restore workers) run their tensor copies on themselves alone. Also chooses, before torch
+loads, how that team's idle workers wait (`spin_between_steps`).
 
 Every thread that runs a parallel torch CPU kernel gets an OpenMP team of its own, of
 `torch.get_num_threads()` threads. Sixteen restore workers copying at once would run sixteen
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Callable
 
@@ -47,3 +49,25 @@ def single_threaded() -> None:
     set_threads = _omp_set_num_threads()
     if set_threads is not None:
         set_threads(1)
+
+
+# Offloaded decode computes a token's CPU experts in bursts of well under a millisecond, one per
+# MoE layer, separated by GPU work of a similar length. OpenMP workers that fall asleep between
+# bursts must be woken for every parallel region (on the H200 machine: CPU experts at 18 GB/s with
+# libgomp's default waiting against 27 GB/s with spinning workers). Workers that spin a bounded
+# while (about 2 million pause loops: a fraction of a second) stay awake through a decode and
+# still go to sleep when the process idles.
+SPIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000000"}
+
+
+def spin_between_steps(enable: bool) -> bool:
+    """Before torch is imported: let idle OpenMP workers spin (bounded) instead of sleeping.
+    Leaves alone a process that already imported torch (too late: libgomp reads its environment
+    once) or whose environment sets either variable, or `AGENTRT_OMP_SPIN=0`. Returns whether it
+    set them."""
+    if not enable or "torch" in sys.modules or os.environ.get("AGENTRT_OMP_SPIN") == "0":
+        return False
+    if any(name in os.environ for name in SPIN_ENV):
+        return False
+    os.environ.update(SPIN_ENV)
+    return True

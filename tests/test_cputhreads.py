@@ -42,3 +42,36 @@ def test_state_cache_helpers_are_single_threaded(tmp_path):
     cache = rt.reuse.cache
     assert cache._pool.submit(torch.get_num_threads).result() == 1
     rt.close()
+
+
+def _spin_env(code: str, **env: str) -> dict:
+    """Runs `code` in a fresh interpreter (torch not yet imported) and returns its OpenMP
+    environment afterwards."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "AGENTRT_"))}
+    script = code + "\nimport json, os\nprint(json.dumps({k: v for k, v in os.environ.items()"
+    script += " if k.startswith(('OMP_', 'GOMP_'))}))"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_spinning_workers_are_chosen_before_torch_loads_and_never_override_the_user():
+    from agentrt.cputhreads import SPIN_ENV
+
+    enable = "from agentrt.cputhreads import spin_between_steps as s; assert s(True)"
+    assert _spin_env(enable) == SPIN_ENV
+    keep = "from agentrt.cputhreads import spin_between_steps as s; assert not s(True)"
+    assert _spin_env(keep, OMP_WAIT_POLICY="PASSIVE") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert _spin_env(keep, AGENTRT_OMP_SPIN="0") == {}
+    assert _spin_env("import torch\n" + keep) == {}  # too late: libgomp has read its environment
+    # the CLI asks for them only for offloaded decode on a GPU
+    cli = "from agentrt.cli import prepare_cpu_threads as p; "
+    assert _spin_env(cli + "p('cpu', ['auto']); p('cuda', ['none'])") == {}
+    assert _spin_env(cli + "p('cuda', ['auto'])") == SPIN_ENV

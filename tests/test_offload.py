@@ -260,3 +260,40 @@ def test_measured_bandwidths_keep_probing_the_cpu_side():
         cache.check()
         runs[adaptive] = cache.stats[0].cpu
     assert runs[False] == 0 and 1 <= runs[True] <= 4
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_graph_host_step_fills_what_the_next_piece_needs(split):
+    """The host step between captured decode pieces (run here on CPU slots): slot indices and
+    weights for the experts on the device plus the CPU experts' weighted sum give exactly the
+    token's weighted expert sum, step after step, with the cache consistent throughout."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
+
+    torch.manual_seed(0)
+    store = _store(layers=2, experts=8)
+    for layer in store.layers:
+        store.flat[layer].normal_()
+    cache = ExpertCache(store, 5, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(copy=1.0, cpu=1.0), split=split)
+    io = _LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu")
+    rng = random.Random(0)
+    for step in range(30):
+        layer, ids = step % 2, rng.sample(range(8), 4)
+        w, x = torch.rand(4), torch.randn(1, 4)
+        io.ids_h.copy_(torch.tensor(ids))
+        io.w_h.copy_(w)
+        io.x_h.copy_(x[0])
+        experts._host_step(layer, io)
+        on_device = sum(
+            io.gw_h[j] * expert_ffn(x, cache.gate_up(int(s)), cache.down(int(s)))[0]
+            for j, s in enumerate(io.slot_h.tolist())
+        )
+        gate_up, down = store.gate_up(layer), store.down(layer)
+        dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
+        torch.testing.assert_close(on_device + io.cpu_h, dense)
+        cache.check()
+    stats = [cache.stats[layer] for layer in store.layers]
+    assert experts.totals.host_steps == 30
+    assert sum(s.copied for s in stats) > 0
+    assert (sum(s.cpu for s in stats) > 0) == split

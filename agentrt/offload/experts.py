@@ -23,7 +23,6 @@ slots as one gathered batched matmul.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +96,9 @@ class OffloadedExperts:
         # runs keep the configured ones, so their decisions stay reproducible)
         self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
         self._copy_only_decisions = 0
+        self._row_views: dict[int, list[torch.Tensor]] = {}
+        self._slot_list: list[torch.Tensor] | None = None
+        self._ffn_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ interface
 
@@ -137,23 +139,28 @@ class OffloadedExperts:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan_decode(self, layer: int, pairs: dict[int, list[int]]):
-        """Hits run from their slots; misses split into copies (admitted) and CPU work."""
-        stats, policy = self.cache.stats[layer], self.cache.policy
-        for expert in pairs:
-            policy.touch((layer, expert))
-        hits = [e for e in pairs if self.cache.lookup(layer, e) >= 0]
-        misses = [e for e in pairs if self.cache.lookup(layer, e) < 0]
-        stats.hits += len(hits)
-        stats.misses += len(misses)
+    def _plan_decode(self, layer: int, pairs: dict[int, list[int]], synced: bool = False):
+        """Hits run from their slots; misses split into copies (admitted) and CPU work. The copies
+        are issued before any bookkeeping, so they (and the caller's CPU experts) start as early
+        as possible; `synced`: the device has finished all earlier work (a graph host step)."""
+        lookup = self.cache.slot_of[layer]
+        hits = [e for e in pairs if lookup[e] >= 0]
+        misses = [e for e in pairs if lookup[e] < 0]
         q = q_star(len(misses), self.bw.copy, self.bw.cpu) if self.split else len(misses)
         if self.adaptive and q == len(misses) >= 2:
             self._copy_only_decisions += 1
             if self._copy_only_decisions % PROBE_EVERY == 0:
                 q -= 1  # the least valuable miss (last by the policy's rank) runs on the CPU
-        ranked = [e for _, e in policy.rank((layer, e) for e in misses)]
-        copied, cpu = self._copy_in(layer, ranked[:q], set((layer, e) for e in pairs)), ranked[q:]
-        cpu += [e for e in ranked[:q] if e not in copied]
+        policy = self.cache.policy
+        ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
+        exclude = {(layer, e) for e in pairs}
+        copied = self._copy_in(layer, ranked[:q], exclude, synced) if q else []
+        cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
+        for expert in pairs:  # after the copies: they are already on their way
+            policy.touch((layer, expert))
+        stats = self.cache.stats[layer]
+        stats.hits += len(hits)
+        stats.misses += len(misses)
         stats.copied += len(copied)
         stats.cpu += len(cpu)
         return hits + copied, cpu, []
@@ -167,28 +174,53 @@ class OffloadedExperts:
         stats.misses += len(misses)
         return hits, [], misses
 
-    def _copy_in(self, layer: int, experts: list[int], exclude: set) -> list[int]:
-        """Copy experts into victim slots on the copy stream; returns those that got a slot."""
+    def _copy_in(self, layer: int, experts: list[int], exclude: set, synced: bool = False):
+        """Copy experts into victim slots on the copy stream; returns those that got a slot.
+        Unless `synced`, the copy stream first waits for the work queued on the current stream
+        (a victim slot may still be read by it) and the current stream then waits for the copies;
+        a graph host step (`synced`) has nothing in flight and waits for the copies itself."""
         done = []
         stream = self.copy_stream
-        timed = stream is not None and bool(experts)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            start = _event() if timed else None
+        rows = self._rows(layer)
+        if stream is None:
             for expert in experts:
                 slot = self.cache.admit(layer, expert, exclude)
-                if slot is None:
-                    continue
-                self.cache.slots[slot].copy_(self.store.flat[layer][expert], non_blocking=True)
-                done.append(expert)
-            if timed and done:
-                self._copy_timing = (start, _event(), len(done) * self.store.expert_bytes)
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+                if slot is not None:
+                    self.cache.slots[slot].copy_(rows[expert])
+                    done.append(expert)
+        else:
+            current = torch.cuda.current_stream(self.device)
+            if not synced:
+                stream.wait_stream(current)
+            slots = self._slot_views()
+            with torch.cuda.stream(stream):
+                start = _event()
+                for expert in experts:
+                    slot = self.cache.admit(layer, expert, exclude)
+                    if slot is None:
+                        continue
+                    slots[slot].copy_(rows[expert], non_blocking=True)
+                    done.append(expert)
+                if done:
+                    self._copy_timing = (start, _event(), len(done) * self.store.expert_bytes)
+            if not synced:
+                current.wait_stream(stream)
         self.totals.copied += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
         return done
+
+    def _rows(self, layer: int) -> list[torch.Tensor]:
+        """One flat view per expert of the layer's host block (built once: indexing per copy
+        costs more than the copy's launch on the host)."""
+        rows = self._row_views.get(layer)
+        if rows is None:
+            rows = self._row_views[layer] = list(self.store.flat[layer].unbind(0))
+        return rows
+
+    def _slot_views(self) -> list[torch.Tensor]:
+        if self._slot_list is None:
+            self._slot_list = list(self.cache.slots.unbind(0))
+        return self._slot_list
 
     # ------------------------------------------------------------------ compute
 
@@ -295,35 +327,56 @@ class OffloadedExperts:
         return out.to(x.dtype).unsqueeze(0)
 
     def _host_step(self, layer: int, io: _LayerIO) -> None:
-        """Between graph pieces: plan, copy, compute CPU experts, fill the next piece's inputs."""
+        """Between graph pieces: plan and issue the copies, compute the CPU experts while they
+        run, then fill the next piece's inputs and make it wait for the copies."""
         t_begin = time.perf_counter()
-        self._read_copy_timing()  # the stream was synchronised: the last copies are done
-        ids, w = io.ids_h.tolist(), io.w_h.tolist()
-        pairs = {expert: [row] for row, expert in enumerate(ids)}
+        pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
+        ids = io.ids_np.tolist()
         if layer in self.cpu_layers:
             gpu, cpu = [], ids
         else:
-            gpu, cpu, _ = self._plan_decode(layer, pairs)
+            gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
         self.totals.plan_seconds += time.perf_counter() - t_begin
         self.totals.cpu += len(cpu)
-        on_gpu = set(gpu)
-        for j, expert in enumerate(ids):
-            hit = expert in on_gpu
-            io.slot_h[j] = self.cache.lookup(layer, expert) if hit else 0
-            io.gw_h[j] = w[j] if hit else 0.0
-        io.cpu_h.zero_()
+        w = io.w_np.tolist()
         if cpu:
-            t0 = time.perf_counter()
-            gate_up, down = self.store.gate_up(layer), self.store.down(layer)
-            x = io.x_h.unsqueeze(0)
-            for expert in cpu:
-                y = expert_ffn(x, gate_up[expert], down[expert])[0]
-                io.cpu_h.add_(y.float(), alpha=w[pairs[expert][0]])
-            self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
+            self._host_cpu_experts(layer, io, ids, w, cpu)
+        else:
+            io.cpu_np.fill(0.0)
+        slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
+        io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
+        io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
+        if pending is not None:
+            self._read_copy_timing(pending)
         if self.copy_stream is not None:  # the next piece reads slots the copies fill
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
+
+    def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
+        """The token's CPU experts, weighted and summed into the pinned fp32 buffer."""
+        t0 = time.perf_counter()
+        gate_up, down = self._ffn_weights(layer)
+        x, acc = io.x_h.unsqueeze(0), io.cpu_h
+        weight = dict(zip(ids, w, strict=True))
+        with torch.inference_mode():
+            for i, expert in enumerate(cpu):
+                y = expert_ffn(x, gate_up[expert], down[expert])[0].float()
+                if i == 0:
+                    torch.mul(y, weight[expert], out=acc)
+                else:
+                    acc.add_(y, alpha=weight[expert])
+        self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
+
+    def _ffn_weights(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        views = self._ffn_views.get(layer)
+        if views is None:
+            s = self.store
+            views = self._ffn_views[layer] = (
+                list(s.gate_up(layer).unbind(0)),
+                list(s.down(layer).unbind(0)),
+            )
+        return views
 
     def _observe_cpu(self, num_bytes: int, seconds: float) -> None:
         self.totals.cpu_seconds += seconds
@@ -331,11 +384,13 @@ class OffloadedExperts:
         if self.adaptive:
             self.bw.observe("cpu", num_bytes, seconds)
 
-    def _read_copy_timing(self) -> None:
-        if self._copy_timing is None:
+    def _read_copy_timing(self, timing: tuple | None = None) -> None:
+        """Account the copies timed by `timing` (default: the last ones issued), which are done."""
+        if timing is None:
+            timing, self._copy_timing = self._copy_timing, None
+        if timing is None:
             return
-        start, end, num_bytes = self._copy_timing
-        self._copy_timing = None
+        start, end, num_bytes = timing
         seconds = start.elapsed_time(end) / 1000
         self.totals.copy_seconds += seconds
         self.totals.copy_timed_bytes += num_bytes
@@ -364,6 +419,14 @@ class _LayerIO:
         self.slot_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
         self.gw_h = torch.zeros(top_k, dtype=torch.float32, pin_memory=pin)
         self.cpu_h = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
+        # numpy views of the same memory: the host step reads and writes single elements, which
+        # cost microseconds each through tensor indexing and tens of nanoseconds through numpy
+        self.ids_np, self.w_np = self.ids_h.numpy(), self.w_h.numpy()
+        self.slot_np, self.gw_np, self.cpu_np = (
+            self.slot_h.numpy(),
+            self.gw_h.numpy(),
+            self.cpu_h.numpy(),
+        )
         self.slot_d = torch.zeros(top_k, dtype=torch.long, device=device)
         self.gw_d = torch.zeros(top_k, dtype=torch.float32, device=device)
         self.cpu_d = torch.zeros(hidden, dtype=torch.float32, device=device)
