@@ -3,7 +3,8 @@
 # calibration (`bench bw`), then `agentrt bench decode` over every placement under a 16GiB budget
 # on the qwen3.5-35b-a3b-shaped synthetic model, decoding real text through the Qwen3 tokenizer.
 # Prepare on the dev machine first: bash scripts/gpu_ttft.sh prepare (copies the tokenizer to
-# .tok/), then run with carry .whl .tok. Writes into $OUT.
+# .tok/), then run with carry .whl .tok. Writes into $OUT. Env BW=0 / NOSPIN=0 skip the
+# calibration run / the rerun without spinning OpenMP workers.
 set -u
 source "$(dirname "$0")/device_env.sh"
 M=synthetic:qwen3.5-35b-a3b
@@ -19,8 +20,10 @@ python3 -m agentrt.cli bench decode --model $M --device cuda --vram-budget 16GiB
 grep -v '^ \|^{\|^}' "$OUT/decode_offload.log" | tail -20
 # the split and copy-only again with libgomp's default waiting (AGENTRT_OMP_SPIN=0: the CLI does
 # not make idle OpenMP workers spin), to show what spinning workers change
-AGENTRT_OMP_SPIN=0 timeout 200 python3 -m agentrt.cli bench decode --model $M --device cuda \
-  --vram-budget 16GiB --offload auto --split on,off --expert-policy lru --tokenizer .tok/qwen3 \
-  --prompt-len 256 --tokens 48 --json "$OUT/decode_offload_nospin.json" \
-  > "$OUT/decode_offload_nospin.log" 2>&1
-grep -v '^ \|^{\|^}' "$OUT/decode_offload_nospin.log" | tail -6
+if [ "${NOSPIN:-1}" = 1 ]; then
+  AGENTRT_OMP_SPIN=0 timeout 200 python3 -m agentrt.cli bench decode --model $M --device cuda \
+    --vram-budget 16GiB --offload auto --split on,off --expert-policy lru --tokenizer .tok/qwen3 \
+    --prompt-len 256 --tokens 48 --json "$OUT/decode_offload_nospin.json" \
+    > "$OUT/decode_offload_nospin.log" 2>&1
+  grep -v '^ \|^{\|^}' "$OUT/decode_offload_nospin.log" | tail -6
+fi
