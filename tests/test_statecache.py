@@ -717,3 +717,31 @@ def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monke
     assert cache.stats["dropped_queue_full"] > 0
     assert not cache._ring.live and not cache._queued and not cache._pending
     sem.close()
+
+
+def test_blob_parts_round_trip_and_reject_a_damaged_table():
+    """A blob is several payloads (a restore decompresses them in parallel): together they give
+    the tensors' bytes in order; a damaged part table or part is detected, never misread."""
+    import struct
+
+    import torch
+
+    from agentrt.statecache.codec import CorruptPayload, blob_parts, pack_parts, unpack
+
+    tensors = [torch.arange(n, dtype=torch.float32) * (i + 1) for i, n in enumerate([700, 50, 900])]
+    blob = pack_parts(tensors, 1, 0, part_bytes=2900)  # 2800 B, 200 B, 3600 B: three parts
+    parts = blob_parts(blob)
+    assert [size for _, _, size in parts] == [2800, 200, 3600]
+    assert bytes(unpack(blob)) == b"".join(t.numpy().tobytes() for t in tensors)
+    assert len(blob_parts(pack_parts(tensors, 1, 0))) == 1  # small tensors share one part
+    damaged = [
+        blob[:-1],  # truncated
+        blob + b"\0",  # longer than its table
+        blob[:8] + struct.pack("<Q", parts[0][1] + 1) + blob[16:],  # a length off by one
+        blob[:4] + struct.pack("<I", 0) + blob[8:],  # no parts
+    ]
+    middle = bytearray(blob)
+    middle[parts[1][0] + parts[1][1] // 2] ^= 0x10  # inside the second part
+    for bad in [*damaged, bytes(middle)]:
+        with pytest.raises(CorruptPayload):
+            unpack(bad)

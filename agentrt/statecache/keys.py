@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 BLOCK = 256
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: record blobs are containers of parts (codec.pack_parts)
 
 
 def _h(*parts: bytes) -> bytes:

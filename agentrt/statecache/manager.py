@@ -15,6 +15,7 @@ deleted and the next candidate is tried. Recent payloads also live in an in-proc
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import queue
 import threading
@@ -29,13 +30,14 @@ import torch
 from agentrt.config import ModelConfig, StateCacheConfig
 from agentrt.cputhreads import single_threaded
 from agentrt.models.cache import KVCache, LinearCache
+from agentrt.statecache.blobs import BlobLoad
 from agentrt.statecache.boundaries import Boundaries
 from agentrt.statecache.codec import (
     CorruptPayload,
     Layout,
     Record,
-    blob_tensors,
     chunk_tensors,
+    pack_parts,
     pack_tensors,
     unpack,
 )
@@ -368,7 +370,7 @@ class StateCache:
             tensors = self._chunk_from_job(job, index)
             if tensors is not None:
                 self.ram.put(ck, tensors, _nbytes(tensors))
-        blob_payload = pack_tensors(blob, self.config.compress_level, self.config.workers)
+        blob_payload = pack_parts(blob, self.config.compress_level, self.config.workers)
         now = time.time()
         chunk_bytes = sum(map(len, payloads.values()))
         record = Record(
@@ -523,47 +525,60 @@ class StateCache:
         self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool, kv_ready: bool
     ) -> None:
         """Worker threads read what RAM lacks straight from LMDB's memory map, decompress it into
-        host buffers laid out like the caches, then one upload per tensor, then the blob (tail
-        KV, conv, recurrent states). A chunk that vanished raises KeyError (caches then hold a
-        partial state: `dirty`). With `kv_ready` (and no `chunk_keys`) the caches keep their KV."""
+        host buffers laid out like the caches (the blob in parts, see `BlobLoad`), then one
+        upload per tensor. A payload that vanished raises KeyError (caches then hold a partial
+        state: `dirty`). With `kv_ready` (and no `chunk_keys`) the caches keep their KV."""
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
         blob = entry[1] if entry is not None else None
+        load: BlobLoad | None = None
         with torch.inference_mode():
             if any(cache.capacity < pos for cache in kv_caches):
                 self.dirty = True  # growing drops what the caches held
             for cache in kv_caches:
                 cache.reserve(pos, pos if kv_ready else 0)
-            if not chunk_keys:  # a prefix shorter than a chunk, or KV kept from the live state
-                if needs_blob:
-                    if blob is None:
-                        with self.store.parallel_reads():
-                            blob = self._load_blob(key, pos)
-                    self.dirty = True
-                    self._fill_blob(kv_caches, linear, pos, blob)
-                return
-            full = len(chunk_keys) * BLOCK
-            targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
-            staged, region = self._stage_for_upload(targets)
-            if staged is targets:
-                self.dirty = True  # chunks land straight in the caches
             try:
-                load_blob = needs_blob and blob is None
-                loaded = self._load_chunks(key, pos, chunk_keys, ram_chunks, staged, load_blob)
-            except BaseException:
-                if region is not None:
-                    self._ring.free(region)
-                raise
-            blob = blob if blob is not None else loaded
+                if not chunk_keys:  # a prefix shorter than a chunk, or the live KV kept
+                    if needs_blob:
+                        if blob is None:
+                            load = self._load_chunks(key, pos, [], {}, [], True)
+                            blob = load.tensors(self.layout, pos)
+                        self.dirty = True
+                        self._fill_blob(kv_caches, linear, pos, blob, load)
+                    return
+                self._fill_chunks(
+                    key, pos, chunk_keys, ram_chunks, blob, kv_caches, linear, needs_blob
+                )
+            finally:
+                if load is not None:
+                    load.release(self.device)
+
+    def _fill_chunks(self, key, pos, chunk_keys, ram_chunks, blob, kv_caches, linear, needs_blob):
+        full = len(chunk_keys) * BLOCK
+        targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
+        staged, region = self._stage_for_upload(targets)
+        if staged is targets:
+            self.dirty = True  # chunks land straight in the caches
+        load = None
+        try:
+            load_blob = needs_blob and blob is None
+            load = self._load_chunks(key, pos, chunk_keys, ram_chunks, staged, load_blob)
+            blob = blob if load is None else load.tensors(self.layout, pos)
             self.dirty = True
             self._upload(staged, targets, region)
+            region = None  # freed by the upload
             if needs_blob:
-                self._fill_blob(kv_caches, linear, pos, blob)
-            self.dirty = False
+                self._fill_blob(kv_caches, linear, pos, blob, load)
+        finally:
+            if region is not None:
+                self._ring.free(region)
+            if load is not None:
+                load.release(self.device)
+        self.dirty = False
 
     def _load_chunks(self, key, pos, chunk_keys, ram_chunks, staged, load_blob: bool):
         """Chunks into `staged` on worker threads (what RAM lacks read straight from LMDB's map),
-        and the record's blob beside them when `load_blob`; returns the blob (or None). Waits for
-        every worker before returning or raising, so none writes into `staged` afterwards."""
+        and the record's blob parts beside them when `load_blob`; returns the `BlobLoad` (or
+        None). Waits for every worker before returning or raising, so none writes afterwards."""
 
         def fill(index: int, ck: bytes) -> None:
             tensors = ram_chunks[ck]
@@ -574,14 +589,21 @@ class StateCache:
                 tensors = [t for pair in chunk_tensors(data, self.layout) for t in pair]
             self._fill_chunk(staged, index, tensors)
 
+        load = None
         with self.store.parallel_reads():
-            blob_job = self._pool.submit(self._load_blob, key, pos) if load_blob else None
-            jobs = [self._pool.submit(fill, i, ck) for i, ck in enumerate(chunk_keys)]
-            jobs += [blob_job] if blob_job is not None else []
+            load = BlobLoad(self.store, self._ring, key) if load_blob else None
+            tasks = load.jobs() if load is not None else []
+            tasks += [functools.partial(fill, i, ck) for i, ck in enumerate(chunk_keys)]
+            jobs = [self._pool.submit(task) for task in tasks]
             wait(jobs)
-        for job in jobs:
-            job.result()  # the first failure, if any
-        return blob_job.result() if blob_job is not None else None
+        try:
+            for job in jobs:
+                job.result()  # the first failure, if any
+        except BaseException:
+            if load is not None:
+                load.release(self.device)
+            raise
+        return load
 
     def _stage_for_upload(self, targets: list[torch.Tensor]):
         """Host buffers to assemble device-bound KV in: the targets themselves on CPU, else a
@@ -609,22 +631,16 @@ class StateCache:
             for dest, src in zip(staged, tensors, strict=True):
                 dest[:, lo : lo + BLOCK].copy_(src)
 
-    def _load_blob(self, key: bytes, pos: int) -> list[torch.Tensor]:
-        """A record's blob from LMDB (in a worker, inside `parallel_reads`), decoded."""
-        data = self.store.read_chunk(key, unpack, blob=True)
-        if data is None:
-            raise KeyError("payload missing")
-        tail = pos - (pos // BLOCK) * BLOCK
-        tail_kv, conv, rec = blob_tensors(data, self.layout, tail)
-        return [t for pair in tail_kv for t in pair] + conv + rec
-
-    def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor]) -> None:
+    def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor], load) -> None:
+        """Blob tensors into the caches; asynchronous copies when `load` holds them pinned (its
+        `release` waits for them)."""
+        non_blocking = load is not None and load.pinned
         tail = pos - (pos // BLOCK) * BLOCK
         for i, cache in enumerate(kv_caches):
-            cache.k[:, pos - tail : pos].copy_(blob[2 * i])
-            cache.v[:, pos - tail : pos].copy_(blob[2 * i + 1])
+            cache.k[:, pos - tail : pos].copy_(blob[2 * i], non_blocking=non_blocking)
+            cache.v[:, pos - tail : pos].copy_(blob[2 * i + 1], non_blocking=non_blocking)
         states = blob[2 * len(kv_caches) :]
         for j, cache in enumerate(linear):
-            cache.conv.copy_(states[j])
-            cache.recurrent.copy_(states[len(linear) + j])
+            cache.conv.copy_(states[j], non_blocking=non_blocking)
+            cache.recurrent.copy_(states[len(linear) + j], non_blocking=non_blocking)
             cache.captured.clear()

@@ -1,0 +1,66 @@
+"""Reading a record blob (tail KV, conv and recurrent states) for a restore: its parts are
+decompressed on the restore workers at once, each straight into its place in one host buffer,
+which is a pinned staging region when the ring has room (the upload to the device is then one
+asynchronous copy per tensor) and ordinary memory otherwise."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from agentrt.statecache.codec import Layout, blob_parts, blob_tensors, unpack_into
+from agentrt.statecache.keys import BLOCK
+from agentrt.statecache.staging import PinnedRing
+from agentrt.statecache.store import Store
+
+
+class BlobLoad:
+    """One blob being read. Create it inside `Store.parallel_reads`, run `jobs()` on workers
+    (inside the same hold), then `tensors()`; `release()` once the uploads from it are queued."""
+
+    def __init__(self, store: Store, ring: PinnedRing | None, key: bytes) -> None:
+        parts = store.read_chunk(key, blob_parts, blob=True)
+        if parts is None:
+            raise KeyError("payload missing")
+        self.store, self.ring, self.key, self.parts = store, ring, key, parts
+        raw = sum(size for _, _, size in parts)
+        self.region = ring.alloc(raw) if ring is not None else None
+        if self.region is not None:
+            self.buffer = ring.buffer[self.region[0] : self.region[0] + raw]
+        else:
+            self.buffer = torch.empty(raw, dtype=torch.uint8)
+
+    @property
+    def pinned(self) -> bool:
+        return self.region is not None
+
+    def jobs(self) -> list[Callable[[], None]]:
+        """One job per part: read it from the map and decompress it into its place."""
+        dest, at, out = memoryview(self.buffer.numpy()), 0, []
+        for start, length, size in self.parts:
+            out.append(functools.partial(self._part, start, length, dest[at : at + size]))
+            at += size
+        return out
+
+    def _part(self, start: int, length: int, place: memoryview) -> None:
+        def decode(view) -> bool:
+            unpack_into(memoryview(view)[start : start + length], place)
+            return True
+
+        if self.store.read_chunk(self.key, decode, blob=True) is None:
+            raise KeyError("payload missing")  # deleted (evicted) since the part table was read
+
+    def tensors(self, layout: Layout, pos: int) -> list[torch.Tensor]:
+        """Views of the buffer: tail KV (k, v per attention layer), conv states, then recurrent
+        states, as the RAM tier holds a blob."""
+        tail_kv, conv, rec = blob_tensors(self.buffer, layout, pos % BLOCK)
+        return [t for pair in tail_kv for t in pair] + conv + rec
+
+    def release(self, device: torch.device) -> None:
+        """Give the pinned region back, after the copies queued from it are done."""
+        if self.region is not None:
+            torch.cuda.current_stream(device).synchronize()
+            self.ring.free(self.region)
+            self.region = None
