@@ -56,8 +56,10 @@ def single_threaded() -> None:
 # bursts must be woken for every parallel region (on the H200 machine: CPU experts at 18 GB/s with
 # libgomp's default waiting against 27 GB/s with spinning workers). Workers that spin a bounded
 # while (about 2 million pause loops: a fraction of a second) stay awake through a decode and
-# still go to sleep when the process idles.
-SPIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000000"}
+# still go to sleep when the process idles. GOMP_SPINCOUNT bounds it in libgomp (what torch's
+# wheels use); Intel's and LLVM's OpenMP read ACTIVE as spinning for ever unless KMP_BLOCKTIME
+# (milliseconds) bounds it.
+SPIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000000", "KMP_BLOCKTIME": "200"}
 
 
 def spin_between_steps(enable: bool) -> bool:

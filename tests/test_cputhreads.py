@@ -52,9 +52,13 @@ def _spin_env(code: str, **env: str) -> dict:
     import subprocess
     import sys
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "AGENTRT_"))}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMP_", "GOMP_", "KMP_", "AGENTRT_"))
+    }
     script = code + "\nimport json, os\nprint(json.dumps({k: v for k, v in os.environ.items()"
-    script += " if k.startswith(('OMP_', 'GOMP_'))}))"
+    script += " if k.startswith(('OMP_', 'GOMP_', 'KMP_'))}))"
     out = subprocess.run(
         [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True
     )

@@ -233,7 +233,13 @@ def test_sigkill_while_writing_never_restores_wrong_state(tmp_path):
     sem.close()
 
 
-def test_corrupted_payload_is_detected_deleted_and_falls_back(tmp_path):
+@pytest.mark.parametrize("where", ["middle", "size field"])
+def test_corrupted_payload_is_detected_deleted_and_falls_back(tmp_path, where):
+    """A flipped bit in a stored blob (in its data, or in the raw size its first part declares,
+    which must not turn into a huge allocation) is detected, the record deleted, the turn falls
+    back to a full prefill with the same output."""
+    from agentrt.statecache.codec import _HEAD, blob_parts
+
     state = tmp_path / "state"
     requests = agent_requests("c", 700)
     sem = _semantic("tiny", state)
@@ -244,9 +250,12 @@ def test_corrupted_payload_is_detected_deleted_and_falls_back(tmp_path):
     blobs, records = env.open_db(b"blobs"), env.open_db(b"records")
     with env.begin(write=True) as txn:
         keys = [bytes(k) for k, _ in txn.cursor(db=records)]
-        for key in keys:  # flip one byte in every blob
+        for key in keys:  # flip one bit in every blob
             value = bytearray(txn.get(key, db=blobs))
-            value[len(value) // 2] ^= 0x40
+            if where == "middle":
+                value[len(value) // 2] ^= 0x40
+            else:  # a high byte of the first part's raw length (+1 TiB)
+                value[blob_parts(bytes(value))[0][0] + _HEAD.size - 3] ^= 0x01
             txn.put(key, bytes(value), db=blobs)
     env.close()
     sem = _semantic("tiny", state)
@@ -742,6 +751,8 @@ def test_blob_parts_round_trip_and_reject_a_damaged_table():
     ]
     middle = bytearray(blob)
     middle[parts[1][0] + parts[1][1] // 2] ^= 0x10  # inside the second part
-    for bad in [*damaged, bytes(middle)]:
+    size = bytearray(blob)
+    size[parts[0][0] + 13] ^= 0x01  # the first part's declared raw size + 1 TiB: no allocation
+    for bad in [*damaged, bytes(middle), bytes(size)]:
         with pytest.raises(CorruptPayload):
             unpack(bad)

@@ -10,7 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from agentrt.statecache.codec import Layout, blob_parts, blob_tensors, unpack_into
+from agentrt.statecache.codec import (
+    CorruptPayload,
+    Layout,
+    blob_parts,
+    blob_tensors,
+    unpack_into,
+)
 from agentrt.statecache.keys import BLOCK
 from agentrt.statecache.staging import PinnedRing
 from agentrt.statecache.store import Store
@@ -20,12 +26,16 @@ class BlobLoad:
     """One blob being read. Create it inside `Store.parallel_reads`, run `jobs()` on workers
     (inside the same hold), then `tensors()`; `release()` once the uploads from it are queued."""
 
-    def __init__(self, store: Store, ring: PinnedRing | None, key: bytes) -> None:
-        parts = store.read_chunk(key, blob_parts, blob=True)
-        if parts is None:
+    def __init__(self, store: Store, ring: PinnedRing | None, key: bytes, raw: int) -> None:
+        """`raw`: the blob's raw size by the model's layout; a part table that disagrees is
+        `CorruptPayload` before anything is allocated."""
+        table = store.read_chunk(key, lambda view: (blob_parts(view), len(view)), blob=True)
+        if table is None:
             raise KeyError("payload missing")
-        self.store, self.ring, self.key, self.parts = store, ring, key, parts
-        raw = sum(size for _, _, size in parts)
+        self.store, self.ring, self.key = store, ring, key
+        self.parts, self.stored_len = table
+        if sum(size for _, _, size in self.parts) != raw:
+            raise CorruptPayload("blob size does not match the model's state layout")
         self.region = ring.alloc(raw) if ring is not None else None
         if self.region is not None:
             self.buffer = ring.buffer[self.region[0] : self.region[0] + raw]
@@ -46,6 +56,8 @@ class BlobLoad:
 
     def _part(self, start: int, length: int, place: memoryview) -> None:
         def decode(view) -> bool:
+            if len(view) != self.stored_len:  # replaced since the part table was read
+                raise KeyError("payload changed")
             unpack_into(memoryview(view)[start : start + length], place)
             return True
 

@@ -52,6 +52,12 @@ class Layout(msgspec.Struct, frozen=True):
         itemsize = _DTYPES[self.kv_dtype].itemsize
         return 2 * self.num_attn * self.kv_heads * self.head_dim * itemsize
 
+    def blob_bytes(self, tail: int) -> int:
+        """Raw size of a record blob whose partial block holds `tail` tokens."""
+        conv = self.conv_shape[0] * self.conv_shape[1] * _DTYPES[self.conv_dtype].itemsize
+        rec = self.rec_shape[0] * self.rec_shape[1] * self.rec_shape[2] * 4
+        return tail * self.kv_token_bytes() + self.num_linear * (conv + rec)
+
 
 class Record(msgspec.Struct):
     """Header of one checkpoint (msgspec/msgpack in LMDB)."""
@@ -126,13 +132,21 @@ def unpack(value: bytes | memoryview) -> bytearray:
 
 
 def raw_length(value: bytes | memoryview) -> int:
-    """The raw size a payload declares (its header is checked, nothing is decompressed)."""
+    """The raw size a payload declares, checked against its zstd frame header (which must also
+    declare a content checksum) before anyone allocates that much: a flipped bit in either size
+    field is `CorruptPayload`, never a huge allocation. Nothing is decompressed."""
     view = memoryview(value)
     if len(view) < _HEAD.size:
         raise CorruptPayload("payload too short")
     magic, _crc, raw_len = _HEAD.unpack(view[: _HEAD.size])
     if magic != MAGIC:
         raise CorruptPayload("payload magic mismatch")
+    try:
+        params = zstandard.get_frame_parameters(view[_HEAD.size :])
+    except zstandard.ZstdError as exc:
+        raise CorruptPayload(f"payload frame header unreadable: {exc}") from None
+    if not params.has_checksum or params.content_size != raw_len:
+        raise CorruptPayload("payload frame header does not match its record")
     return raw_len
 
 
@@ -140,20 +154,14 @@ def unpack_into(value: bytes | memoryview, out: memoryview) -> None:
     """Verify and decompress a payload into `out` (writable, exactly its raw size).
 
     The zstd frame's own content checksum (verified while decompressing) guards the data; the
-    frame header must declare it and the expected size, so a flipped header bit cannot switch
-    the check off. The crc32 in the payload header is still written (the format is unchanged)
-    but not recomputed here: over the compressed bytes it cost ~15% of a restore's CPU time and
-    caught nothing the content checksum does not."""
+    frame header must declare it and the expected size (`raw_length`), so a flipped header bit
+    cannot switch the check off. The crc32 in the payload header is still written (the format
+    is unchanged) but not recomputed here: over the compressed bytes it cost ~15% of a
+    restore's CPU time and caught nothing the content checksum does not."""
     raw_len = raw_length(value)
     comp = memoryview(value)[_HEAD.size :]
     if len(out) != raw_len:
         raise CorruptPayload("payload length does not match its place")
-    try:
-        params = zstandard.get_frame_parameters(comp)
-    except zstandard.ZstdError as exc:
-        raise CorruptPayload(f"payload frame header unreadable: {exc}") from None
-    if not params.has_checksum or params.content_size != raw_len:
-        raise CorruptPayload("payload frame header does not match its record")
     filled = 0
     try:
         with zstandard.ZstdDecompressor().stream_reader(comp) as reader:

@@ -589,14 +589,18 @@ class StateCache:
                 tensors = [t for pair in chunk_tensors(data, self.layout) for t in pair]
             self._fill_chunk(staged, index, tensors)
 
-        load = None
-        with self.store.parallel_reads():
-            load = BlobLoad(self.store, self._ring, key) if load_blob else None
-            tasks = load.jobs() if load is not None else []
-            tasks += [functools.partial(fill, i, ck) for i, ck in enumerate(chunk_keys)]
-            jobs = [self._pool.submit(task) for task in tasks]
-            wait(jobs)
+        load, jobs = None, []
         try:
+            with self.store.parallel_reads():
+                if load_blob:
+                    raw = self.layout.blob_bytes(pos % BLOCK)
+                    load = BlobLoad(self.store, self._ring, key, raw)
+                tasks = load.jobs() if load is not None else []
+                tasks += [functools.partial(fill, i, ck) for i, ck in enumerate(chunk_keys)]
+                try:
+                    jobs = [self._pool.submit(task) for task in tasks]
+                finally:
+                    wait(jobs)  # none may write into the buffers after this returns
             for job in jobs:
                 job.result()  # the first failure, if any
         except BaseException:
