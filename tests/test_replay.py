@@ -276,6 +276,11 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
     # the next request carries the recorded reply, not the generated one: the live sequence
     # agrees up to a boundary its last prefill captured, so the state is cut back on the device
     assert "device" in sources
+    # the stats count hits per tier, the device tier included (a `misses` there means only
+    # that nothing stored went beyond what the live state held)
+    device_rows = sum(r["timings"]["restore_source"] == "device" for r in semantic)
+    warmup_hits = stats["hits_device"] - device_rows
+    assert 0 <= warmup_hits <= result["warmup_requests"]
 
 
 def test_replay_against_an_endpoint(small_trace, tmp_path):

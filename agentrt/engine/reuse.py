@@ -97,16 +97,20 @@ class SemanticReuse(PrefixReuse):
         hit = self.cache.restore_into(
             prompt, max(live, on_device), state.kv_caches(), state.linear_caches(), kv_valid
         )
-        if hit is None:
+        if hit is None:  # (the cache counted a miss: nothing stored beyond live / device)
             if self.cache.dirty:  # a corrupt candidate overwrote part of the live state
                 state.reset()
                 return 0, None
             if on_device > live:
                 state.truncate(on_device)
                 self.source = "device"
+                self.cache.stats["hits_device"] += 1
                 kind = self.cache.boundaries.ends_with(prompt[:on_device], BOUNDARY_KINDS)
                 return on_device, kind or "live"
-            return super().begin(state, prompt)
+            start, kind = super().begin(state, prompt)
+            if start:
+                self.cache.stats["hits_live"] += 1
+            return start, kind
         state.adopt(prompt[: hit.pos])
         self.source = hit.source
         return hit.pos, hit.kind
