@@ -181,6 +181,14 @@ def pack_parts(
 ) -> bytes:
     """A blob: the tensors in consecutive groups of about `part_bytes` raw bytes, each group one
     payload (`pack_tensors`), behind a header of their lengths."""
+    groups = blob_groups(tensors, part_bytes)
+    return join_parts([pack_tensors(group, level, threads) for group in groups])
+
+
+def blob_groups(
+    tensors: Sequence[torch.Tensor], part_bytes: int = PART_BYTES
+) -> list[list[torch.Tensor]]:
+    """Consecutive groups of about `part_bytes` raw bytes (a tensor is never split)."""
     groups: list[list[torch.Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -190,7 +198,11 @@ def pack_parts(
             size = 0
         groups[-1].append(t)
         size += nbytes
-    payloads = [pack_tensors(group, level, threads) for group in groups]
+    return groups
+
+
+def join_parts(payloads: Sequence[bytes]) -> bytes:
+    """The blob container of already packed parts, in order."""
     head = _PARTS_HEAD.pack(PARTS_MAGIC, len(payloads))
     return b"".join([head, *(_U64.pack(len(p)) for p in payloads), *payloads])
 
