@@ -31,6 +31,7 @@ class ExpertCache:
         self.slots = torch.zeros(  # zeros: a slot read under weight 0 must hold finite numbers
             num_slots, store.expert_numel, dtype=store.dtype, device=self.device
         )
+        self.slot_rows = list(self.slots.unbind(0))  # one view per slot (no indexing per copy)
         self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}
         self.owner: list[Key | None] = [None] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))

@@ -96,9 +96,6 @@ class OffloadedExperts:
         # runs keep the configured ones, so their decisions stay reproducible)
         self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
         self._copy_only_decisions = 0
-        self._row_views: dict[int, list[torch.Tensor]] = {}
-        self._slot_list: list[torch.Tensor] | None = None
-        self._ffn_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ interface
 
@@ -181,18 +178,17 @@ class OffloadedExperts:
         a graph host step (`synced`) has nothing in flight and waits for the copies itself."""
         done = []
         stream = self.copy_stream
-        rows = self._rows(layer)
+        rows, slots = self.store.expert_views(layer)[0], self.cache.slot_rows
         if stream is None:
             for expert in experts:
                 slot = self.cache.admit(layer, expert, exclude)
                 if slot is not None:
-                    self.cache.slots[slot].copy_(rows[expert])
+                    slots[slot].copy_(rows[expert])
                     done.append(expert)
         else:
             current = torch.cuda.current_stream(self.device)
             if not synced:
                 stream.wait_stream(current)
-            slots = self._slot_views()
             with torch.cuda.stream(stream):
                 start = _event()
                 for expert in experts:
@@ -208,19 +204,6 @@ class OffloadedExperts:
         self.totals.copied += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
         return done
-
-    def _rows(self, layer: int) -> list[torch.Tensor]:
-        """One flat view per expert of the layer's host block (built once: indexing per copy
-        costs more than the copy's launch on the host)."""
-        rows = self._row_views.get(layer)
-        if rows is None:
-            rows = self._row_views[layer] = list(self.store.flat[layer].unbind(0))
-        return rows
-
-    def _slot_views(self) -> list[torch.Tensor]:
-        if self._slot_list is None:
-            self._slot_list = list(self.cache.slots.unbind(0))
-        return self._slot_list
 
     # ------------------------------------------------------------------ compute
 
@@ -241,18 +224,19 @@ class OffloadedExperts:
             for _ in range(2)
         ]
         stream, ready, freed = self.copy_stream, [None, None], [None, None]
+        rows = self.store.expert_views(layer)[0]
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
 
         def fetch(i: int) -> None:
             buf = i % 2
             if stream is None:
-                scratch[buf].copy_(self.store.flat[layer][experts[i]])
+                scratch[buf].copy_(rows[experts[i]])
                 return
             with torch.cuda.stream(stream):
                 if freed[buf] is not None:  # the expert computed from this buffer is done
                     stream.wait_event(freed[buf])
-                scratch[buf].copy_(self.store.flat[layer][experts[i]], non_blocking=True)
+                scratch[buf].copy_(rows[experts[i]], non_blocking=True)
                 ready[buf] = _event(stream)
 
         fetch(0)
@@ -288,7 +272,7 @@ class OffloadedExperts:
         self, layer: int, x_host: torch.Tensor, segments: list[tuple[int, int]]
     ) -> torch.Tensor:
         out, begin = torch.empty_like(x_host), 0
-        gate_up, down = self.store.gate_up(layer), self.store.down(layer)
+        _, gate_up, down = self.store.expert_views(layer)
         t0 = time.perf_counter()
         with torch.inference_mode():
             for expert, count in segments:
@@ -356,7 +340,7 @@ class OffloadedExperts:
     def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
         """The token's CPU experts, weighted and summed into the pinned fp32 buffer."""
         t0 = time.perf_counter()
-        gate_up, down = self._ffn_weights(layer)
+        _, gate_up, down = self.store.expert_views(layer)
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
         weight = dict(zip(ids, w, strict=True))
         with torch.inference_mode():
@@ -367,16 +351,6 @@ class OffloadedExperts:
                 else:
                     acc.add_(y, alpha=weight[expert])
         self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
-
-    def _ffn_weights(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        views = self._ffn_views.get(layer)
-        if views is None:
-            s = self.store
-            views = self._ffn_views[layer] = (
-                list(s.gate_up(layer).unbind(0)),
-                list(s.down(layer).unbind(0)),
-            )
-        return views
 
     def _observe_cpu(self, num_bytes: int, seconds: float) -> None:
         self.totals.cpu_seconds += seconds

@@ -21,6 +21,9 @@ class ExpertStore:
         self.hidden, self.inter, self.num_experts, self.dtype = hidden, inter, num_experts, dtype
         self.pinned = pin
         self.flat: dict[int, torch.Tensor] = {}
+        # per-expert views, built once per layer (indexing per use costs more on the host than
+        # launching the copy or kernel that uses the view)
+        self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
         for layer in layers:
             self.flat[layer] = self._alloc((num_experts, 3 * inter * hidden), dtype)
 
@@ -60,6 +63,15 @@ class ExpertStore:
         return self.flat[layer][:, 2 * self.inter * self.hidden :].view(
             self.num_experts, self.hidden, self.inter
         )
+
+    def expert_views(self, layer: int) -> tuple[list[torch.Tensor], ...]:
+        """(flat block, gate_up, down) of each expert of `layer`, as lists indexed by expert."""
+        views = self._views.get(layer)
+        if views is None:
+            views = self._views[layer] = tuple(
+                list(t.unbind(0)) for t in (self.flat[layer], self.gate_up(layer), self.down(layer))
+            )
+        return views
 
     def as_routed(self) -> RoutedExperts:
         """Views shaped like `RoutedExperts` (the loader fills the store through them)."""

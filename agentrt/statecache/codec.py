@@ -15,6 +15,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import msgspec
 import torch
@@ -177,18 +178,15 @@ def unpack_into(value: bytes | memoryview, out: memoryview) -> None:
 
 
 def pack_parts(
-    tensors: Sequence[torch.Tensor], level: int = 1, threads: int = 0, part_bytes: int = PART_BYTES
+    tensors: Sequence[torch.Tensor],
+    level: int = 1,
+    threads: int = 0,
+    part_bytes: int = PART_BYTES,
+    pool: Executor | None = None,
 ) -> bytes:
-    """A blob: the tensors in consecutive groups of about `part_bytes` raw bytes, each group one
-    payload (`pack_tensors`), behind a header of their lengths."""
-    groups = blob_groups(tensors, part_bytes)
-    return join_parts([pack_tensors(group, level, threads) for group in groups])
-
-
-def blob_groups(
-    tensors: Sequence[torch.Tensor], part_bytes: int = PART_BYTES
-) -> list[list[torch.Tensor]]:
-    """Consecutive groups of about `part_bytes` raw bytes (a tensor is never split)."""
+    """A blob: the tensors in consecutive groups of about `part_bytes` raw bytes (a tensor is
+    never split), each group one payload (`pack_tensors`, on `pool`'s threads at once when
+    given), behind a header of their lengths."""
     groups: list[list[torch.Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -198,11 +196,11 @@ def blob_groups(
             size = 0
         groups[-1].append(t)
         size += nbytes
-    return groups
-
-
-def join_parts(payloads: Sequence[bytes]) -> bytes:
-    """The blob container of already packed parts, in order."""
+    if pool is None:
+        payloads = [pack_tensors(group, level, threads) for group in groups]
+    else:
+        futures = [pool.submit(pack_tensors, group, level, threads) for group in groups]
+        payloads = [future.result() for future in futures]
     head = _PARTS_HEAD.pack(PARTS_MAGIC, len(payloads))
     return b"".join([head, *(_U64.pack(len(p)) for p in payloads), *payloads])
 

@@ -36,9 +36,8 @@ from agentrt.statecache.codec import (
     CorruptPayload,
     Layout,
     Record,
-    blob_groups,
     chunk_tensors,
-    join_parts,
+    pack_parts,
     pack_tensors,
     unpack,
 )
@@ -381,9 +380,8 @@ class StateCache:
                 self.ram.put(ck, tensors, _nbytes(tensors))
         level = self.config.compress_level
         packing = {ck: self._compress.submit(pack_tensors, t, level) for ck, t in chunks.items()}
-        parts = [self._compress.submit(pack_tensors, g, level) for g in blob_groups(blob)]
+        blob_payload = pack_parts(blob, level, pool=self._compress)  # beside the chunks
         payloads = {ck: future.result() for ck, future in packing.items()}
-        blob_payload = join_parts([future.result() for future in parts])
         now = time.time()
         chunk_bytes = sum(map(len, payloads.values()))
         record = Record(
@@ -612,7 +610,8 @@ class StateCache:
                 tasks = load.jobs() if load is not None else []
                 tasks += [functools.partial(fill, i, ck) for i, ck in enumerate(chunk_keys)]
                 try:
-                    jobs = [self._pool.submit(task) for task in tasks]
+                    for task in tasks:
+                        jobs.append(self._pool.submit(task))
                 finally:
                     wait(jobs)  # none may write into the buffers after this returns
             for job in jobs:
