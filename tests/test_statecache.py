@@ -607,6 +607,37 @@ def test_payload_checks_cover_the_frame_header_and_the_data():
         unpack(payload[:-5])
 
 
+def test_scattered_decompression_fills_each_place_and_checks_the_data():
+    """A chunk decompresses straight into several places (its rows in the caches): the same
+    bytes as one buffer, and a corrupt payload or places of the wrong total size are refused."""
+    import torch
+
+    from agentrt.statecache.codec import (
+        CorruptPayload,
+        pack_tensors,
+        row_bytes,
+        unpack,
+        unpack_scatter,
+    )
+
+    t = torch.randn(6, 100)
+    payload = pack_tensors([t], 1, 0)
+    dest = torch.zeros(3, 200)  # places of 100, 100 and 400 floats
+    places = [row_bytes(dest[0, :100]), row_bytes(dest[0, 100:]), row_bytes(dest[1:])]
+    places = [places[0], places[1], places[2][: 4 * 400]]
+    assert unpack_scatter(payload, places) == t.numel() * 4
+    assert torch.equal(dest.reshape(-1), t.reshape(-1))
+    assert bytes(unpack(payload)) == t.numpy().tobytes()
+    with pytest.raises(CorruptPayload):
+        unpack_scatter(payload, places[:2])
+    bad = bytearray(payload)
+    bad[len(payload) // 2] ^= 0x10
+    with pytest.raises(CorruptPayload):
+        unpack_scatter(bytes(bad), places)
+    with pytest.raises(ValueError):
+        row_bytes(dest[:, :10])  # not one contiguous run
+
+
 def test_restore_waits_briefly_for_a_checkpoint_still_queued(tmp_path):
     """A checkpoint an earlier request queued applies even if the writer has not stored it yet
     (the restore waits for it), but a writer that far behind never stalls a request for long."""

@@ -10,10 +10,13 @@ This module knows nothing about the engine, sessions, or where expert weights li
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from agentrt.config import FULL, ModelConfig
 from agentrt.models.cache import KVCache, LayerCache
@@ -100,6 +103,9 @@ class Rotary(nn.Module):
         return torch.cat([out, rest], dim=-1)
 
 
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = False
 ) -> torch.Tensor:
@@ -109,7 +115,9 @@ def _sdpa(
     of a group into the position axis (no copy); longer queries repeat the kv heads and run as
     one 4-D batch, since torch's fused CUDA kernels (flash, memory-efficient) take only 4-D
     inputs: with 3-D ones every prefill ran the math path (fp32 scores, 49 of 120 ms of GPU time
-    in an 8K-token profile of an 8-layer cut of qwen3.5-35b-a3b).
+    in an 8K-token profile of an 8-layer cut of qwen3.5-35b-a3b). On CUDA the 4-D call may not
+    use cuDNN: it builds an execution plan for every new shape (40-80 ms of host time per call
+    on an H200, over a second on the first), and prefill shapes are nearly all new.
     """
     num_heads, q_len, head_dim = q.shape
     group = num_heads // k.shape[0]
@@ -120,9 +128,10 @@ def _sdpa(
         return out.view(num_heads, 1, head_dim)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, is_causal=causal
-    )
+    with sdpa_kernel(_PREFILL_BACKENDS) if q.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=causal
+        )
     return out[0]
 
 
@@ -133,6 +142,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         return _sdpa(q, k, v)
     if start == 0:
         return _sdpa(q, k, v, causal=True)
+    if q.is_cuda:  # flash / memory-efficient kernels with the diagonal offset, no mask tensor
+        return _sdpa(q, k, v, mask=causal_lower_right(q_len, kv_len))
     rows = torch.arange(start, start + q_len, device=q.device)[:, None]
     mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
     return _sdpa(q, k, v, mask=mask)

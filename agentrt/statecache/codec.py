@@ -49,9 +49,12 @@ class Layout(msgspec.Struct, frozen=True):
     conv_dtype: str
     rec_shape: tuple[int, int, int]
 
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's keys (or values) in one kv head."""
+        return self.head_dim * _DTYPES[self.kv_dtype].itemsize
+
     def kv_token_bytes(self) -> int:
-        itemsize = _DTYPES[self.kv_dtype].itemsize
-        return 2 * self.num_attn * self.kv_heads * self.head_dim * itemsize
+        return 2 * self.num_attn * self.kv_heads * self.kv_row_bytes()
 
     def blob_bytes(self, tail: int) -> int:
         """Raw size of a record blob whose partial block holds `tail` tokens."""
@@ -159,22 +162,37 @@ def unpack_into(value: bytes | memoryview, out: memoryview) -> None:
     cannot switch the check off. The crc32 in the payload header is still written (the format
     is unchanged) but not recomputed here: over the compressed bytes it cost ~15% of a
     restore's CPU time and caught nothing the content checksum does not."""
+    unpack_scatter(value, [out])
+
+
+def unpack_scatter(value: bytes | memoryview, outs: Sequence[memoryview]) -> int:
+    """`unpack_into` over several places in order (their sizes summing to the raw size): a KV
+    chunk goes straight into the per-layer, per-head rows it restores, with no buffer between
+    (a fresh one per chunk cost page faults on every restore thread). Returns the raw size."""
     raw_len = raw_length(value)
-    comp = memoryview(value)[_HEAD.size :]
-    if len(out) != raw_len:
+    if sum(len(out) for out in outs) != raw_len:
         raise CorruptPayload("payload length does not match its place")
-    filled = 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(comp) as reader:
-            while True:
-                n = reader.readinto(out[filled:]) if filled < raw_len else len(reader.read(1))
-                if n == 0:
-                    break
-                filled += n
+        with zstandard.ZstdDecompressor().stream_reader(memoryview(value)[_HEAD.size :]) as reader:
+            for out in outs:
+                filled = 0
+                while filled < len(out):
+                    n = reader.readinto(out[filled:])
+                    if n == 0:
+                        raise CorruptPayload("payload length mismatch")
+                    filled += n
+            if reader.read(1):  # also reaches the frame end, where the checksum is checked
+                raise CorruptPayload("payload length mismatch")
     except zstandard.ZstdError as exc:
         raise CorruptPayload(f"payload does not decompress: {exc}") from None
-    if filled != raw_len:
-        raise CorruptPayload("payload length mismatch")
+    return raw_len
+
+
+def row_bytes(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor (its own memory, never a copy)."""
+    if not t.is_contiguous():
+        raise ValueError("row_bytes needs a contiguous tensor")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()).cast("B")
 
 
 def pack_parts(

@@ -36,10 +36,10 @@ from agentrt.statecache.codec import (
     CorruptPayload,
     Layout,
     Record,
-    chunk_tensors,
     pack_parts,
     pack_tensors,
-    unpack,
+    row_bytes,
+    unpack_scatter,
 )
 from agentrt.statecache.keys import BLOCK, FORMAT_VERSION, PrefixKeys
 from agentrt.statecache.staging import PinnedRing
@@ -592,14 +592,19 @@ class StateCache:
         and the record's blob parts beside them when `load_blob`; returns the `BlobLoad` (or
         None). Waits for every worker before returning or raising, so none writes afterwards."""
 
+        # each chunk decompresses straight into its rows of the staged buffers: per attention
+        # layer k then v, per kv head BLOCK tokens (the chunk payload's own order)
+        heads = [[row_bytes(t[h]) for h in range(t.shape[0])] for t in staged]
+        span = BLOCK * self.layout.kv_row_bytes()
+
         def fill(index: int, ck: bytes) -> None:
             tensors = ram_chunks[ck]
-            if tensors is None:
-                data = self.store.read_chunk(ck, unpack)
-                if data is None:
-                    raise KeyError("payload missing")
-                tensors = [t for pair in chunk_tensors(data, self.layout) for t in pair]
-            self._fill_chunk(staged, index, tensors)
+            if tensors is not None:
+                self._fill_chunk(staged, index, tensors)
+                return
+            places = [row[index * span : (index + 1) * span] for rows in heads for row in rows]
+            if self.store.read_chunk(ck, functools.partial(unpack_scatter, outs=places)) is None:
+                raise KeyError("payload missing")
 
         load, jobs = None, []
         try:
