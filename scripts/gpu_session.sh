@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Several GPU runs in one device call (each under its own time limit, so one that runs long
-# cannot take the others' results with it): the GPU tests other than offload's, the suffix
-# prefill profile, the TTFT replay of the reasoning-dropped traces, and the state-cache
-# benchmark at 8K/32K. Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare).
-# Env: TESTS (pytest -k, default "not offloaded"), LENGTHS (default 8192,32768).
+# cannot take the others' results with it): the GPU tests, fla's chunked vs recurrent kernel
+# times, the TTFT replay of the reasoning-dropped traces, and the state-cache benchmark at
+# 8K/32K (PROFILE=1 adds the suffix prefill profile). Carry .whl .tok .traces-dev (see
+# gpu_ttft.sh prepare). Env: TESTS (pytest -k, default all), LENGTHS (default 8192,32768).
 set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
-git log --oneline -1 > "$OUT/commit.txt" 2>/dev/null
-timeout 150 python3 -m pytest -q -rs tests/test_gpu.py -k "${TESTS:-not offloaded}" > "$OUT/gpu_tests.log" 2>&1
+timeout 180 python3 -m pytest -q -rs -o faulthandler_timeout=100 tests/test_gpu.py -k "${TESTS:-gpu}" \
+  > "$OUT/gpu_tests.log" 2>&1
 tail -2 "$OUT/gpu_tests.log"
-timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
-grep median "$OUT/suffix.txt"
+timeout 60 python3 scripts/fla_crossover.py > "$OUT/fla_crossover.jsonl" 2>&1
+cat "$OUT/fla_crossover.jsonl"
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
+  grep median "$OUT/suffix.txt"
+fi
 VARIANTS=dropped timeout 240 bash scripts/gpu_ttft.sh | tail -14
 timeout 200 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
   --lengths "${LENGTHS:-8192,32768}" --state-dir /tmp/bench-state --json "$OUT/statecache.json" \

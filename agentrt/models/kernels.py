@@ -125,11 +125,16 @@ def fla_ops():
     return chunk, recurrent
 
 
+FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
+
+
 def fla_gated_delta_rule(q, k, v, g, beta, state):
     """fla kernels on `[1, T, H, d]` inputs (fla maps value head j to key head j // (Hv/Hk),
-    the same grouping as the torch path); the fused recurrent kernel for single tokens."""
+    the same grouping as the torch path). Short segments (single decode tokens, the tails that
+    capture cuts leave) take the fused recurrent kernel: one launch, where the chunked form
+    launches about ten, and prefill is bound by host time per launch on the H200."""
     chunk, recurrent = fla_ops()
-    fn = recurrent if q.shape[0] == 1 else chunk
+    fn = recurrent if q.shape[0] <= FLA_RECURRENT_MAX else chunk
     out, final = fn(
         q.unsqueeze(0),
         k.unsqueeze(0),
