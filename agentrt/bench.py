@@ -310,10 +310,10 @@ def _statecache_run(
     for p in many:
         ids[p - 1] = marker
     target = length - 1
-    reps = 3 if length <= 32768 else 1  # medians of 3 where a run takes seconds, not tens
+    reps = 5 if length <= 32768 else 1  # where a run takes seconds, not tens
     # other first tokens: prompts as long, with keys of their own (a capture of a stored
     # checkpoint would be skipped), so every capture timing does the full work
-    variants = [_other_start(ids, r, marker) for r in range(2 * reps)]
+    variants = [_other_start(ids, r, marker) for r in range(3 * reps)]
     state = engine.new_state(capacity=length + 16)
     warm = random_ids(
         engine.cfg.vocab_size - 1, 2048, seed + 1
@@ -321,26 +321,27 @@ def _statecache_run(
     _prefill_capture(engine, cache, _reset(state), warm, [2047])
     cache.flush()
     _, logits = _timed(device, lambda: engine.prefill(_reset(state), ids))
-    t_plain = _median(
-        [_timed(device, lambda v=v: engine.prefill(_reset(state), v))[0] for v in variants[:reps]]
-    )
 
     def capture(prompt: list[int], positions: list[int]) -> float:
         run = lambda: _prefill_capture(engine, cache, _reset(state), prompt, positions)  # noqa: E731
         return _timed(device, run)[0]
 
-    t_end, write_s, write_raw = [], 0.0, 0
-    for v in [ids] + variants[: reps - 1]:
-        t_end.append(capture(v, [target]))
+    # plain, one checkpoint, many checkpoints: interleaved, each round on its own prompts, the
+    # writer idle at each start; the overheads are medians of the per-round ratios, so a drift
+    # of the host's speed over the run (prefill here is bound by host time) cancels out
+    plain, t_end, t_many, write_s, write_raw, dropped0 = [], [], [], 0.0, 0, _dropped(cache)
+    for r in range(reps):
+        prompt = variants[3 * r]
+        plain.append(_timed(device, lambda p=prompt: engine.prefill(_reset(state), p))[0])
+        t_end.append(capture(ids if r == 0 else variants[3 * r + 1], [target]))
         seconds0, raw0 = cache.stats["write_seconds"], cache.stats["raw_bytes_written"]
         t_write, _ = _timed(device, cache.flush)
         write_s += cache.stats["write_seconds"] - seconds0
         write_raw += cache.stats["raw_bytes_written"] - raw0
-    record = cache.store.get_record(_key(cache, ids, target))
-    t_many, dropped0 = [], _dropped(cache)
-    for v in variants[reps:]:
-        t_many.append(capture(v, many + [target]))
+        t_many.append(capture(variants[3 * r + 2], many + [target]))
         cache.flush()
+    record = cache.store.get_record(_key(cache, ids, target))
+    t_plain = _median(plain)
     t_ram, hit_ram = _median_timed(reps, device, lambda: _restore(cache, state, ids))
     t_lmdb, hit_lmdb = _lmdb_restores(reps, device, open_cache, state, ids)
     _restore(cache, state, ids)
@@ -348,17 +349,21 @@ def _statecache_run(
     engine.prefill(_reset(state), ids[:target])  # the same prefix recomputed, then the same suffix
     recomputed = engine.prefill(state, ids[target:])
     raw = layout_bytes(cache.layout, target)
-    t_end_s, t_many_s = _median(t_end), _median(t_many)
+    end_ratios = sorted(e / p for e, p in zip(t_end, plain, strict=True))
+    many_ratios = sorted(m / p for m, p in zip(t_many, plain, strict=True))
     return {
         "prompt_tokens": length,
         "checkpoint_tokens": target,
         "repeats": reps,
         "recompute_s": t_plain,
-        "prefill_capture_end_s": t_end_s,
-        "capture_overhead_end": t_end_s / t_plain - 1,
+        "recompute_spread_s": [min(plain), max(plain)],
+        "prefill_capture_end_s": _median(t_end),
+        "capture_overhead_end": _median(end_ratios) - 1,
+        "capture_overhead_end_range": [end_ratios[0] - 1, end_ratios[-1] - 1],
         "captures_many": len(many) + 1,
-        "prefill_capture_many_s": t_many_s,
-        "capture_overhead_many": t_many_s / t_plain - 1,
+        "prefill_capture_many_s": _median(t_many),
+        "capture_overhead_many": _median(many_ratios) - 1,
+        "capture_overhead_many_range": [many_ratios[0] - 1, many_ratios[-1] - 1],
         "dropped_many": _dropped(cache) - dropped0,  # writer behind: staging or queue full
         "writer_flush_s": t_write,
         "writer_busy_s": write_s,
