@@ -33,7 +33,7 @@ def _inputs(seq_len, dtype, hk=4, hv=8, dk=128, dv=128):
 
 
 @needs_fla
-@pytest.mark.parametrize("seq_len", [1, 37, 64, 300])
+@pytest.mark.parametrize("seq_len", [1, 37, 64, 200, 300])
 def test_fla_matches_torch_fp32(seq_len):
     args = _inputs(seq_len, torch.float32)
     ref_out, ref_state = kernels.chunk_gated_delta_rule(*args)
