@@ -125,7 +125,7 @@ def fla_ops():
     return chunk, recurrent
 
 
-FLA_RECURRENT_MAX = 256  # segments up to this many tokens take fla's fused recurrent kernel
+FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, state):
@@ -133,8 +133,8 @@ def fla_gated_delta_rule(q, k, v, g, beta, state):
     the same grouping as the torch path). Short segments (decode tokens, short suffixes, the
     pieces capture cuts leave) take the fused recurrent kernel: one launch where the chunked
     form has about ten, and prefill is bound by host time per launch. On the H200 a call took
-    0.07-0.29 ms for 1-256 tokens against the chunked form's 0.59-0.61 ms; equal at 512
-    (`scripts/fla_crossover.py`)."""
+    0.07-0.08 ms up to 64 tokens, 0.29 ms at 256, against the chunked form's 0.59-0.61 ms; equal
+    at 512 (`scripts/fla_crossover.py`). 64 is the bound verified on the GPU end to end."""
     chunk, recurrent = fla_ops()
     fn = recurrent if q.shape[0] <= FLA_RECURRENT_MAX else chunk
     out, final = fn(
