@@ -176,6 +176,12 @@ def model_options(fn=None, *, cache_list: bool = False):
         click.option(
             "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
         ),
+        click.option(
+            "--prefill-graphs",
+            is_flag=True,
+            help="Experimental (CUDA): run prefills of up to 2048 tokens as CUDA graphs of "
+            "padded lengths (64-2048), one launch instead of thousands. Not yet measured.",
+        ),
         *offload_options(),
     ]
     for option in reversed(options):
@@ -260,6 +266,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         linear_attn=opts["linear_attn"],
         prefill_chunk=opts["prefill_chunk"],
         eager=opts["eager"],
+        prefill_graphs=opts["prefill_graphs"],
         offload=opts["offload"],
         vram_budget=opts["vram_budget"],
         expert_cache_slots=opts["expert_cache_slots"],

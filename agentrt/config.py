@@ -308,6 +308,7 @@ class EngineConfig:
     linear_attn: str = "auto"  # auto | torch | fla
     kv_grow_tokens: int = 1024
     cuda_graphs: bool = True  # capture the decode step on CUDA (False = --eager)
+    prefill_graphs: bool = False  # short prefills as CUDA graphs of padded lengths (experimental)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -4,7 +4,8 @@
 # recorded and with earlier reasoning dropped. Prepare on the dev machine first (the shared data
 # does not travel):  bash scripts/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
 # Env: VARIANTS (default recorded,dropped), PREFILL_CHUNK (default 4096: on an H200 a suffix of
-# 2-4K tokens then runs as one forward pass instead of two launch-bound ones).
+# 2-4K tokens then runs as one forward pass instead of two launch-bound ones), TTFT_ARGS (more
+# options, e.g. --prefill-graphs), NAME (output file stem, default ttft).
 set -u
 if [ "${1:-}" = prepare ]; then
   S=../shared/data
@@ -19,5 +20,6 @@ python3 -m agentrt.cli bench ttft .traces-dev/msa/*.zst .traces-dev/tau/*.zst \
   --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
   --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja \
   --variants "${VARIANTS:-recorded,dropped}" --prefill-chunk "${PREFILL_CHUNK:-4096}" \
-  --max-tokens 8 --max-requests 32 --json "$OUT/ttft.json" --plot "$OUT/ttft.png" > "$OUT/ttft.log" 2>&1
-tail -30 "$OUT/ttft.log"
+  --max-tokens 8 --max-requests 32 ${TTFT_ARGS:-} --json "$OUT/${NAME:-ttft}.json" \
+  --plot "$OUT/${NAME:-ttft}.png" > "$OUT/${NAME:-ttft}.log" 2>&1
+tail -30 "$OUT/${NAME:-ttft}.log"

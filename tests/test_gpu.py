@@ -1,7 +1,7 @@
 """GPU checks (skipped without CUDA): fla kernels == torch reference, bf16 CUDA logits close to the
-fp32 CPU path, chunked prefill == one pass on CUDA, CUDA-graph decode == eager, state-cache restores
-and semantic reuse on CUDA, offloaded experts (graph pieces, copies, CPU experts, CPU layers) ==
-the resident model."""
+fp32 CPU path, chunked prefill == one pass on CUDA, CUDA-graph decode and prefill == eager,
+state-cache restores and semantic reuse on CUDA, offloaded experts (graph pieces, copies, CPU
+experts, CPU layers) == the resident model."""
 
 from __future__ import annotations
 
@@ -98,6 +98,35 @@ def test_cuda_graph_decode_matches_eager(kernel):
             graph_logits - eager_logits
         ).abs().max().item() < 0.05 * eager_logits.abs().max().item()
     assert engines[0].decode_graph.enabled
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
+def test_prefill_graphs_match_eager_on_cuda(kernel):
+    """Short prefills replayed as CUDA graphs (padded to a bucket) give the eager logits, at new
+    positions and lengths in one bucket and across a KV growth step (recapture)."""
+    from agentrt.config import EngineConfig
+    from agentrt.engine import Engine
+    from agentrt.models.registry import open_model
+
+    model = open_model("tiny", "cuda", torch.bfloat16).model
+    engines = [
+        Engine(
+            model,
+            EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, prefill_graphs=g),
+        )
+        for g in (True, False)
+    ]
+    engines[0].prefill_graphs.reserve = 0  # grow KV as needed: 1000 -> 1100 recaptures
+    states = [e.new_state() for e in engines]
+    pieces = [range(10, 50), range(50, 60), range(60, 300), range(300, 1000), range(1000, 1100)]
+    pieces += [range(1100, 4000)]  # longer than the largest bucket: pieces of 2048 and 852
+    for piece in pieces:
+        graph_logits, eager_logits = (
+            e.prefill(s, list(piece)) for e, s in zip(engines, states, strict=True)
+        )
+        bound = 0.05 * eager_logits.abs().max().item()
+        assert (graph_logits - eager_logits).abs().max().item() < bound
+    assert engines[0].prefill_graphs.enabled and len(engines[0].prefill_graphs.graphs) >= 2
 
 
 def test_state_cache_restore_on_cuda(tmp_path):

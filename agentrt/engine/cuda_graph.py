@@ -1,4 +1,5 @@
-"""CUDA-graph capture and replay of the single-token decode step (all CUDA-graph code lives here).
+"""CUDA-graph capture and replay of the single-token decode step and of short prefills (all
+CUDA-graph code lives here).
 
 The step runs the model in its static form (position in a device tensor, KV written with
 `index_copy_`, attention over the whole reserved capacity under a mask), so every replay launches
@@ -25,7 +26,7 @@ import torch
 
 from agentrt.engine.state import SequenceState
 from agentrt.models.cache import KVCache
-from agentrt.models.layers import CausalLM
+from agentrt.models.layers import CausalLM, Span
 
 HostStep = Callable[[int], None]  # called with the position being decoded
 
@@ -179,3 +180,116 @@ def _cutters(model: CausalLM) -> list:
     if hasattr(model.experts, "recorder"):
         found.append(model.experts)
     return found
+
+
+# ----------------------------------------------------------------------------- prefill graphs
+
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
+
+
+@dataclass
+class _CapturedPrefill:
+    key: tuple[int, ...]
+    pieces: Pieces
+    ids: torch.Tensor  # [B] long
+    span: Span
+    logits: torch.Tensor  # [V] fp32
+
+
+class PrefillGraphs:
+    """Short prefills replayed as CUDA graphs: the prompt is padded up to the next bucket length
+    and run as the model's static pass (`Span`: positions and the real length in device tensors,
+    attention over the whole reserved capacity under a causal mask, padding masked out of the
+    linear-attention state), so one graph per bucket serves every prompt up to that length at any
+    position. An eager forward of a large model costs host time per kernel launch whatever its
+    length; a replay costs one launch. Graphs are valid for the cache buffers they were captured
+    on (recaptured when the KV grows, so KV is reserved `reserve` positions at a time); any
+    capture failure turns them off for the engine.
+
+    `capture=False` runs the same static pass eagerly (CPU tests of the padding and masking)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        device: torch.device,
+        buckets: tuple[int, ...] = PREFILL_BUCKETS,
+        capture: bool = True,
+        reserve: int = PREFILL_RESERVE,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.buckets = tuple(sorted(buckets))
+        self.capture = capture
+        self.reserve = reserve
+        self.enabled = True
+        self.graphs: dict[int, _CapturedPrefill] = {}
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def _step(self, state: SequenceState, ids: torch.Tensor, span: Span) -> torch.Tensor:
+        hidden = self.model(ids, state.caches, span)
+        return self.model.logits(hidden.index_select(0, span.valid - 1))[0]
+
+    def _span(self, start: int, valid: int) -> Span:
+        def scalar(value: int) -> torch.Tensor:
+            return torch.full((1,), value, dtype=torch.long, device=self.device)
+
+        return Span(scalar(start), scalar(valid))
+
+    def run(self, state: SequenceState, token_ids: list[int]) -> torch.Tensor | None:
+        """Logits after appending `token_ids` to `state`'s caches (the caller records the ids);
+        None when no bucket is long enough or graphs are off (then nothing was changed)."""
+        size = self.bucket(len(token_ids))
+        if size is None or not self.enabled:
+            return None
+        start = state.num_tokens
+        for cache in state.kv_caches():
+            if cache.capacity < start + size:
+                cache.reserve(max(start + size, self.reserve), start)
+        ids = torch.tensor(list(token_ids) + [0] * (size - len(token_ids)), dtype=torch.long)
+        if not self.capture:
+            return self._step(state, ids.to(self.device), self._span(start, len(token_ids)))
+        key = _buffers_key(state)
+        cap = self.graphs.get(size)
+        try:
+            if cap is None or cap.key != key:
+                self.graphs.pop(size, None)  # release its pool before capturing anew
+                cap = self.graphs[size] = self._capture(state, size, key)
+        except Exception as exc:  # noqa: BLE001 - any capture problem: prefill eagerly
+            self.enabled = False
+            self.graphs.clear()
+            print(
+                f"agentrt: prefill graph capture failed ({type(exc).__name__}: {exc}); "
+                "prefilling eagerly",
+                file=sys.stderr,
+            )
+            return None
+        cap.ids.copy_(ids)
+        cap.span.start.fill_(start)
+        cap.span.valid.fill_(len(token_ids))
+        cap.pieces.replay(start)
+        return cap.logits.clone()
+
+    def _capture(self, state: SequenceState, size: int, key: tuple[int, ...]) -> _CapturedPrefill:
+        ids = torch.zeros(size, dtype=torch.long, device=self.device)
+        span = self._span(state.num_tokens, size)
+        saved = [(c.conv.clone(), c.recurrent.clone()) for c in state.linear_caches()]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: lazy init, kernel autotuning
+            self._step(state, ids, span)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
+            cache.conv.copy_(conv)
+            cache.recurrent.copy_(rec)
+        torch.cuda.synchronize(self.device)
+        pieces = Pieces(self.device)
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            pieces.begin()
+            try:
+                logits = self._step(state, ids, span)
+            finally:
+                pieces.end()
+        return _CapturedPrefill(key, pieces, ids, span, logits)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.config import EngineConfig
-from agentrt.engine.cuda_graph import DecodeGraph
+from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs
 from agentrt.engine.reuse import NoReuse
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
@@ -78,6 +78,8 @@ class Engine:
         self.offload = None  # OffloadedExperts when routed experts live in a host store
         use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
+        use_prefill_graphs = config.prefill_graphs and self.device.type == "cuda"
+        self.prefill_graphs = PrefillGraphs(model, self.device) if use_prefill_graphs else None
 
     @property
     def max_context(self) -> int:
@@ -143,6 +145,14 @@ class Engine:
         ids = self._tensor(token_ids)
         state.clear_captures()
         wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
+        if self.prefill_graphs is not None and not all_logits and self.offload is None:
+            if should_stop is not None and should_stop():
+                raise Cancelled("generation cancelled during prefill")
+            done, logits = self._prefill_graphed(state, token_ids, wanted)
+            if done == len(token_ids):
+                return logits
+            token_ids, start = token_ids[done:], state.num_tokens  # the rest runs eagerly
+            ids = ids[done:]
         chunk, outputs = self.config.prefill_chunk, []
         for offset in range(0, len(token_ids), chunk):
             if should_stop is not None and should_stop():
@@ -156,6 +166,25 @@ class Engine:
         if all_logits:
             return torch.cat(outputs)
         return self.model.logits(outputs[-1])[0]
+
+    def _prefill_graphed(
+        self, state: SequenceState, token_ids: Sequence[int], wanted: list[int]
+    ) -> tuple[int, torch.Tensor | None]:
+        """Run the prompt as CUDA-graph replays: one per piece between capture positions (each
+        capture is then a piece's end state), pieces longer than the largest bucket cut into
+        bucket-long ones; up to the first piece no graph takes. Returns how many tokens ran and
+        the logits after them."""
+        start, done, logits = state.num_tokens, 0, None
+        for cut in _pieces(start, len(token_ids), wanted, self.prefill_graphs.buckets[-1]):
+            piece = list(token_ids[done:cut])
+            out = self.prefill_graphs.run(state, piece)
+            if out is None:
+                break
+            state.token_ids.extend(piece)
+            done, logits = cut, out
+            if start + cut in wanted:
+                state.record_capture(start + cut)
+        return done, logits
 
     @torch.inference_mode()
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
@@ -246,3 +275,13 @@ class Engine:
         for _ in self.stream(state, prompt_ids, params, gen, reuse):
             pass
         return gen
+
+
+def _pieces(start: int, length: int, wanted: list[int], longest: int) -> list[int]:
+    """End offsets of the pieces a prompt of `length` tokens at `start` runs in: one ends at
+    each capture position, and none is longer than `longest`."""
+    ends, begin = [], 0
+    for end in sorted({p - start for p in wanted if p - start < length} | {length}):
+        ends += list(range(begin + longest, end, longest)) + [end]
+        begin = end
+    return ends

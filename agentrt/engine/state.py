@@ -82,6 +82,11 @@ class SequenceState:
             pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
         )
 
+    def record_capture(self, pos: int) -> None:
+        """Record the current linear states as the capture at `pos` (the current length)."""
+        for cache in self.linear_caches():
+            cache.captured[pos] = (cache.conv.clone(), cache.recurrent.clone())
+
     def linear_at(self, pos: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Conv and recurrent states after `pos` tokens (live tensors: copy before mutating)."""
         linear = self.linear_caches()

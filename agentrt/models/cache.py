@@ -66,6 +66,16 @@ class KVCache:
         mask = torch.arange(self.capacity, device=pos.device)[None, :] <= pos
         return self.k, self.v, mask
 
+    def write_span(self, start: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store `[Hkv, B, D]` at positions start.. (a `[1]` device tensor); return the whole
+        buffers and the `[B, capacity]` causal mask (fixed shapes; capacity must already hold
+        start + B positions)."""
+        pos = start + torch.arange(k_new.shape[1], device=start.device)
+        self.k.index_copy_(1, pos, k_new)
+        self.v.index_copy_(1, pos, v_new)
+        mask = torch.arange(self.capacity, device=start.device)[None, :] <= pos[:, None]
+        return self.k, self.v, mask
+
 
 @dataclass
 class LinearCache:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,22 @@ from agentrt.config import FULL, ModelConfig
 from agentrt.models.cache import KVCache, LayerCache
 from agentrt.models.moe import RoutedExperts
 
-# A position is a Python int (eager) or a `[1]` long tensor on the device (static decode: the same
-# kernels and shapes every step, so the step can be captured in a CUDA graph).
-Position = int | torch.Tensor
+# A position is a Python int (eager), a `[1]` long tensor on the device (static decode: the same
+# kernels and shapes every step, so the step can be captured in a CUDA graph), or a `Span`.
+
+
+@dataclass(frozen=True)
+class Span:
+    """Positions of a fixed-shape multi-token pass (CUDA-graph safe): the pass holds B tokens at
+    positions `start`.. of which the first `valid` are real, the rest padding whose effects on
+    the state are masked out (their KV lands beyond the valid length, their linear-attention
+    updates are identities). Both are `[1]` long device tensors."""
+
+    start: torch.Tensor
+    valid: torch.Tensor
+
+
+Position = int | torch.Tensor | Span
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +90,9 @@ class Rotary(nn.Module):
     def cos_sin(
         self, start: Position, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(start, torch.Tensor):  # static decode: position held in a device tensor
+        if isinstance(start, Span):
+            start = start.start
+        if isinstance(start, torch.Tensor):  # static pass: position held in a device tensor
             pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
             return self._cos_sin(pos, dtype)
         inv = self.inv_freq
@@ -179,7 +195,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(start, seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        if isinstance(start, torch.Tensor):  # static decode: fixed shapes, CUDA-graph safe
+        if isinstance(start, Span):  # static prefill: the whole capacity under a causal mask
+            k_all, v_all, mask = cache.write_span(start.start, k.transpose(0, 1), v.transpose(0, 1))
+            out = _sdpa(q.transpose(0, 1), k_all, v_all, mask=mask)
+        elif isinstance(start, torch.Tensor):  # static decode: fixed shapes, CUDA-graph safe
             k_all, v_all, mask = cache.write_static(start, k.transpose(0, 1), v.transpose(0, 1))
             out = _sdpa(q.transpose(0, 1), k_all, v_all, mask=mask)
         else:

@@ -23,6 +23,8 @@ from agentrt.models.layers import (
     CausalLM,
     DecoderLayer,
     GatedRMSNorm,
+    Position,
+    Span,
     build_mlp,
     is_full_attention,
 )
@@ -55,7 +57,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cache: LinearCache, start: int, captures: Sequence[int]
+        self, x: torch.Tensor, cache: LinearCache, start: Position, captures: Sequence[int]
     ) -> torch.Tensor:
         seq_len = x.shape[0]
         conv_out, padded = kernels.causal_conv(
@@ -67,7 +69,10 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(seq_len, self.num_v_heads, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = self._recurrence(q, k, v, g, beta, cache, padded, start, captures)
+        if isinstance(start, Span):
+            out = self._masked_recurrence(q, k, v, g, beta, cache, padded, start)
+        else:
+            out = self._recurrence(q, k, v, g, beta, cache, padded, start, captures)
         z = self.in_proj_z(x).reshape(seq_len, self.num_v_heads, self.dv)
         out = self.norm(out, z).reshape(seq_len, self.value_dim)
         return self.out_proj(out)
@@ -96,6 +101,19 @@ class GatedDeltaNet(nn.Module):
         cache.conv.copy_(padded[seq_len : seq_len + width].T)
         cache.recurrent.copy_(state)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _masked_recurrence(self, q, k, v, g, beta, cache: LinearCache, padded, span: Span):
+        """Static pass: padding rows (from `span.valid` on) become identity updates (beta 0, no
+        decay), so the final state is the one after the real tokens; the conv state is the
+        window of inputs ending there."""
+        keep = (torch.arange(q.shape[0], device=q.device) < span.valid)[:, None]
+        out, state = kernels.gated_delta_rule(
+            q, k, v, g * keep, beta * keep, cache.recurrent, self.backend
+        )
+        rows = span.valid + torch.arange(self.kernel - 1, device=q.device)
+        cache.conv.copy_(padded.index_select(0, rows).T)
+        cache.recurrent.copy_(state)
+        return out
 
 
 def build(cfg: ModelConfig, experts: RoutedExperts) -> CausalLM:

@@ -160,6 +160,7 @@ class Runtime:
         linear_attn: str = "auto",
         prefill_chunk: int = 2048,
         eager: bool = False,
+        prefill_graphs: bool = False,
         require_tokenizer: bool = False,
         state_max_gb: float | None = None,
         boundaries: dict[str, str | list[str]] | None = None,
@@ -196,6 +197,7 @@ class Runtime:
             linear_attn=linear_attn,
             prefill_chunk=prefill_chunk,
             cuda_graphs=not eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
+            prefill_graphs=prefill_graphs,  # experimental; not used with offloaded experts
         )
         check_spec(model)
         tok_dir = tokenizer or tokenizer_dir_of(model)
