@@ -495,6 +495,8 @@ def ttft(rt, load, modes, variants, max_tokens, run, warmup: int = 8) -> dict[st
         "machine": machine(),
         "max_tokens": max_tokens,
         "warmup_requests": warmup,
+        "prefill_chunk": rt.engine.config.prefill_chunk,
+        "prefill_graphs": rt.engine.prefill_graphs is not None,
         "reports": reports,
         "ratios": _ttft_ratios(reports),
     }

@@ -2,8 +2,9 @@
 # Several GPU runs in one device call (each under its own time limit, so one that runs long
 # cannot take the others' results with it): the GPU tests, fla's chunked vs recurrent kernel
 # times, the TTFT replay of the reasoning-dropped traces, and the state-cache benchmark at
-# 8K/32K (PROFILE=1 adds the suffix prefill profile). Carry .whl .tok .traces-dev (see
-# gpu_ttft.sh prepare). Env: TESTS (pytest -k, default all), LENGTHS (default 8192,32768).
+# 8K/32K (PROFILE=1 adds the suffix prefill profile; GRAPHS=1 a second TTFT replay with
+# --prefill-graphs, into ttft_graphs.*). Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare).
+# Env: TESTS (pytest -k, default all), LENGTHS (default 8192,32768).
 set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -17,6 +18,9 @@ if [ "${PROFILE:-0}" = 1 ]; then
   grep median "$OUT/suffix.txt"
 fi
 VARIANTS=dropped timeout 240 bash scripts/gpu_ttft.sh | tail -14
+if [ "${GRAPHS:-0}" = 1 ]; then
+  VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout 240 bash scripts/gpu_ttft.sh | tail -14
+fi
 timeout 200 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
   --lengths "${LENGTHS:-8192,32768}" --state-dir /tmp/bench-state --json "$OUT/statecache.json" \
   > "$OUT/statecache.log" 2>&1
