@@ -190,7 +190,6 @@ PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new 
 
 @dataclass
 class _CapturedPrefill:
-    key: tuple[int, ...]
     pieces: Pieces
     ids: torch.Tensor  # [B] long
     span: Span
@@ -204,8 +203,9 @@ class PrefillGraphs:
     linear-attention state), so one graph per bucket serves every prompt up to that length at any
     position. An eager forward of a large model costs host time per kernel launch whatever its
     length; a replay costs one launch. Graphs are valid for the cache buffers they were captured
-    on (recaptured when the KV grows, so KV is reserved `reserve` positions at a time); any
-    capture failure turns them off for the engine.
+    on: all buckets are captured together at first use and again whenever the KV buffers change
+    (so that capture costs land in one request, not in many; KV is reserved `reserve` positions
+    at a time, so growth is rare); any capture failure turns them off for the engine.
 
     `capture=False` runs the same static pass eagerly (CPU tests of the padding and masking)."""
 
@@ -223,7 +223,8 @@ class PrefillGraphs:
         self.capture = capture
         self.reserve = reserve
         self.enabled = True
-        self.graphs: dict[int, _CapturedPrefill] = {}
+        self.graphs: dict[int, _CapturedPrefill] = {}  # bucket -> graph, for buffers `key`
+        self.key: tuple[int, ...] | None = None
 
     def bucket(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
@@ -252,13 +253,15 @@ class PrefillGraphs:
         if not self.capture:
             return self._step(state, ids.to(self.device), self._span(start, len(token_ids)))
         key = _buffers_key(state)
-        cap = self.graphs.get(size)
         try:
-            if cap is None or cap.key != key:
-                self.graphs.pop(size, None)  # release its pool before capturing anew
-                cap = self.graphs[size] = self._capture(state, size, key)
+            if key != self.key:
+                self.graphs.clear()  # release their pools before capturing anew
+                self.key = None
+                for bucket in self.buckets:
+                    self.graphs[bucket] = self._capture(state, bucket)
+                self.key = key
         except Exception as exc:  # noqa: BLE001 - any capture problem: prefill eagerly
-            self.enabled = False
+            self.enabled, self.key = False, None
             self.graphs.clear()
             print(
                 f"agentrt: prefill graph capture failed ({type(exc).__name__}: {exc}); "
@@ -266,13 +269,14 @@ class PrefillGraphs:
                 file=sys.stderr,
             )
             return None
+        cap = self.graphs[size]
         cap.ids.copy_(ids)
         cap.span.start.fill_(start)
         cap.span.valid.fill_(len(token_ids))
         cap.pieces.replay(start)
         return cap.logits.clone()
 
-    def _capture(self, state: SequenceState, size: int, key: tuple[int, ...]) -> _CapturedPrefill:
+    def _capture(self, state: SequenceState, size: int) -> _CapturedPrefill:
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         span = self._span(state.num_tokens, size)
         saved = [(c.conv.clone(), c.recurrent.clone()) for c in state.linear_caches()]
@@ -292,4 +296,4 @@ class PrefillGraphs:
                 logits = self._step(state, ids, span)
             finally:
                 pieces.end()
-        return _CapturedPrefill(key, pieces, ids, span, logits)
+        return _CapturedPrefill(pieces, ids, span, logits)
