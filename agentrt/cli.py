@@ -179,8 +179,8 @@ def model_options(fn=None, *, cache_list: bool = False):
         click.option(
             "--prefill-graphs",
             is_flag=True,
-            help="Experimental (CUDA): run prefills of up to 2048 tokens as CUDA graphs of "
-            "padded lengths (64-2048), one launch instead of thousands. Not yet measured.",
+            help="Experimental (CUDA): run prefills in pieces of up to 512 tokens as CUDA "
+            "graphs of padded lengths (64-512), one launch instead of thousands. Not yet measured.",
         ),
         *offload_options(),
     ]

@@ -43,22 +43,24 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def marker_cache(engine: Engine, config: StateCacheConfig, name: bytes) -> tuple[StateCache, int]:
+    """A state cache for `engine` whose one boundary is the last vocabulary id (returned too),
+    its pinned staging ring ready."""
+    marker = engine.cfg.vocab_size - 1
+    layout = layout_for(engine.cfg, engine.dtype)
+    bounds = Boundaries({"message_end": ((marker,),)})
+    cache = StateCache(config, name, "profile", layout, bounds, False, engine.device)
+    cache.wait_staging()
+    return cache, marker
+
+
 def main() -> None:
     args = [int(a) for a in sys.argv[1:]] + [8192, 8, 2000][len(sys.argv) - 1 :]
     tokens, layers, every = args[:3]
     model = build("qwen3.5-35b-a3b", layers, DEVICE)
     engine = Engine(model, EngineConfig(device=DEVICE, dtype="bfloat16", cuda_graphs=False))
-    marker = engine.cfg.vocab_size - 1
-    cache = StateCache(
-        StateCacheConfig(state_dir=Path(tempfile.mkdtemp()), min_distance=0, queue_size=64),
-        b"profile-capture",
-        "profile",
-        layout_for(engine.cfg, engine.dtype),
-        Boundaries({"message_end": ((marker,),)}),
-        False,
-        engine.device,
-    )
-    cache.wait_staging()
+    config = StateCacheConfig(state_dir=Path(tempfile.mkdtemp()), min_distance=0, queue_size=64)
+    cache, marker = marker_cache(engine, config, b"profile-capture")
     base = torch.randint(0, marker - 1, (tokens,)).tolist()
     positions = list(range(every, tokens - 1, every)) + [tokens - 1]
     state = engine.new_state(capacity=tokens + 16)

@@ -21,24 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from profile_capture import DEVICE, marker_cache, sync  # noqa: E402
 from profile_step import build  # noqa: E402
 
 from agentrt.config import EngineConfig, StateCacheConfig  # noqa: E402
 from agentrt.engine import Engine, Generation, SamplingParams  # noqa: E402
 from agentrt.engine.reuse import SemanticReuse  # noqa: E402
-from agentrt.statecache import Boundaries, StateCache  # noqa: E402
-from agentrt.statecache.manager import layout_for  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script only
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -46,17 +37,8 @@ def main() -> None:
     layers, steps, prefix = args[:3]
     model = build("qwen3.5-35b-a3b", layers, DEVICE)
     engine = Engine(model, EngineConfig(device=DEVICE, dtype="bfloat16", prefill_chunk=4096))
-    marker = engine.cfg.vocab_size - 1
-    cache = StateCache(
-        StateCacheConfig(state_dir=Path(tempfile.mkdtemp())),
-        b"profile-suffix",
-        "profile",
-        layout_for(engine.cfg, engine.dtype),
-        Boundaries({"message_end": ((marker,),)}),
-        False,
-        engine.device,
-    )
-    cache.wait_staging()
+    config = StateCacheConfig(state_dir=Path(tempfile.mkdtemp()))
+    cache, marker = marker_cache(engine, config, b"profile-suffix")
     reuse = SemanticReuse(cache)
     params = SamplingParams(max_tokens=8)
     rnd = random.Random(0)

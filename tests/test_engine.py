@@ -204,6 +204,23 @@ def test_static_prefill_matches_eager(ckpt):
     assert (eng.decode_step(static, tok) - eng.decode_step(eager, tok)).abs().max().item() < 1e-4
 
 
+def test_failed_prefill_graph_capture_falls_back_to_eager(hf_checkpoints, capsys):
+    """A capture that fails (here: no CUDA) turns prefill graphs off with a message; the prompt
+    runs eagerly from an untouched state, and later prompts skip the graphs."""
+    from agentrt.engine.cuda_graph import PrefillGraphs
+
+    ids = random_ids(120, seed=29)
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    eager = eng.new_state()
+    expected = [eng.prefill(eager, ids[:100]), eng.prefill(eager, ids[100:])]
+    eng.prefill_graphs = PrefillGraphs(eng.model, torch.device("cpu"), (64, 128), reserve=0)
+    state = eng.new_state()
+    got = [eng.prefill(state, ids[:100]), eng.prefill(state, ids[100:])]
+    assert not eng.prefill_graphs.enabled and "prefilling eagerly" in capsys.readouterr().err
+    for a, b in zip(got, expected, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
+
+
 def test_state_operations_work_outside_inference_mode(hf_checkpoints):
     eng = open_engine(hf_checkpoints["qwen3_moe"])
     state = eng.new_state()

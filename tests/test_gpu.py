@@ -116,18 +116,24 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
         )
         for g in (True, False)
     ]
-    engines[0].prefill_graphs.reserve = 0  # grow KV as needed: 1000 -> 1100 recaptures
+    engines[0].prefill_graphs.reserve = 0  # grow KV as needed: recaptures along the way
     states = [e.new_state() for e in engines]
     pieces = [range(10, 50), range(50, 60), range(60, 300), range(300, 1000), range(1000, 1100)]
-    pieces += [range(1100, 4000)]  # longer than the largest bucket: pieces of 2048 and 852
+    pieces += [range(1100, 2300)]  # longer than the largest bucket: pieces of 512 and the rest
     for piece in pieces:
+        ids = [t % 2000 for t in piece]  # the tiny model's vocabulary has 2048 ids
         graph_logits, eager_logits = (
-            e.prefill(s, list(piece)) for e, s in zip(engines, states, strict=True)
+            e.prefill(s, ids) for e, s in zip(engines, states, strict=True)
         )
         bound = 0.05 * eager_logits.abs().max().item()
         assert (graph_logits - eager_logits).abs().max().item() < bound
     graphs = engines[0].prefill_graphs
     assert graphs.enabled and len(graphs.graphs) == len(graphs.buckets)
+    tok = 7  # and decoding goes on from the same state
+    graph_logits, eager_logits = (
+        e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)
+    )
+    assert (graph_logits - eager_logits).abs().max().item() < bound
 
 
 def test_state_cache_restore_on_cuda(tmp_path):

@@ -105,23 +105,11 @@ class DecodeGraph:
         hidden = self.model(token, state.caches, pos)
         return self.model.logits(hidden)[0]
 
-    def _warm_up(self, state: SequenceState, token: torch.Tensor, pos: torch.Tensor) -> None:
-        """Run the static step once eagerly (lazy init, autotuning), then undo its state changes."""
-        saved = [(c.conv.clone(), c.recurrent.clone()) for c in state.linear_caches()]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._static_step(state, token, pos)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
-            cache.conv.copy_(conv)
-            cache.recurrent.copy_(rec)
-
     def _capture(self, state: SequenceState, key: tuple[int, ...]) -> _Captured:
         self.current = None  # release the previous graph's pool first
         token = torch.zeros(1, dtype=torch.long, device=self.device)
         pos = torch.full((1,), state.num_tokens, dtype=torch.long, device=self.device)
-        self._warm_up(state, token, pos)
+        _warm_up(state, self.device, lambda: self._static_step(state, token, pos))
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         pieces = Pieces(self.device)
@@ -173,6 +161,23 @@ class DecodeGraph:
         return cap.logits.clone()
 
 
+def _warm_up(state: SequenceState, device: torch.device, step: Callable[[], object]) -> None:
+    """Run a static step once eagerly on a side stream (lazy init, kernel autotuning) before it
+    is captured, then undo what it did to the linear-attention state (the KV it wrote lies past
+    the sequence's valid length)."""
+    saved = [(c.conv.clone(), c.recurrent.clone()) for c in state.linear_caches()]
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            step()
+    finally:  # also after a failure part-way (e.g. out of memory): the state stays as it was
+        torch.cuda.current_stream(device).wait_stream(stream)
+        for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
+            cache.conv.copy_(conv)
+            cache.recurrent.copy_(rec)
+
+
 def _cutters(model: CausalLM) -> list:
     """Objects in the step that cut captures: they have a `recorder` attribute (None outside a
     capture). The routed-experts object, and any module of the model."""
@@ -184,7 +189,10 @@ def _cutters(model: CausalLM) -> list:
 
 # ----------------------------------------------------------------------------- prefill graphs
 
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+# Attention in a replay reads the whole reserved KV capacity under a mask, so its cost grows
+# with bucket x capacity: the buckets stop at 512 tokens (suffixes; longer prompts run eagerly,
+# where prefill is closer to GPU-bound).
+PREFILL_BUCKETS = (64, 128, 256, 512)
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
 
 
@@ -246,9 +254,10 @@ class PrefillGraphs:
         if size is None or not self.enabled:
             return None
         start = state.num_tokens
+        need = start + (self.buckets[-1] if self.capture else size)  # captures run every bucket
         for cache in state.kv_caches():
-            if cache.capacity < start + size:
-                cache.reserve(max(start + size, self.reserve), start)
+            if cache.capacity < need:
+                cache.reserve(max(need, self.reserve), start)
         ids = torch.tensor(list(token_ids) + [0] * (size - len(token_ids)), dtype=torch.long)
         if not self.capture:
             return self._step(state, ids.to(self.device), self._span(start, len(token_ids)))
@@ -279,15 +288,7 @@ class PrefillGraphs:
     def _capture(self, state: SequenceState, size: int) -> _CapturedPrefill:
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         span = self._span(state.num_tokens, size)
-        saved = [(c.conv.clone(), c.recurrent.clone()) for c in state.linear_caches()]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up: lazy init, kernel autotuning
-            self._step(state, ids, span)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
-            cache.conv.copy_(conv)
-            cache.recurrent.copy_(rec)
+        _warm_up(state, self.device, lambda: self._step(state, ids, span))
         torch.cuda.synchronize(self.device)
         pieces = Pieces(self.device)
         with torch.cuda.stream(torch.cuda.Stream(self.device)):

@@ -146,9 +146,7 @@ class Engine:
         state.clear_captures()
         wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
         if self.prefill_graphs is not None and not all_logits and self.offload is None:
-            if should_stop is not None and should_stop():
-                raise Cancelled("generation cancelled during prefill")
-            done, logits = self._prefill_graphed(state, token_ids, wanted)
+            done, logits = self._prefill_graphed(state, token_ids, wanted, should_stop)
             if done == len(token_ids):
                 return logits
             token_ids, start = token_ids[done:], state.num_tokens  # the rest runs eagerly
@@ -168,7 +166,7 @@ class Engine:
         return self.model.logits(outputs[-1])[0]
 
     def _prefill_graphed(
-        self, state: SequenceState, token_ids: Sequence[int], wanted: list[int]
+        self, state: SequenceState, token_ids: Sequence[int], wanted: list[int], should_stop
     ) -> tuple[int, torch.Tensor | None]:
         """Run the prompt as CUDA-graph replays: one per piece between capture positions (each
         capture is then a piece's end state), pieces longer than the largest bucket cut into
@@ -176,6 +174,8 @@ class Engine:
         the logits after them."""
         start, done, logits = state.num_tokens, 0, None
         for cut in _pieces(start, len(token_ids), wanted, self.prefill_graphs.buckets[-1]):
+            if should_stop is not None and should_stop():
+                raise Cancelled("generation cancelled during prefill")
             piece = list(token_ids[done:cut])
             out = self.prefill_graphs.run(state, piece)
             if out is None:

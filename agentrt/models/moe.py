@@ -62,6 +62,8 @@ class RoutedExperts:
             try:
                 return self.grouped_mm(layer, x, ids, weights)
             except RuntimeError:  # unsupported dtype/device/layout for this torch build
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise  # a capture problem (the caller falls back), not grouped_mm's
                 self.use_grouped_mm = False
         if ids.numel() <= GATHER_MAX_ROWS:
             return self.gathered(layer, x, ids, weights)
