@@ -179,8 +179,9 @@ def model_options(fn=None, *, cache_list: bool = False):
         click.option(
             "--prefill-graphs",
             is_flag=True,
-            help="Experimental (CUDA): run prefills in pieces of up to 512 tokens as CUDA "
-            "graphs of padded lengths (64-512), one launch instead of thousands. Not yet measured.",
+            help="Experimental (CUDA): run prompts of up to 2048 tokens in pieces of up to 512 "
+            "as CUDA graphs of padded lengths (64-512), one launch instead of thousands. Not "
+            "yet measured.",
         ),
         *offload_options(),
     ]

@@ -169,13 +169,16 @@ def test_static_prefill_matches_eager(ckpt):
     """The CUDA-graph form of prefill (prompt padded to a bucket, positions and real length in
     device tensors, padding masked out of KV and linear-attention state) gives the logits,
     states and end captures of the eager prefill, from position 0 and after a prefix; prompts
-    longer than every bucket and captures inside a prompt split it into pieces."""
+    longer than every bucket and captures inside a prompt split it into pieces; prompts longer
+    than `max_prompt` run eagerly."""
     from agentrt.engine.cuda_graph import PrefillGraphs
 
-    ids = random_ids(330, seed=23)
+    ids = random_ids(440, seed=23)
     eng = open_engine(ckpt)
     eager, static = eng.new_state(), eng.new_state()
-    graphs = PrefillGraphs(eng.model, torch.device("cpu"), (16, 64), capture=False, reserve=0)
+    graphs = PrefillGraphs(
+        eng.model, torch.device("cpu"), (16, 64), capture=False, reserve=0, max_prompt=100
+    )
     used, run = [], graphs.run
 
     def counted(state, tokens):
@@ -186,7 +189,7 @@ def test_static_prefill_matches_eager(ckpt):
 
     graphs.run = counted
     pieces = [(0, 40, [40]), (40, 50, []), (50, 80, [80]), (80, 180, [180]), (180, 200, [190])]
-    pieces += [(200, 300, [210, 300]), (300, 320, [305, 320])]
+    pieces += [(200, 300, [210, 300]), (300, 320, [305, 320]), (320, 430, [])]
     for lo, hi, capture in pieces:
         eng.prefill_graphs = None
         expected = eng.prefill(eager, ids[lo:hi], capture=capture)
@@ -197,9 +200,9 @@ def test_static_prefill_matches_eager(ckpt):
         for pos in capture:
             for a, b in zip(*(s.linear_at(pos)[1] for s in (static, eager)), strict=True):
                 assert (a - b).abs().max().item() < 1e-5
-    assert used == [40, 10, 30, 64, 36, 10, 10, 10, 64, 26, 5, 15]
-    assert static.token_ids == eager.token_ids == ids[:320]
-    tok = ids[320]
+    assert used == [40, 10, 30, 64, 36, 10, 10, 10, 64, 26, 5, 15]  # 110 > max_prompt: eager
+    assert static.token_ids == eager.token_ids == ids[:430]
+    tok = ids[430]
     eng.prefill_graphs = None
     assert (eng.decode_step(static, tok) - eng.decode_step(eager, tok)).abs().max().item() < 1e-4
 

@@ -194,6 +194,8 @@ def _cutters(model: CausalLM) -> list:
 # where prefill is closer to GPU-bound).
 PREFILL_BUCKETS = (64, 128, 256, 512)
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
+PREFILL_MAX_PROMPT = 2048  # longer prompts run eagerly: in big chunks, prefill nears GPU-bound,
+# while every 512-token piece streams (nearly) all expert weights once more
 
 
 @dataclass
@@ -224,12 +226,14 @@ class PrefillGraphs:
         buckets: tuple[int, ...] = PREFILL_BUCKETS,
         capture: bool = True,
         reserve: int = PREFILL_RESERVE,
+        max_prompt: int = PREFILL_MAX_PROMPT,
     ) -> None:
         self.model = model
         self.device = device
         self.buckets = tuple(sorted(buckets))
         self.capture = capture
         self.reserve = reserve
+        self.max_prompt = max_prompt
         self.enabled = True
         self.graphs: dict[int, _CapturedPrefill] = {}  # bucket -> graph, for buffers `key`
         self.key: tuple[int, ...] | None = None

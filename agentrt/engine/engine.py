@@ -145,7 +145,13 @@ class Engine:
         ids = self._tensor(token_ids)
         state.clear_captures()
         wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
-        if self.prefill_graphs is not None and not all_logits and self.offload is None:
+        graphs = self.prefill_graphs
+        if (
+            graphs is not None
+            and len(token_ids) <= graphs.max_prompt
+            and not all_logits
+            and self.offload is None
+        ):
             done, logits = self._prefill_graphed(state, token_ids, wanted, should_stop)
             if done == len(token_ids):
                 return logits
@@ -168,10 +174,10 @@ class Engine:
     def _prefill_graphed(
         self, state: SequenceState, token_ids: Sequence[int], wanted: list[int], should_stop
     ) -> tuple[int, torch.Tensor | None]:
-        """Run the prompt as CUDA-graph replays: one per piece between capture positions (each
-        capture is then a piece's end state), pieces longer than the largest bucket cut into
-        bucket-long ones; up to the first piece no graph takes. Returns how many tokens ran and
-        the logits after them."""
+        """Run a prompt of at most `max_prompt` tokens as CUDA-graph replays: one per piece
+        between capture positions (each capture is then a piece's end state), pieces longer
+        than the largest bucket cut into bucket-long ones; up to the first piece no graph
+        takes. Returns how many tokens ran and the logits after them."""
         start, done, logits = state.num_tokens, 0, None
         for cut in _pieces(start, len(token_ids), wanted, self.prefill_graphs.buckets[-1]):
             if should_stop is not None and should_stop():
