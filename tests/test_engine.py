@@ -207,6 +207,37 @@ def test_static_prefill_matches_eager(ckpt):
     assert (eng.decode_step(static, tok) - eng.decode_step(eager, tok)).abs().max().item() < 1e-4
 
 
+def test_prefill_graph_replays_refill_their_static_buffers(hf_checkpoints):
+    """The capture bookkeeping, on the CPU with a stand-in graph (its replay re-runs the recorded
+    step on the same static buffers): every bucket is recorded at first use and again after the
+    KV buffers grow, never otherwise, and replays at new positions and lengths give the eager
+    logits."""
+    from agentrt.engine.cuda_graph import PrefillGraphs
+
+    class Replayed(PrefillGraphs):
+        recorded = 0
+
+        def _record(self, step):
+            self.recorded += 1
+            out = torch.empty(self.model.config.vocab_size)
+            return (lambda: out.copy_(step())), out
+
+    ids = random_ids(2200, seed=31)
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    graphs = Replayed(eng.model, torch.device("cpu"), (16, 64), reserve=0)
+    eager, state = eng.new_state(), eng.new_state()
+    capacities, bounds = [], [0, 30, 35, 99, 160, 170, 420, 430, 500, 640, 1000, 1010, 1990, 2200]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        eng.prefill_graphs = None
+        expected = eng.prefill(eager, ids[lo:hi])
+        eng.prefill_graphs = graphs
+        got = eng.prefill(state, ids[lo:hi])
+        assert (got - expected).abs().max().item() < 1e-4
+        capacities.append(state.kv_caches()[0].capacity)
+    assert graphs.enabled
+    assert graphs.recorded == len(graphs.buckets) * len(set(capacities)) > 2 * len(graphs.buckets)
+
+
 def test_failed_prefill_graph_capture_falls_back_to_eager(hf_checkpoints, capsys):
     """A capture that fails (here: no CUDA) turns prefill graphs off with a message; the prompt
     runs eagerly from an untouched state, and later prompts skip the graphs."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -166,13 +167,16 @@ def _warm_up(state: SequenceState, device: torch.device, step: Callable[[], obje
     is captured, then undo what it did to the linear-attention state (the KV it wrote lies past
     the sequence's valid length)."""
     saved = [(c.conv.clone(), c.recurrent.clone()) for c in state.linear_caches()]
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    on_cuda = device.type == "cuda"  # (the CPU runs it too, in tests of the bookkeeping)
+    stream = torch.cuda.Stream(device) if on_cuda else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
     try:
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             step()
     finally:  # also after a failure part-way (e.g. out of memory): the state stays as it was
-        torch.cuda.current_stream(device).wait_stream(stream)
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
         for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
             cache.conv.copy_(conv)
             cache.recurrent.copy_(rec)
@@ -200,7 +204,7 @@ PREFILL_MAX_PROMPT = 2048  # longer prompts run eagerly: in big chunks, prefill 
 
 @dataclass
 class _CapturedPrefill:
-    pieces: Pieces
+    replay: Callable[[], None]
     ids: torch.Tensor  # [B] long
     span: Span
     logits: torch.Tensor  # [V] fp32
@@ -286,19 +290,25 @@ class PrefillGraphs:
         cap.ids.copy_(ids)
         cap.span.start.fill_(start)
         cap.span.valid.fill_(len(token_ids))
-        cap.pieces.replay(start)
+        cap.replay()
         return cap.logits.clone()
 
     def _capture(self, state: SequenceState, size: int) -> _CapturedPrefill:
+        """Static input buffers for one bucket, a warm-up, then the recorded step."""
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         span = self._span(state.num_tokens, size)
         _warm_up(state, self.device, lambda: self._step(state, ids, span))
+        replay, logits = self._record(lambda: self._step(state, ids, span))
+        return _CapturedPrefill(replay, ids, span, logits)
+
+    def _record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Capture `step` as a CUDA graph: (replay, the output tensor each replay refills)."""
         torch.cuda.synchronize(self.device)
         pieces = Pieces(self.device)
         with torch.cuda.stream(torch.cuda.Stream(self.device)):
             pieces.begin()
             try:
-                logits = self._step(state, ids, span)
+                out = step()
             finally:
                 pieces.end()
-        return _CapturedPrefill(pieces, ids, span, logits)
+        return (lambda: pieces.replay(0)), out
