@@ -123,13 +123,15 @@ class Runtime:
         return self.reuse.mode
 
     def set_cache(self, mode: str, state_cache: StateCacheConfig | None = None) -> None:
-        """Switch the reuse mode (closing the previous state cache); the live state is dropped."""
+        """Switch the reuse mode (closing the previous state cache); the live state is emptied
+        (its buffers, and the CUDA graphs captured on them, are kept)."""
         if mode not in CACHE_MODES:
             raise InvalidArgumentError(
                 f"cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}"
             )
         self.reuse.close()
-        self._state = None
+        if self._state is not None:
+            self._state.reset()
         config = state_cache or StateCacheConfig()
         self.reuse = _make_reuse(
             mode, self.engine, self._source, self.tokenizer, self._boundaries, config
