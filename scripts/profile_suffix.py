@@ -8,12 +8,15 @@ and `continue` (plain suffix prefill on a live state: the compute floor). Then a
 semantic step and a torch profile of one suffix prefill. Prints JSON lines, then tables.
 
     python scripts/profile_suffix.py [layers] [steps] [prefix]     (default 8 24 2000)
+
+With PREFILL_GRAPHS=1 the engine runs prefills as CUDA graphs (`--prefill-graphs`).
 """
 
 from __future__ import annotations
 
 import cProfile
 import json
+import os
 import pstats
 import random
 import sys
@@ -36,7 +39,11 @@ def main() -> None:
     args = [int(a) for a in sys.argv[1:]] + [8, 24, 2000][len(sys.argv) - 1 :]
     layers, steps, prefix = args[:3]
     model = build("qwen3.5-35b-a3b", layers, DEVICE)
-    engine = Engine(model, EngineConfig(device=DEVICE, dtype="bfloat16", prefill_chunk=4096))
+    graphs = os.environ.get("PREFILL_GRAPHS") == "1"  # --prefill-graphs
+    engine = Engine(
+        model,
+        EngineConfig(device=DEVICE, dtype="bfloat16", prefill_chunk=4096, prefill_graphs=graphs),
+    )
     config = StateCacheConfig(state_dir=Path(tempfile.mkdtemp()))
     cache, marker = marker_cache(engine, config, b"profile-suffix")
     reuse = SemanticReuse(cache)
