@@ -348,7 +348,7 @@ def _statecache_run(
     restored = engine.prefill(state, ids[target:])
     engine.prefill(_reset(state), ids[:target])  # the same prefix recomputed, then the same suffix
     recomputed = engine.prefill(state, ids[target:])
-    raw = layout_bytes(cache.layout, target)
+    raw = cache.layout.blob_bytes(target)  # as if all of it were one record's snapshot
     end_ratios = sorted(e / p for e, p in zip(t_end, plain, strict=True))
     many_ratios = sorted(m / p for m, p in zip(t_many, plain, strict=True))
     return {
@@ -413,14 +413,6 @@ def _lmdb_restores(reps: int, device: str, open_cache, state, ids):
         times.append(seconds)
         hit = hit or source
     return _median(times), hit
-
-
-def layout_bytes(layout, tokens: int) -> int:
-    linear = layout.num_linear * (
-        layout.conv_shape[0] * layout.conv_shape[1] * 2
-        + 4 * layout.rec_shape[0] * layout.rec_shape[1] * layout.rec_shape[2]
-    )
-    return tokens * layout.kv_token_bytes() + linear
 
 
 def _reset(state):

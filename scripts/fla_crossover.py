@@ -11,21 +11,14 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-from agentrt.models.kernels import fla_ops
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_step import timed  # noqa: E402  (ms per call, 20 calls after one)
 
-
-def timed(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+from agentrt.models.kernels import fla_ops  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +36,7 @@ def main() -> None:
                 fn, q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                 use_qk_l2norm_in_kernel=True,
             )  # fmt: skip
-            row[name] = round(1000 * timed(call), 4)
+            row[name] = round(timed(call), 4)
         print(json.dumps(row), flush=True)
 
 

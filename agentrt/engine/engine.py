@@ -121,7 +121,7 @@ class Engine:
                 )
 
     def _tensor(self, ids: Sequence[int]) -> torch.Tensor:
-        self._check_ids(ids)
+        """Token ids (the caller has checked them: `_check_ids`) as a device tensor."""
         return torch.tensor(list(ids), dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
@@ -142,7 +142,7 @@ class Engine:
             raise InvalidArgumentError("prefill needs at least one token")
         start = state.num_tokens
         self.check_fits(start + len(token_ids))
-        ids = self._tensor(token_ids)
+        self._check_ids(token_ids)
         state.clear_captures()
         wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
         graphs = self.prefill_graphs
@@ -156,7 +156,7 @@ class Engine:
             if done == len(token_ids):
                 return logits
             token_ids, start = token_ids[done:], state.num_tokens  # the rest runs eagerly
-            ids = ids[done:]
+        ids = self._tensor(token_ids)
         chunk, outputs = self.config.prefill_chunk, []
         for offset in range(0, len(token_ids), chunk):
             if should_stop is not None and should_stop():

@@ -360,7 +360,7 @@ class StateCache:
         self.stats["write_seconds"] += time.perf_counter() - t0
 
     def _commit(self, job: _Job) -> None:
-        tail = job.pos - (job.pos // BLOCK) * BLOCK
+        tail = job.pos % BLOCK
         tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
         blob = tail_kv + job.conv + job.rec
         self.ram.put(job.key, (job.kind, blob), _nbytes(blob))
@@ -399,10 +399,7 @@ class StateCache:
         self.stats[f"write_{result}"] += 1
         if result == "written":
             self.stats["bytes_written"] += len(blob_payload) + chunk_bytes
-            self.stats["raw_bytes_written"] += _nbytes(blob) + sum(
-                _nbytes(self._chunk_from_job(job, job.chunk_keys.index(ck)) or [])
-                for ck in payloads
-            )
+            self.stats["raw_bytes_written"] += _nbytes(blob) + sum(map(_nbytes, chunks.values()))
             with self._lock:
                 self._known.update(job.chunk_keys)
 
@@ -657,7 +654,7 @@ class StateCache:
         """Blob tensors into the caches; asynchronous copies when `load` holds them pinned (its
         `release` waits for them)."""
         non_blocking = load is not None and load.pinned
-        tail = pos - (pos // BLOCK) * BLOCK
+        tail = pos % BLOCK
         for i, cache in enumerate(kv_caches):
             cache.k[:, pos - tail : pos].copy_(blob[2 * i], non_blocking=non_blocking)
             cache.v[:, pos - tail : pos].copy_(blob[2 * i + 1], non_blocking=non_blocking)
