@@ -169,11 +169,12 @@ def test_static_prefill_matches_eager(ckpt):
     """The CUDA-graph form of prefill (prompt padded to a bucket, positions and real length in
     device tensors, padding masked out of KV and linear-attention state) gives the logits,
     states and end captures of the eager prefill, from position 0 and after a prefix; prompts
-    longer than every bucket and captures inside a prompt split it into pieces; prompts longer
-    than `max_prompt` run eagerly."""
+    longer than every bucket run in pieces; captures inside a piece are its cuts (states
+    recorded by reruns with the rest masked), beyond the cut slots they end a piece; prompts
+    longer than `max_prompt` run eagerly."""
     from agentrt.engine.cuda_graph import PrefillGraphs
 
-    ids = random_ids(440, seed=23)
+    ids = random_ids(490, seed=23)
     eng = open_engine(ckpt)
     eager, static = eng.new_state(), eng.new_state()
     graphs = PrefillGraphs(
@@ -181,15 +182,16 @@ def test_static_prefill_matches_eager(ckpt):
     )
     used, run = [], graphs.run
 
-    def counted(state, tokens):
-        logits = run(state, tokens)
-        if logits is not None:
-            used.append(len(tokens))
-        return logits
+    def counted(state, tokens, cuts=()):
+        out = run(state, tokens, cuts)
+        if out is not None:
+            used.append((len(tokens), list(cuts)))
+        return out
 
     graphs.run = counted
     pieces = [(0, 40, [40]), (40, 50, []), (50, 80, [80]), (80, 180, [180]), (180, 200, [190])]
     pieces += [(200, 300, [210, 300]), (300, 320, [305, 320]), (320, 430, [])]
+    pieces += [(430, 480, [435, 440, 450, 470])]
     for lo, hi, capture in pieces:
         eng.prefill_graphs = None
         expected = eng.prefill(eager, ids[lo:hi], capture=capture)
@@ -200,42 +202,70 @@ def test_static_prefill_matches_eager(ckpt):
         for pos in capture:
             for a, b in zip(*(s.linear_at(pos)[1] for s in (static, eager)), strict=True):
                 assert (a - b).abs().max().item() < 1e-5
-    assert used == [40, 10, 30, 64, 36, 10, 10, 10, 64, 26, 5, 15]  # 110 > max_prompt: eager
-    assert static.token_ids == eager.token_ids == ids[:430]
-    tok = ids[430]
+    assert used == [
+        *[(40, []), (10, []), (30, []), (64, []), (36, []), (20, [10]), (64, [10]), (36, [])],
+        *[(20, [5]), (20, [5, 10]), (30, [20])],  # (320, 430): 110 > max_prompt, eager
+    ]
+    assert static.token_ids == eager.token_ids == ids[:480]
+    tok = ids[480]
     eng.prefill_graphs = None
     assert (eng.decode_step(static, tok) - eng.decode_step(eager, tok)).abs().max().item() < 1e-4
 
 
 def test_prefill_graph_replays_refill_their_static_buffers(hf_checkpoints):
-    """The capture bookkeeping, on the CPU with a stand-in graph (its replay re-runs the recorded
-    step on the same static buffers): every bucket is recorded at first use and again after the
-    KV buffers grow, never otherwise, and replays at new positions and lengths give the eager
-    logits."""
+    """The capture bookkeeping, on the CPU with a stand-in graph (recording runs the step once
+    and keeps its outputs as the static buffers; a replay re-runs it and refills them): every
+    graph is recorded at first use and again after the KV buffers grow, never otherwise, and
+    replays at new positions and lengths, with and without cuts, give the eager logits and
+    captured states."""
     from agentrt.engine.cuda_graph import PrefillGraphs
 
     class Replayed(PrefillGraphs):
         recorded = 0
 
+        def _capture(self, state, size, slots):
+            self.caches = state.linear_caches()
+            return super()._capture(state, size, slots)
+
         def _record(self, step):
             self.recorded += 1
-            out = torch.empty(self.model.config.vocab_size)
-            return (lambda: out.copy_(step())), out
+            saved = [(c.conv.clone(), c.recurrent.clone()) for c in self.caches]
+            out = step().clone()
+            for cache, (conv, rec) in zip(self.caches, saved, strict=True):
+                cache.conv.copy_(conv)
+                cache.recurrent.copy_(rec)
+            held = [c.slots for c in self.caches]
+
+            def replay(caches=self.caches):
+                before = [c.slots for c in caches]
+                out.copy_(step())
+                for cache, old, static in zip(caches, before, held, strict=True):
+                    if cache.slots is not old:  # this pass had cuts: refill the held buffers
+                        static[0].copy_(cache.slots[0])
+                        static[1].copy_(cache.slots[1])
+                        cache.slots = static
+
+            return replay, out
 
     ids = random_ids(2200, seed=31)
     eng = open_engine(hf_checkpoints["qwen3_5_moe"])
     graphs = Replayed(eng.model, torch.device("cpu"), (16, 64), reserve=0)
     eager, state = eng.new_state(), eng.new_state()
     capacities, bounds = [], [0, 30, 35, 99, 160, 170, 420, 430, 500, 640, 1000, 1010, 1990, 2200]
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        capture = [lo + (hi - lo) // 3, lo + (hi - lo) // 2] if i % 2 and hi - lo > 4 else []
         eng.prefill_graphs = None
-        expected = eng.prefill(eager, ids[lo:hi])
+        expected = eng.prefill(eager, ids[lo:hi], capture=capture)
         eng.prefill_graphs = graphs
-        got = eng.prefill(state, ids[lo:hi])
+        got = eng.prefill(state, ids[lo:hi], capture=capture)
         assert (got - expected).abs().max().item() < 1e-4
+        for pos in capture:
+            for a, b in zip(*(s.linear_at(pos)[1] for s in (state, eager)), strict=True):
+                assert (a - b).abs().max().item() < 1e-5
         capacities.append(state.kv_caches()[0].capacity)
     assert graphs.enabled
-    assert graphs.recorded == len(graphs.buckets) * len(set(capacities)) > 2 * len(graphs.buckets)
+    per_buffers = 2 * len(graphs.buckets)  # with and without cuts
+    assert graphs.recorded == per_buffers * len(set(capacities)) > 2 * per_buffers
 
 
 def test_failed_prefill_graph_capture_falls_back_to_eager(hf_checkpoints, capsys):

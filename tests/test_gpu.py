@@ -119,21 +119,48 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
     engines[0].prefill_graphs.reserve = 0  # grow KV as needed: recaptures along the way
     states = [e.new_state() for e in engines]
     pieces = [range(10, 50), range(50, 60), range(60, 300), range(300, 1000), range(1000, 1100)]
-    pieces += [range(1100, 2300)]  # longer than the largest bucket: pieces of 512 and the rest
-    for piece in pieces:
+    pieces += [range(1100, 3400)]  # longer than the largest bucket: pieces of 2048 and the rest
+    for i, piece in enumerate(pieces):
         ids = [t % 2000 for t in piece]  # the tiny model's vocabulary has 2048 ids
+        lo, n = piece.start, len(piece)
+        capture = [lo + n // 3, lo + n // 2, lo + n - 1, lo + n] if i % 2 and n > 8 else []
         graph_logits, eager_logits = (
-            e.prefill(s, ids) for e, s in zip(engines, states, strict=True)
+            e.prefill(s, ids, capture=capture) for e, s in zip(engines, states, strict=True)
         )
         bound = 0.05 * eager_logits.abs().max().item()
         assert (graph_logits - eager_logits).abs().max().item() < bound
+        for pos in capture:
+            for a, b in zip(*(s.linear_at(pos)[1] for s in states), strict=True):
+                assert (a - b).abs().max().item() < 0.05 * b.abs().max().item() + 1e-3
     graphs = engines[0].prefill_graphs
-    assert graphs.enabled and len(graphs.graphs) == len(graphs.buckets)
+    assert graphs.enabled and len(graphs.graphs) == 2 * len(graphs.buckets)
     tok = 7  # and decoding goes on from the same state
     graph_logits, eager_logits = (
         e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)
     )
     assert (graph_logits - eager_logits).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("q_len", [1, 7, 512])
+def test_flash_varlen_matches_masked_attention(q_len):
+    """The static pass's attention (flash varlen over the used part of the reserved KV, length in
+    a device tensor) equals masked SDPA over the whole capacity, with qwen3.5-35b-a3b's heads."""
+    from agentrt.models import layers
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim, capacity, start = 16, 2, 256, 4096, 1000
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v = rand(heads, q_len, dim), rand(kv_heads, capacity, dim), rand(kv_heads, capacity, dim)
+    assert layers.flash_varlen_usable(q, k)
+    pos = torch.full((1,), start, dtype=torch.long, device="cuda")
+    got = layers.static_attention(q, k, v, pos).float()
+    rows = start + torch.arange(q_len, device="cuda")
+    mask = torch.arange(capacity, device="cuda")[None, :] <= rows[:, None]
+    want = layers._sdpa(q, k, v, mask=mask).float()
+    assert (got - want).abs().max().item() < 2e-2
 
 
 def test_state_cache_restore_on_cuda(tmp_path):

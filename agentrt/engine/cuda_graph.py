@@ -193,13 +193,13 @@ def _cutters(model: CausalLM) -> list:
 
 # ----------------------------------------------------------------------------- prefill graphs
 
-# Attention in a replay reads the whole reserved KV capacity under a mask, so its cost grows
-# with bucket x capacity: the buckets stop at 512 tokens (suffixes; longer prompts run eagerly,
-# where prefill is closer to GPU-bound).
-PREFILL_BUCKETS = (64, 128, 256, 512)
+# Attention in a replay reads only the positions in use (flash varlen with the length in a device
+# tensor; a mask over the whole capacity where that kernel is unusable). Every replay streams
+# (nearly) all expert weights once, so big buckets pay: a 2K-token first prompt is one replay.
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
-PREFILL_MAX_PROMPT = 2048  # longer prompts run eagerly: in big chunks, prefill nears GPU-bound,
-# while every 512-token piece streams (nearly) all expert weights once more
+PREFILL_MAX_PROMPT = 4096  # longer prompts run eagerly, in big chunks, nearer GPU-bound
+PREFILL_CUT_SLOTS = 2  # capture positions inside one replay (more split the prompt)
 
 
 @dataclass
@@ -208,18 +208,22 @@ class _CapturedPrefill:
     ids: torch.Tensor  # [B] long
     span: Span
     logits: torch.Tensor  # [V] fp32
+    slots: list[tuple[torch.Tensor, torch.Tensor]]  # per linear layer: states at the cuts
 
 
 class PrefillGraphs:
     """Short prefills replayed as CUDA graphs: the prompt is padded up to the next bucket length
-    and run as the model's static pass (`Span`: positions and the real length in device tensors,
-    attention over the whole reserved capacity under a causal mask, padding masked out of the
-    linear-attention state), so one graph per bucket serves every prompt up to that length at any
-    position. An eager forward of a large model costs host time per kernel launch whatever its
-    length; a replay costs one launch. Graphs are valid for the cache buffers they were captured
-    on: all buckets are captured together at first use and again whenever the KV buffers change
-    (so that capture costs land in one request, not in many; KV is reserved `reserve` positions
-    at a time, so growth is rare); any capture failure turns them off for the engine.
+    and run as the model's static pass (`Span`: positions, the real length and capture cuts in
+    device tensors, padding masked out of the linear-attention state), so one graph per bucket
+    serves every prompt up to that length at any position. An eager forward of a large model
+    costs host time per kernel launch whatever its length; a replay costs one launch.
+
+    Each bucket has two graphs: without cuts, and with `cut_slots` cuts (capture positions inside
+    the piece, whose linear states the pass records; unused slots repeat the end). Graphs are
+    valid for the cache buffers they were captured on: all are captured together at first use
+    and again whenever the KV buffers change (so capture costs land in one request; KV is
+    reserved `reserve` positions at a time, so growth is rare); they share one memory pool (they
+    never run at once); any capture failure turns them off for the engine.
 
     `capture=False` runs the same static pass eagerly (CPU tests of the padding and masking)."""
 
@@ -231,6 +235,7 @@ class PrefillGraphs:
         capture: bool = True,
         reserve: int = PREFILL_RESERVE,
         max_prompt: int = PREFILL_MAX_PROMPT,
+        cut_slots: int = PREFILL_CUT_SLOTS,
     ) -> None:
         self.model = model
         self.device = device
@@ -238,29 +243,41 @@ class PrefillGraphs:
         self.capture = capture
         self.reserve = reserve
         self.max_prompt = max_prompt
+        self.cut_slots = cut_slots
         self.enabled = True
-        self.graphs: dict[int, _CapturedPrefill] = {}  # bucket -> graph, for buffers `key`
+        self.graphs: dict[tuple[int, int], _CapturedPrefill] = {}  # (bucket, slots) -> graph
         self.key: tuple[int, ...] | None = None
+        self.pool = None
 
     def bucket(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def _variants(self) -> list[tuple[int, int]]:
+        slots = (0, self.cut_slots) if self.cut_slots else (0,)
+        return [(b, k) for b in self.buckets for k in slots]
 
     def _step(self, state: SequenceState, ids: torch.Tensor, span: Span) -> torch.Tensor:
         hidden = self.model(ids, state.caches, span)
         return self.model.logits(hidden.index_select(0, span.valid - 1))[0]
 
-    def _span(self, start: int, valid: int) -> Span:
-        def scalar(value: int) -> torch.Tensor:
-            return torch.full((1,), value, dtype=torch.long, device=self.device)
+    def _span(self, start: int, valid: int, cuts: list[int] | None) -> Span:
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device)
 
-        return Span(scalar(start), scalar(valid))
+        return Span(tensor([start]), tensor([valid]), None if cuts is None else tensor(cuts))
 
-    def run(self, state: SequenceState, token_ids: list[int]) -> torch.Tensor | None:
-        """Logits after appending `token_ids` to `state`'s caches (the caller records the ids);
-        None when no bucket is long enough or graphs are off (then nothing was changed)."""
+    def run(
+        self, state: SequenceState, token_ids: list[int], cuts: list[int] = ()
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """Append `token_ids` to `state`'s caches (the caller records the ids). Returns the
+        logits after them and, per linear layer, the (conv, recurrent) states after each of
+        `cuts` (offsets in (0, len)), stacked; None when no bucket is long enough, there are
+        more cuts than slots, or graphs are off (then nothing was changed)."""
         size = self.bucket(len(token_ids))
-        if size is None or not self.enabled:
+        if size is None or not self.enabled or len(cuts) > self.cut_slots:
             return None
+        slots = self.cut_slots if cuts else 0
+        padded_cuts = list(cuts) + [len(token_ids)] * (slots - len(cuts))
         start = state.num_tokens
         need = start + (self.buckets[-1] if self.capture else size)  # captures run every bucket
         for cache in state.kv_caches():
@@ -268,15 +285,32 @@ class PrefillGraphs:
                 cache.reserve(max(need, self.reserve), start)
         ids = torch.tensor(list(token_ids) + [0] * (size - len(token_ids)), dtype=torch.long)
         if not self.capture:
-            return self._step(state, ids.to(self.device), self._span(start, len(token_ids)))
+            span = self._span(start, len(token_ids), padded_cuts if slots else None)
+            logits = self._step(state, ids.to(self.device), span)
+            return logits, [c.slots for c in state.linear_caches()] if slots else []
+        if not self._ensure_captured(state):
+            return None
+        cap = self.graphs[(size, slots)]
+        cap.ids.copy_(ids)
+        cap.span.start.fill_(start)
+        cap.span.valid.fill_(len(token_ids))
+        if slots:
+            cap.span.cuts.copy_(torch.tensor(padded_cuts, dtype=torch.long))
+        cap.replay()
+        return cap.logits.clone(), cap.slots
+
+    def _ensure_captured(self, state: SequenceState) -> bool:
+        """Capture every graph for `state`'s buffers unless done; False if capture failed."""
         key = _buffers_key(state)
+        if key == self.key:
+            return True
         try:
-            if key != self.key:
-                self.graphs.clear()  # release their pools before capturing anew
-                self.key = None
-                for bucket in self.buckets:
-                    self.graphs[bucket] = self._capture(state, bucket)
-                self.key = key
+            self.graphs.clear()  # release their memory before capturing anew
+            self.key, self.pool = None, None
+            for bucket, slots in self._variants():
+                self.graphs[(bucket, slots)] = self._capture(state, bucket, slots)
+            self.key = key
+            return True
         except Exception as exc:  # noqa: BLE001 - any capture problem: prefill eagerly
             self.enabled, self.key = False, None
             self.graphs.clear()
@@ -285,26 +319,23 @@ class PrefillGraphs:
                 "prefilling eagerly",
                 file=sys.stderr,
             )
-            return None
-        cap = self.graphs[size]
-        cap.ids.copy_(ids)
-        cap.span.start.fill_(start)
-        cap.span.valid.fill_(len(token_ids))
-        cap.replay()
-        return cap.logits.clone()
+            return False
 
-    def _capture(self, state: SequenceState, size: int) -> _CapturedPrefill:
-        """Static input buffers for one bucket, a warm-up, then the recorded step."""
+    def _capture(self, state: SequenceState, size: int, slots: int) -> _CapturedPrefill:
+        """Static input buffers for one graph, a warm-up, then the recorded step."""
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
-        span = self._span(state.num_tokens, size)
+        span = self._span(state.num_tokens, size, [size] * slots if slots else None)
         _warm_up(state, self.device, lambda: self._step(state, ids, span))
         replay, logits = self._record(lambda: self._step(state, ids, span))
-        return _CapturedPrefill(replay, ids, span, logits)
+        taken = [c.slots for c in state.linear_caches()] if slots else []
+        return _CapturedPrefill(replay, ids, span, logits, taken)
 
     def _record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """Capture `step` as a CUDA graph: (replay, the output tensor each replay refills)."""
         torch.cuda.synchronize(self.device)
-        pieces = Pieces(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        pieces = Pieces(self.device, pool=self.pool)
         with torch.cuda.stream(torch.cuda.Stream(self.device)):
             pieces.begin()
             try:

@@ -174,22 +174,26 @@ class Engine:
     def _prefill_graphed(
         self, state: SequenceState, token_ids: Sequence[int], wanted: list[int], should_stop
     ) -> tuple[int, torch.Tensor | None]:
-        """Run a prompt of at most `max_prompt` tokens as CUDA-graph replays: one per piece
-        between capture positions (each capture is then a piece's end state), pieces longer
-        than the largest bucket cut into bucket-long ones; up to the first piece no graph
-        takes. Returns how many tokens ran and the logits after them."""
+        """Run a prompt of at most `max_prompt` tokens as CUDA-graph replays, one per piece (see
+        `_pieces`): capture positions inside a piece are the replay's cuts, one at its end is
+        its final state. Stops at the first piece no graph takes. Returns how many tokens ran
+        and the logits after them."""
+        graphs = self.prefill_graphs
         start, done, logits = state.num_tokens, 0, None
-        for cut in _pieces(start, len(token_ids), wanted, self.prefill_graphs.buckets[-1]):
+        for end, inner in _pieces(len(token_ids), [p - start for p in wanted], graphs):
             if should_stop is not None and should_stop():
                 raise Cancelled("generation cancelled during prefill")
-            piece = list(token_ids[done:cut])
-            out = self.prefill_graphs.run(state, piece)
+            piece = list(token_ids[done:end])
+            out = graphs.run(state, piece, [p - done for p in inner])
             if out is None:
                 break
+            logits, slots = out
             state.token_ids.extend(piece)
-            done, logits = cut, out
-            if start + cut in wanted:
-                state.record_capture(start + cut)
+            for j, pos in enumerate(inner):
+                state.record_slot(start + pos, slots, j)
+            if start + end in wanted:
+                state.record_capture(start + end)
+            done = end
         return done, logits
 
     @torch.inference_mode()
@@ -283,11 +287,18 @@ class Engine:
         return gen
 
 
-def _pieces(start: int, length: int, wanted: list[int], longest: int) -> list[int]:
-    """End offsets of the pieces a prompt of `length` tokens at `start` runs in: one ends at
-    each capture position, and none is longer than `longest`."""
-    ends, begin = [], 0
-    for end in sorted({p - start for p in wanted if p - start < length} | {length}):
-        ends += list(range(begin + longest, end, longest)) + [end]
+def _pieces(length: int, wanted: list[int], graphs: PrefillGraphs) -> list[tuple[int, list[int]]]:
+    """The pieces a prompt of `length` tokens runs in as graph replays: (end offset, capture
+    offsets strictly inside the piece). None is longer than the largest bucket or holds more
+    inside captures than the graphs' cut slots (the next capture then ends the piece)."""
+    longest, slots = graphs.buckets[-1], graphs.cut_slots
+    wanted = sorted(p for p in wanted if 0 < p <= length)
+    pieces, begin = [], 0
+    while begin < length:
+        end = min(begin + longest, length)
+        inner = [p for p in wanted if begin < p < end]
+        if len(inner) > slots:
+            end, inner = inner[slots], inner[:slots]
+        pieces.append((end, inner))
         begin = end
-    return ends
+    return pieces

@@ -87,6 +87,12 @@ class SequenceState:
         for cache in self.linear_caches():
             cache.captured[pos] = (cache.conv.clone(), cache.recurrent.clone())
 
+    def record_slot(self, pos: int, slots: list[tuple[torch.Tensor, torch.Tensor]], j: int) -> None:
+        """Record cut `j` of a static pass (per linear layer: stacked conv and recurrent states,
+        `LinearCache.slots`) as the capture at `pos`."""
+        for cache, (conv, rec) in zip(self.linear_caches(), slots, strict=True):
+            cache.captured[pos] = (conv[j].clone(), rec[j].clone())
+
     def linear_at(self, pos: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Conv and recurrent states after `pos` tokens (live tensors: copy before mutating)."""
         linear = self.linear_caches()

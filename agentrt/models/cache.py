@@ -57,24 +57,12 @@ class KVCache:
         self.v[:, start:end].copy_(v_new)
         return self.k[:, :end], self.v[:, :end]
 
-    def write_static(self, pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Store one position given as a `[1]` device tensor; return the whole buffers and the
-        `[1, capacity]` mask of valid positions (fixed shapes: CUDA-graph safe; capacity must
-        already be reserved)."""
-        self.k.index_copy_(1, pos, k_new)
-        self.v.index_copy_(1, pos, v_new)
-        mask = torch.arange(self.capacity, device=pos.device)[None, :] <= pos
-        return self.k, self.v, mask
-
-    def write_span(self, start: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Store `[Hkv, B, D]` at positions start.. (a `[1]` device tensor); return the whole
-        buffers and the `[B, capacity]` causal mask (fixed shapes; capacity must already hold
-        start + B positions)."""
+    def write_at(self, start: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store `[Hkv, T, D]` at positions start.. given as a `[1]` device tensor (fixed shapes,
+        CUDA-graph safe; capacity must already hold start + T positions)."""
         pos = start + torch.arange(k_new.shape[1], device=start.device)
         self.k.index_copy_(1, pos, k_new)
         self.v.index_copy_(1, pos, v_new)
-        mask = torch.arange(self.capacity, device=start.device)[None, :] <= pos[:, None]
-        return self.k, self.v, mask
 
 
 @dataclass
@@ -89,6 +77,8 @@ class LinearCache:
     conv: torch.Tensor
     recurrent: torch.Tensor
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # `[K, ...]` conv and recurrent states at the cuts of the last static pass that had cuts
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def zeros(

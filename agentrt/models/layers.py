@@ -9,6 +9,7 @@ This module knows nothing about the engine, sessions, or where expert weights li
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ class Span:
 
     start: torch.Tensor
     valid: torch.Tensor
+    cuts: torch.Tensor | None = None  # `[K]` offsets in (0, valid]: linear layers record the
+    # state after token cut-1 in their `slots` (capture positions inside one pass)
 
 
 Position = int | torch.Tensor | Span
@@ -165,6 +168,86 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return _sdpa(q, k, v, mask=mask)
 
 
+def static_attention(
+    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of a static pass: q `[H, T, D]` at positions start.. (a `[1]` device
+    tensor) over the whole KV buffers `[Hkv, capacity, D]`, of which the first start + T are
+    written. On CUDA, flash attention's varlen kernel with the used length in a device tensor
+    (`seqused_k`) reads only those positions and the grouped kv heads as they are; elsewhere a
+    `[T, capacity]` mask over the whole capacity."""
+    if flash_varlen_usable(q, k_all):
+        return flash_varlen(q, k_all, v_all, start + q.shape[1])
+    rows = start + torch.arange(q.shape[1], device=q.device)
+    mask = torch.arange(k_all.shape[1], device=q.device)[None, :] <= rows[:, None]
+    return _sdpa(q, k_all, v_all, mask=mask)
+
+
+def flash_varlen(
+    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, used: torch.Tensor
+) -> torch.Tensor:
+    """q `[H, T, D]` against the first `used` (`[1]` device tensor) of `[Hkv, capacity, D]`
+    keys, causal aligned to the end (query i sees keys up to used - T + i): one sequence in
+    flash attention's varlen form, nothing copied, no host sync."""
+    num_heads, q_len, _ = q.shape
+    capacity = k_all.shape[1]
+    cu_q = torch.arange(0, 2 * q_len, q_len, dtype=torch.int32, device=q.device)  # [0, T]
+    cu_k = torch.arange(0, 2 * capacity, capacity, dtype=torch.int32, device=q.device)
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(0, 1),
+        k_all.transpose(0, 1),
+        v_all.transpose(0, 1),
+        cu_q,
+        cu_k,
+        q_len,
+        capacity,
+        0.0,
+        q_len > 1,
+        False,
+        seqused_k=used.to(torch.int32),
+    )[0]
+    return out.transpose(0, 1)  # [H, T, D]
+
+
+_FLASH_VARLEN: dict[tuple, bool] = {}  # (device, dtype, heads, kv heads, head dim) -> verified
+
+
+def flash_varlen_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `flash_varlen` runs and agrees with masked SDPA for these shapes on this device:
+    checked once per shape family, outside any CUDA-graph capture (a capture that meets an
+    unchecked family takes the masked path)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    key = (q.device, q.dtype, q.shape[0], k.shape[0], q.shape[-1])
+    if key not in _FLASH_VARLEN:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _FLASH_VARLEN[key] = _probe_flash_varlen(*key)
+    return _FLASH_VARLEN[key]
+
+
+def _probe_flash_varlen(device, dtype, heads: int, kv_heads: int, dim: int) -> bool:
+    gen = torch.Generator(device=device).manual_seed(0)
+    capacity, start = 80, 37
+    k = torch.randn(kv_heads, capacity, dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(kv_heads, capacity, dim, device=device, dtype=dtype, generator=gen)
+    try:
+        for q_len in (1, 5):
+            q = torch.randn(heads, q_len, dim, device=device, dtype=dtype, generator=gen)
+            used = torch.full((1,), start + q_len, dtype=torch.long, device=device)
+            got = flash_varlen(q, k, v, used).float()
+            want = causal_attention(q, k[:, : start + q_len], v[:, : start + q_len], start)
+            if not torch.allclose(got, want.float(), atol=2e-2, rtol=2e-2):
+                raise ValueError(f"differs from SDPA by {(got - want.float()).abs().max():.3g}")
+    except Exception as exc:  # noqa: BLE001 - any failure: the masked path is always correct
+        print(
+            f"agentrt: flash varlen attention unusable ({exc}); static passes use a mask",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
 class Attention(nn.Module):
     """Causal attention with q/k RMSNorm; `output_gate`: Qwen3.5's sigmoid gate from q_proj."""
 
@@ -195,12 +278,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(start, seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        if isinstance(start, Span):  # static prefill: the whole capacity under a causal mask
-            k_all, v_all, mask = cache.write_span(start.start, k.transpose(0, 1), v.transpose(0, 1))
-            out = _sdpa(q.transpose(0, 1), k_all, v_all, mask=mask)
-        elif isinstance(start, torch.Tensor):  # static decode: fixed shapes, CUDA-graph safe
-            k_all, v_all, mask = cache.write_static(start, k.transpose(0, 1), v.transpose(0, 1))
-            out = _sdpa(q.transpose(0, 1), k_all, v_all, mask=mask)
+        if isinstance(start, (Span, torch.Tensor)):  # static pass: fixed shapes (CUDA graphs)
+            begin = start.start if isinstance(start, Span) else start
+            cache.write_at(begin, k.transpose(0, 1), v.transpose(0, 1))
+            out = static_attention(q.transpose(0, 1), cache.k, cache.v, begin)
         else:
             k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
             out = causal_attention(q.transpose(0, 1), k_all, v_all, start)  # [H, T, D]

@@ -105,15 +105,36 @@ class GatedDeltaNet(nn.Module):
     def _masked_recurrence(self, q, k, v, g, beta, cache: LinearCache, padded, span: Span):
         """Static pass: padding rows (from `span.valid` on) become identity updates (beta 0, no
         decay), so the final state is the one after the real tokens; the conv state is the
-        window of inputs ending there."""
-        keep = (torch.arange(q.shape[0], device=q.device) < span.valid)[:, None]
+        window of inputs ending there. Each of `span.cuts` reruns the rule with the rows from
+        the cut on masked the same way (only its final state is kept) into `cache.slots`."""
+        steps = torch.arange(q.shape[0], device=q.device)
+        if span.cuts is not None:
+            ends = [span.cuts[j] for j in range(span.cuts.shape[0])]
+            cache.slots = (
+                torch.stack([self._conv_window(padded, end) for end in ends]),
+                torch.stack([self._state_until(q, k, v, g, beta, cache, steps < e) for e in ends]),
+            )
+        keep = (steps < span.valid)[:, None]
         out, state = kernels.gated_delta_rule(
             q, k, v, g * keep, beta * keep, cache.recurrent, self.backend
         )
-        rows = span.valid + torch.arange(self.kernel - 1, device=q.device)
-        cache.conv.copy_(padded.index_select(0, rows).T)
+        cache.conv.copy_(self._conv_window(padded, span.valid))
         cache.recurrent.copy_(state)
         return out
+
+    def _state_until(self, q, k, v, g, beta, cache: LinearCache, keep) -> torch.Tensor:
+        """The recurrent state after the rows where `keep` holds (the others: identities)."""
+        keep = keep[:, None]
+        _, state = kernels.gated_delta_rule(
+            q, k, v, g * keep, beta * keep, cache.recurrent, self.backend
+        )
+        return state
+
+    def _conv_window(self, padded: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """The conv state after `end` (a device tensor) tokens of the pass: the inputs ending
+        there, `[conv_dim, kernel-1]`."""
+        rows = end.reshape(1) + torch.arange(self.kernel - 1, device=padded.device)
+        return padded.index_select(0, rows).T
 
 
 def build(cfg: ModelConfig, experts: RoutedExperts) -> CausalLM:
