@@ -3,7 +3,8 @@ qwen3.5-35b-a3b-shaped synthetic model (LAYERS layers, default all 40), a random
 PREFIX tokens, then per bucket length: the piece as graph replays and eagerly, each also with
 two capture positions inside it (cuts of one replay vs splits of the eager recurrence); then
 decode steps with KV reserved for the graphs vs grown as needed. Medians of REPS runs at the
-same position (the state is rewound by length only: timing, not correctness). Prints JSON lines.
+same position (the state is rewound by length only: timing, not correctness). Prints JSON lines,
+then the GPU kernels of one static pass (the kernels a replay runs) at 64 and 2048 tokens.
 
     python scripts/profile_static.py [layers] [prefix] [reps]     (default 40 8000 5)
 """
@@ -18,12 +19,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_step import build  # noqa: E402
 
 from agentrt.config import EngineConfig  # noqa: E402
 from agentrt.engine import Engine  # noqa: E402
+from agentrt.engine.cuda_graph import PrefillGraphs  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -90,6 +93,18 @@ def main() -> None:
                 }
             )
         )
+
+    eager_static = PrefillGraphs(model, torch.device("cuda"), capture=False)
+    for n in (64, 2048):
+        piece = rand_ids(n)
+        with torch.inference_mode():
+            for _ in range(2):  # warm-up, then profiled
+                del state.token_ids[prefix:]
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    eager_static.run(state, piece)
+                    torch.cuda.synchronize()
+        print(f"static pass, {n} tokens")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=22))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from util import run_cli
 
 from agentrt.session.agent import Tools, run_agent
@@ -167,3 +168,40 @@ def test_run_command_timeout_kills_the_whole_group(tmp_path):
     )
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert left.strip() == ""
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen3"])
+def test_prefix_encoder_matches_full_encoding(which):
+    """Prompts that extend, edit or shrink the previous one encode to exactly the ids of a full
+    encoding, while the shared part before the last special token is not re-encoded."""
+    import random
+
+    from conftest import SHARED
+
+    from agentrt.models.tiny import ensure_tiny
+    from agentrt.session.tokenizer import load_tokenizer
+    from agentrt.session.tokens import PrefixEncoder
+
+    path = ensure_tiny() if which == "tiny" else SHARED / "tokenizers" / "qwen3"
+    if not path.is_dir():
+        pytest.skip(f"{path} is absent")
+    tok = load_tokenizer(path)
+    rnd = random.Random(5)
+    words = ["def", " x", "  ", "\n", "é", "ß", "<tool_call>", '{"a": 1}', " ", "\t", "ab", "🙂"]
+
+    def message(role: str) -> str:
+        body = "".join(rnd.choice(words) for _ in range(rnd.randrange(50, 400)))
+        return f"<|im_start|>{role}\n{body}<|im_end|>\n"
+
+    enc, prompt, reused = PrefixEncoder(tok), "", 0
+    for step in range(40):
+        prompt += message(rnd.choice(["user", "assistant", "tool"]))
+        if step % 7 == 6:  # an edit inside the transcript (a framework rewriting context)
+            at = rnd.randrange(len(prompt))
+            prompt = prompt[:at] + "edited" + prompt[at:]
+        if step % 11 == 10:
+            prompt = prompt[: len(prompt) // 2]
+        tail = prompt + "<|im_start|>assistant\n"
+        assert enc.encode(tail) == tok.encode(tail, add_special_tokens=False)
+        reused = enc.reused
+    assert reused > 0

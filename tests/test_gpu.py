@@ -75,6 +75,9 @@ def test_chunked_prefill_on_cuda():
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
 def test_cuda_graph_decode_matches_eager(kernel):
+    """CUDA-graph decode (static step: flash varlen attention over the used KV) against eager
+    decode, both bf16, with the fp32 model as the oracle: the graph's error stays within twice
+    the eager path's (the two attention kernels round differently)."""
     from agentrt.config import EngineConfig
     from agentrt.engine import Engine
     from agentrt.models.registry import open_model
@@ -86,17 +89,18 @@ def test_cuda_graph_decode_matches_eager(kernel):
         )
         for g in (True, False)
     ]
+    reference = open_model("tiny", "cuda", torch.float32).model
+    engines.append(
+        Engine(reference, EngineConfig(device="cuda", dtype="float32", cuda_graphs=False))
+    )
     states = [e.new_state() for e in engines]
     prompt = list(range(10, 1010))  # 1000 tokens: decoding crosses the 1024-slot KV growth step
     for eng, state in zip(engines, states, strict=True):
         eng.prefill(state, prompt)
     for tok in range(50, 90):
-        graph_logits, eager_logits = (
-            e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)
-        )
-        assert (
-            graph_logits - eager_logits
-        ).abs().max().item() < 0.05 * eager_logits.abs().max().item()
+        graph, eager, ref = (e.decode_step(s, tok) for e, s in zip(engines, states, strict=True))
+        err_graph, err_eager = ((x - ref).abs().max().item() for x in (graph, eager))
+        assert err_graph <= 2 * err_eager + 0.01 * ref.abs().max().item()
     assert engines[0].decode_graph.enabled
 
 
@@ -119,10 +123,10 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
     engines[0].prefill_graphs.reserve = 0  # grow KV as needed: recaptures along the way
     states = [e.new_state() for e in engines]
     pieces = [range(10, 50), range(50, 60), range(60, 300), range(300, 1000), range(1000, 1100)]
-    pieces += [range(1100, 3400)]  # longer than the largest bucket: pieces of 2048 and the rest
+    pieces += [range(1100, 4300)]  # longer than the largest bucket: pieces of 3072 and the rest
     for i, piece in enumerate(pieces):
         ids = [t % 2000 for t in piece]  # the tiny model's vocabulary has 2048 ids
-        lo, n = piece.start, len(piece)
+        lo, n = states[0].num_tokens, len(piece)
         capture = [lo + n // 3, lo + n // 2, lo + n - 1, lo + n] if i % 2 and n > 8 else []
         graph_logits, eager_logits = (
             e.prefill(s, ids, capture=capture) for e, s in zip(engines, states, strict=True)

@@ -195,8 +195,10 @@ def _cutters(model: CausalLM) -> list:
 
 # Attention in a replay reads only the positions in use (flash varlen with the length in a device
 # tensor; a mask over the whole capacity where that kernel is unusable). Every replay streams
-# (nearly) all expert weights once, so big buckets pay: a 2K-token first prompt is one replay.
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+# (nearly) all expert weights once: on the H200 a replay cost 36 ms at 64 tokens and 94 ms at
+# 2048 (`scripts/profile_static.py`, qwen3.5-35b-a3b), so one replay with padding beats two
+# without up to ~1K padded tokens; the buckets above 1K are spaced by half steps for that.
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 3072)
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
 PREFILL_MAX_PROMPT = 4096  # longer prompts run eagerly, in big chunks, nearer GPU-bound
 PREFILL_CUT_SLOTS = 2  # capture positions inside one replay (more split the prompt)

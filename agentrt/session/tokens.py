@@ -21,6 +21,7 @@ class GeneratedIds:
         self.items: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.spliced = 0  # how many spans were replaced (for tests and stats)
         self.lock = threading.Lock()  # requests are prepared while the worker remembers
+        self.prefix = PrefixEncoder(tokenizer)
 
     def remember(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -41,7 +42,7 @@ class GeneratedIds:
         with self.lock:
             found = [(text, ids) for text, ids in self.items.items() if text in prompt]
         if not found:
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.prefix.encode(prompt)
         enc = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         starts = {o[0]: i for i, o in reversed(list(enumerate(offsets)))}
@@ -70,3 +71,83 @@ def _disjoint(
         if all(span[1] <= k[0] or span[0] >= k[1] for k in kept):
             kept.append(span)
     return kept
+
+
+class PrefixEncoder:
+    """Encodes prompts that mostly extend the previous one without re-tokenizing the shared part.
+
+    Tokenizers split their input at added special tokens first and tokenize the pieces apart, so
+    the ids of the text before a special token (one that strips no neighbouring whitespace) do
+    not depend on what follows it. The longest common prefix with the previous prompt is cut back
+    to the start of the last such token inside it; the previous ids up to that token are reused
+    and only the rest is encoded. Agent turns resend the whole transcript: on a 17K-token prompt
+    this was 19 of 35 ms of request preparation on a 2-core CPU."""
+
+    MIN_REUSE = 2048  # characters: below this, encoding it all is as cheap
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.splits = _split_tokens(tokenizer)  # text -> id
+        self.last: tuple[str, list[int]] | None = None
+        self.reused = 0  # characters not re-encoded (tests, stats)
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self._reuse(prompt)
+        if ids is None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        self.last = (prompt, ids)
+        return ids
+
+    def _reuse(self, prompt: str) -> list[int] | None:
+        if self.last is None or not self.splits:
+            return None
+        prev, prev_ids = self.last
+        common = _common_prefix(prev, prompt)
+        if common < self.MIN_REUSE:
+            return None
+        cut, token = max((prompt.rfind(text, 0, common), text) for text in self.splits)
+        if cut < self.MIN_REUSE:
+            return None
+        index = _nth(prev_ids, self.splits[token], prev.count(token, 0, cut))
+        if index is None:  # the token's text did not encode to the token: no reuse
+            return None
+        self.reused += cut
+        return prev_ids[:index] + self.tokenizer.encode(prompt[cut:], add_special_tokens=False)
+
+
+def _split_tokens(tokenizer) -> dict[str, int]:
+    """Added special tokens that strip no neighbouring text (safe places to split a prompt)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {
+        tok.content: int(i)
+        for i, tok in decoder.items()
+        if getattr(tok, "special", False)
+        and not getattr(tok, "lstrip", True)
+        and not getattr(tok, "rstrip", True)
+        and tok.content
+    }
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (slice comparisons: C speed on long strings)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo], a[:hi+1] != b[:hi+1]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _nth(ids: list[int], token: int, n: int) -> int | None:
+    """Index of the n-th (from 0) occurrence of `token` in ids, or None."""
+    at = -1
+    for _ in range(n + 1):
+        try:
+            at = ids.index(token, at + 1)
+        except ValueError:
+            return None
+    return at
