@@ -249,7 +249,7 @@ def test_prefill_graph_replays_refill_their_static_buffers(hf_checkpoints):
 
     ids = random_ids(2200, seed=31)
     eng = open_engine(hf_checkpoints["qwen3_5_moe"])
-    graphs = Replayed(eng.model, torch.device("cpu"), (16, 64), reserve=0)
+    graphs = Replayed(eng.model, torch.device("cpu"), (16, 64), reserve=0, cut_buckets=None)
     eager, state = eng.new_state(), eng.new_state()
     capacities, bounds = [], [0, 30, 35, 99, 160, 170, 420, 430, 500, 640, 1000, 1010, 1990, 2200]
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -302,3 +302,25 @@ def test_tiny_top_p_and_temperature_stay_finite():
         logits, SamplingParams(temperature=1.0, top_p=1e-300, seed=0), torch.Generator()
     ) == int(logits.argmax())
     assert sample(logits, SamplingParams(temperature=1e-40), None) == int(logits.argmax())
+
+
+def test_prefill_graph_buckets(hf_checkpoints):
+    """Pieces without cuts take the tightest bucket; pieces with cuts the tightest bucket that
+    has a cut variant (the largest always has one); nothing longer than the largest."""
+    from agentrt.engine.cuda_graph import PrefillGraphs
+
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    graphs = PrefillGraphs(eng.model, torch.device("cpu"))
+    assert [graphs.bucket(n) for n in (1, 64, 65, 700, 1025, 3072)] == [
+        64,
+        64,
+        128,
+        768,
+        1280,
+        3072,
+    ]
+    assert [graphs.bucket(n, cuts=True) for n in (65, 700, 1025, 2049)] == [128, 1024, 1536, 3072]
+    assert graphs.bucket(3073) is None and graphs.bucket(3073, cuts=True) is None
+    odd = PrefillGraphs(eng.model, torch.device("cpu"), (16, 48), cut_buckets=(16, 32))
+    assert odd.cut_buckets == (16, 48)
+    assert len(odd._variants()) == 4

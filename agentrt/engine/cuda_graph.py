@@ -196,9 +196,10 @@ def _cutters(model: CausalLM) -> list:
 # Attention in a replay reads only the positions in use (flash varlen with the length in a device
 # tensor; a mask over the whole capacity where that kernel is unusable). Every replay streams
 # (nearly) all expert weights once: on the H200 a replay cost 36 ms at 64 tokens and 94 ms at
-# 2048 (`scripts/profile_static.py`, qwen3.5-35b-a3b), so one replay with padding beats two
-# without up to ~1K padded tokens; the buckets above 1K are spaced by half steps for that.
-PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 3072)
+# 2048, ~31 us per token above 1K (`scripts/profile_static.py`, qwen3.5-35b-a3b), so one replay
+# beats two and padding is what is left to cut: from 768 tokens on, buckets every 256 tokens.
+PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 3073, 256))
+PREFILL_CUT_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 3072)  # also with cut slots
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
 PREFILL_MAX_PROMPT = 4096  # longer prompts run eagerly, in big chunks, nearer GPU-bound
 PREFILL_CUT_SLOTS = 2  # capture positions inside one replay (more split the prompt)
@@ -220,12 +221,13 @@ class PrefillGraphs:
     serves every prompt up to that length at any position. An eager forward of a large model
     costs host time per kernel launch whatever its length; a replay costs one launch.
 
-    Each bucket has two graphs: without cuts, and with `cut_slots` cuts (capture positions inside
-    the piece, whose linear states the pass records; unused slots repeat the end). Graphs are
-    valid for the cache buffers they were captured on: all are captured together at first use
-    and again whenever the KV buffers change (so capture costs land in one request; KV is
-    reserved `reserve` positions at a time, so growth is rare); they share one memory pool (they
-    never run at once); any capture failure turns them off for the engine.
+    Each bucket has a graph without cuts; the `cut_buckets` also one with `cut_slots` cuts
+    (capture positions inside the piece, whose linear states the pass records; unused slots
+    repeat the end). Graphs are valid for the cache buffers they were captured on: all are
+    captured together (`prepare`, or at first use) and again whenever the KV buffers change (so
+    capture costs land in one request; KV is reserved `reserve` positions at a time, so growth
+    is rare); they share one memory pool (they never run at once); any capture failure turns
+    them off for the engine.
 
     `capture=False` runs the same static pass eagerly (CPU tests of the padding and masking)."""
 
@@ -238,10 +240,14 @@ class PrefillGraphs:
         reserve: int = PREFILL_RESERVE,
         max_prompt: int = PREFILL_MAX_PROMPT,
         cut_slots: int = PREFILL_CUT_SLOTS,
+        cut_buckets: tuple[int, ...] | None = PREFILL_CUT_BUCKETS,
     ) -> None:
         self.model = model
         self.device = device
         self.buckets = tuple(sorted(buckets))
+        wanted = set(self.buckets if cut_buckets is None else cut_buckets) & set(self.buckets)
+        # the largest bucket always has a cut variant: a piece of any length then fits one
+        self.cut_buckets = tuple(sorted(wanted | {self.buckets[-1]}))
         self.capture = capture
         self.reserve = reserve
         self.max_prompt = max_prompt
@@ -251,12 +257,27 @@ class PrefillGraphs:
         self.key: tuple[int, ...] | None = None
         self.pool = None
 
-    def bucket(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+    def bucket(self, num_tokens: int, cuts: bool = False) -> int | None:
+        sizes = self.cut_buckets if cuts and self.cut_slots else self.buckets
+        return next((b for b in sizes if b >= num_tokens), None)
 
     def _variants(self) -> list[tuple[int, int]]:
-        slots = (0, self.cut_slots) if self.cut_slots else (0,)
-        return [(b, k) for b in self.buckets for k in slots]
+        plain = [(b, 0) for b in self.buckets]
+        return plain + ([(b, self.cut_slots) for b in self.cut_buckets] if self.cut_slots else [])
+
+    def prepare(self, state: SequenceState) -> bool:
+        """Capture every graph now for `state` (empty or not), reserving its KV first, so that
+        no request pays for the captures; False if graphs are off."""
+        if not self.enabled or not self.capture:
+            return self.enabled
+        self._reserve(state, state.num_tokens)
+        return self._ensure_captured(state)
+
+    def _reserve(self, state: SequenceState, start: int, size: int | None = None) -> None:
+        need = start + (self.buckets[-1] if self.capture else size)  # captures run every bucket
+        for cache in state.kv_caches():
+            if cache.capacity < need:
+                cache.reserve(max(need, self.reserve), start)
 
     def _step(self, state: SequenceState, ids: torch.Tensor, span: Span) -> torch.Tensor:
         hidden = self.model(ids, state.caches, span)
@@ -275,16 +296,13 @@ class PrefillGraphs:
         logits after them and, per linear layer, the (conv, recurrent) states after each of
         `cuts` (offsets in (0, len)), stacked; None when no bucket is long enough, there are
         more cuts than slots, or graphs are off (then nothing was changed)."""
-        size = self.bucket(len(token_ids))
+        size = self.bucket(len(token_ids), bool(cuts))
         if size is None or not self.enabled or len(cuts) > self.cut_slots:
             return None
         slots = self.cut_slots if cuts else 0
         padded_cuts = list(cuts) + [len(token_ids)] * (slots - len(cuts))
         start = state.num_tokens
-        need = start + (self.buckets[-1] if self.capture else size)  # captures run every bucket
-        for cache in state.kv_caches():
-            if cache.capacity < need:
-                cache.reserve(max(need, self.reserve), start)
+        self._reserve(state, start, size)
         ids = torch.tensor(list(token_ids) + [0] * (size - len(token_ids)), dtype=torch.long)
         if not self.capture:
             span = self._span(start, len(token_ids), padded_cuts if slots else None)

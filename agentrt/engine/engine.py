@@ -204,6 +204,12 @@ class Engine:
         return done, logits
 
     @torch.inference_mode()
+    def prepare_prefill_graphs(self, state: SequenceState) -> None:
+        """Capture the prefill graphs for `state`'s buffers now (no-op without them)."""
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.prepare(state)
+
+    @torch.inference_mode()
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
         """Feed one token; return the next-token fp32 logits `[V]`."""
         self.check_fits(state.num_tokens + 1)

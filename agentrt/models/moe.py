@@ -77,11 +77,16 @@ class RoutedExperts:
 
     @staticmethod
     def _combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Un-sort expert outputs `[Tk, H]`; each token's weighted sum over its k experts."""
-        unsorted = torch.empty_like(ys)
-        unsorted[order] = ys
+        """Un-sort expert outputs `[Tk, H]`; each token's weighted sum over its k experts.
+
+        A gather through the inverse permutation and one batched `[1, k] x [k, H]` product per
+        token: the scatter (`unsorted[order] = ys`) and the broadcast multiply + sum took 14 of
+        94 ms of GPU time in a 2048-token pass of qwen3.5-35b-a3b (`scripts/profile_static.py`)."""
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         num_tokens, top_k = weights.shape
-        return (unsorted.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+        unsorted = ys.index_select(0, inverse).view(num_tokens, top_k, -1)
+        return torch.bmm(weights.unsqueeze(1).to(ys.dtype), unsorted).squeeze(1)
 
     def grouped_mm(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

@@ -221,6 +221,8 @@ class Runtime:
         cache_config = _cache_config(state_cache, state_dir, state_max_gb)
         rt = cls(engine, tok, source, seed, boundaries)
         rt.set_cache(cache, cache_config)
+        if engine.prefill_graphs is not None:  # captured now, not inside the first request
+            engine.prepare_prefill_graphs(rt._live_state())
         return rt
 
     # ------------------------------------------------------------------ token level
