@@ -5,9 +5,9 @@
 #   tests        the GPU tests (TESTS: pytest -k, default all)
 #   crossover    fla's chunked vs recurrent kernel times
 #   profile      the suffix prefill profile (PREFILL_GRAPHS=1 for the graphed path)
-#   static       graphed vs eager prefill per piece length, and decode (profile_static.py)
 #   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*)
 #   ttft_graphs  the same with --prefill-graphs (into ttft_graphs.*)
+#   static       graphed vs eager prefill per piece length, and decode (profile_static.py)
 #   statecache   the state-cache benchmark at LENGTHS (default 8192,32768)
 # Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare).
 set -u
@@ -28,15 +28,15 @@ if has profile; then
   timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
   grep median "$OUT/suffix.txt"
 fi
-if has static; then
-  timeout 200 python3 scripts/profile_static.py > "$OUT/static.jsonl" 2>&1
-  cat "$OUT/static.jsonl"
-fi
 if has ttft; then
   VARIANTS=dropped timeout 240 bash scripts/gpu_ttft.sh | tail -14
 fi
 if has ttft_graphs; then
   VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout 240 bash scripts/gpu_ttft.sh | tail -14
+fi
+if has static; then
+  timeout 200 python3 scripts/profile_static.py > "$OUT/static.jsonl" 2>&1
+  cat "$OUT/static.jsonl"
 fi
 if has statecache; then
   timeout 200 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
