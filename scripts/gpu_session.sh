@@ -16,7 +16,7 @@ source scripts/device_env.sh
 STEPS=",${STEPS:-tests,crossover,ttft,statecache},"
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 if has tests; then
-  timeout 180 python3 -m pytest -q -rs -o faulthandler_timeout=100 tests/test_gpu.py -k "${TESTS:-gpu}" \
+  timeout 330 python3 -m pytest -q -rs -o faulthandler_timeout=150 tests/test_gpu.py -k "${TESTS:-gpu}" \
     > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
 fi

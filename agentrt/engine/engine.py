@@ -205,8 +205,9 @@ class Engine:
 
     @torch.inference_mode()
     def prepare_prefill_graphs(self, state: SequenceState) -> None:
-        """Capture the prefill graphs for `state`'s buffers now (no-op without them)."""
-        if self.prefill_graphs is not None:
+        """Capture the prefill graphs for `state`'s buffers now (no-op without them, and with
+        offloaded experts, whose prefill never takes them)."""
+        if self.prefill_graphs is not None and self.offload is None:
             self.prefill_graphs.prepare(state)
 
     @torch.inference_mode()
