@@ -205,3 +205,35 @@ def test_prefix_encoder_matches_full_encoding(which):
         assert enc.encode(tail) == tok.encode(tail, add_special_tokens=False)
         reused = enc.reused
     assert reused > 0
+
+
+@pytest.mark.parametrize("kind", ["overlapping", "single_word", "normalized"])
+def test_prefix_encoder_never_splits_at_unsafe_special_tokens(kind):
+    """Special tokens whose text does not always become the token (part of another added token,
+    whole-word matching, normalized) are no split points: the ids equal a full encoding."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from agentrt.session.tokens import PrefixEncoder
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"])
+    tk.train_from_iterator(["hello world a test of words"] * 20, trainer)
+    added = {
+        "overlapping": [AddedToken("<|a|>", special=True), AddedToken("<|a|>!", special=True)],
+        "single_word": [AddedToken("<|a|>", special=True, single_word=True)],
+        "normalized": [AddedToken("<|a|>", special=True, normalized=True)],
+    }[kind]
+    tk.add_special_tokens(added)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk)
+    base = "hello world " * 300
+    prev, new = {  # the split point would be a text occurrence that is not the token
+        "overlapping": ("<|a|>! q x <|a|> y<|a|> z", "<|a|>! q x <|a|> Q"),
+        "single_word": ("a<|a|> q X <|a|> tail", "a<|a|> q Y"),
+        "normalized": ("a<|a|> q X <|a|> tail", "a<|a|> q Y"),
+    }[kind]
+    prev, new = base + prev, base + new
+    enc = PrefixEncoder(tok)
+    enc.encode(prev)
+    assert enc.encode(new) == tok.encode(new, add_special_tokens=False)

@@ -294,7 +294,8 @@ class PrefillGraphs:
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """Append `token_ids` to `state`'s caches (the caller records the ids). Returns the
         logits after them and, per linear layer, the (conv, recurrent) states after each of
-        `cuts` (offsets in (0, len)), stacked; None when no bucket is long enough, there are
+        `cuts` (offsets in (0, len)), stacked: the graph's own buffers, valid only until the
+        next replay of any graph (copy them now); None when no bucket is long enough, there are
         more cuts than slots, or graphs are off (then nothing was changed)."""
         size = self.bucket(len(token_ids), bool(cuts))
         if size is None or not self.enabled or len(cuts) > self.cut_slots:

@@ -173,17 +173,21 @@ def opens_in_reasoning(generation_prompt: str) -> bool:
 def generation_suffix(tokenizer, messages: list[dict[str, Any]], tools, prompt: str) -> str:
     """The part of `prompt` that the generation prompt added (the assistant header).
 
-    Found from the last message alone when that render ends the same way as `prompt` (rendering
-    a long transcript twice cost 7 ms of a request's preparation); else from the whole one."""
-    for msgs in (messages[-1:], messages) if len(messages) > 1 else (messages,):
+    Found from the last message alone when that render's suffix is not empty and the prompt ends
+    with it and with the text before it (so it is not the tail of a longer suffix that depends
+    on earlier messages): rendering a long transcript twice cost 7 ms of a request's
+    preparation. Otherwise from the whole transcript."""
+    if len(messages) > 1:
         try:
-            base = render(tokenizer, msgs, tools, generation_prompt=False)
-            full = render(tokenizer, msgs, tools) if msgs is not messages else prompt
+            base = render(tokenizer, messages[-1:], tools, generation_prompt=False)
+            full = render(tokenizer, messages[-1:], tools)
         except ChatTemplateError:
-            continue
-        if full.startswith(base) and prompt.endswith(full[len(base) :]):
+            base = full = ""
+        tail = len(full) - len(base) + min(len(base), 64)
+        if full.startswith(base) and len(full) > len(base) and prompt.endswith(full[-tail:]):
             return full[len(base) :]
-    return ""
+    base = render(tokenizer, messages, tools, generation_prompt=False)
+    return prompt[len(base) :] if prompt.startswith(base) else ""
 
 
 # ----------------------------------------------------------------------------- detokenisation

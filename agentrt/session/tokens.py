@@ -116,15 +116,21 @@ class PrefixEncoder:
 
 
 def _split_tokens(tokenizer) -> dict[str, int]:
-    """Added special tokens that strip no neighbouring text (safe places to split a prompt)."""
+    """Added special tokens whose text always becomes that token, whatever surrounds it: no
+    stripping of neighbouring text, no whole-word or normalized matching, not part of another
+    added token's text (there, the text before the token would not be tokenized on its own)."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return {}
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = [tok.content for tok in decoder.values() if tok.content]
     return {
         tok.content: int(i)
         for i, tok in decoder.items()
-        if getattr(tok, "special", False)
-        and not getattr(tok, "lstrip", True)
-        and not getattr(tok, "rstrip", True)
-        and tok.content
+        if tok.content
+        and getattr(tok, "special", False)
+        and not any(getattr(tok, flag, True) for flag in ("lstrip", "rstrip", "single_word"))
+        and not getattr(tok, "normalized", True)
+        and sum(tok.content in other for other in texts) == 1
     }
 
 
