@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from agentrt.config import offload_mode
 from agentrt.errors import AgentrtError
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
@@ -248,8 +249,8 @@ def offload_options() -> list:
 
 
 def open_runtime(opts: dict, require_tokenizer: bool = False):
-    offloaded = opts["vram_budget"] or opts["expert_cache_slots"]
-    prepare_cpu_threads(opts["device"], [opts["offload"] or ("auto" if offloaded else "none")])
+    mode = offload_mode(opts["offload"], opts["vram_budget"], opts["expert_cache_slots"])
+    prepare_cpu_threads(opts["device"], [mode])
     from agentrt import Runtime
     from agentrt.session.boundaries import parse_overrides
 

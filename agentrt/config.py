@@ -386,6 +386,14 @@ class StateCacheConfig:
 OFFLOAD_MODES = ("none", "auto", "static", "layer")
 
 
+def offload_mode(mode: str | None, vram_budget, expert_cache_slots) -> str:
+    """The `--offload` mode in effect: as given, else `auto` when a VRAM budget or an expert
+    slot count is given, else `none`."""
+    if mode:
+        return mode
+    return "auto" if vram_budget is not None or expert_cache_slots is not None else "none"
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Expert placement (DESIGN §5). `auto`: host store + device expert cache + q* split;

@@ -39,9 +39,7 @@ if has static; then
   cat "$OUT/static.jsonl"
 fi
 if has statecache; then
-  timeout 200 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
-    --lengths "${LENGTHS:-8192,32768}" --state-dir /tmp/bench-state --json "$OUT/statecache.json" \
-    > "$OUT/statecache.log" 2>&1
+  SKIP_TESTS=1 LENGTHS="${LENGTHS:-8192,32768}" timeout 200 bash scripts/gpu_statecache.sh >/dev/null
   python3 - "$OUT/statecache.json" <<'EOF'
 import json, sys
 for r in json.load(open(sys.argv[1]))["runs"]:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The state-cache issue's GPU run (one H200): the state-cache and CUDA-graph tests, then `agentrt bench
 # statecache` on the qwen3.5-35b-a3b-shaped synthetic model for 8K/32K/64K-token prefixes.
-# Usage (device tool): bash scripts/gpu_statecache.sh  (writes into $OUT). Env TESTS: pytest -k,
-# LENGTHS: prefix lengths.
+# Usage (device tool): bash scripts/gpu_statecache.sh  (writes into $OUT). Env TESTS: pytest -k
+# (SKIP_TESTS=1: the benchmark only), LENGTHS: prefix lengths.
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"; lscpu | grep "Model name" >> "$OUT/gpu.txt"
-python3 -m pytest -q -rs tests/test_gpu.py -k "${TESTS:-state_cache or graph or semantic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -rs tests/test_gpu.py -k "${TESTS:-state_cache or graph or semantic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+fi
 python3 -m agentrt.cli bench statecache --model synthetic:qwen3.5-35b-a3b --device cuda \
   --lengths "${LENGTHS:-8192,32768,65536}" --state-dir /tmp/bench-state --json "$OUT/statecache.json" > "$OUT/statecache.log" 2>&1
 tail -5 "$OUT/statecache.log"

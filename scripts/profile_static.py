@@ -15,26 +15,18 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from profile_capture import timed  # noqa: E402
 from profile_step import build  # noqa: E402
 
 from agentrt.config import EngineConfig  # noqa: E402
 from agentrt.engine import Engine  # noqa: E402
 from agentrt.engine.cuda_graph import PrefillGraphs  # noqa: E402
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:

@@ -21,13 +21,12 @@ import pstats
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_capture import DEVICE, marker_cache, sync  # noqa: E402
+from profile_capture import DEVICE, marker_cache, sync, timed  # noqa: E402
 from profile_step import build  # noqa: E402
 
 from agentrt.config import EngineConfig, StateCacheConfig  # noqa: E402
@@ -83,11 +82,7 @@ def main() -> None:
         engine.prefill(state, ids)
         for step in range(steps):
             new = grow(ids)[len(ids) :]
-            sync()
-            t0 = time.perf_counter()
-            engine.prefill(state, new)
-            sync()
-            seconds = round(time.perf_counter() - t0, 4)
+            seconds = round(timed(lambda n=new: engine.prefill(state, n)), 4)
             rows.append({"step": step, "suffix": len(new), "prefill": seconds})
             ids += new
         return rows

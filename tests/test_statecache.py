@@ -621,7 +621,7 @@ def test_payload_checks_cover_the_frame_header_and_the_data():
     from agentrt.statecache.codec import _HEAD, CorruptPayload, pack_tensors, unpack
 
     t = torch.arange(4096, dtype=torch.float32)
-    payload = pack_tensors([t], 1, 0)
+    payload = pack_tensors([t], 1)
     assert bytes(unpack(payload)) == t.numpy().tobytes()
     descriptor = _HEAD.size + 4  # zstd magic, then the frame header descriptor
     for position, bit in [(descriptor, 0x04), (descriptor, 0x80), (len(payload) - 2, 0x01)]:
@@ -647,7 +647,7 @@ def test_scattered_decompression_fills_each_place_and_checks_the_data():
     )
 
     t = torch.randn(6, 100)
-    payload = pack_tensors([t], 1, 0)
+    payload = pack_tensors([t], 1)
     dest = torch.zeros(3, 200)  # places of 100, 100 and 400 floats
     places = [row_bytes(dest[0, :100]), row_bytes(dest[0, 100:]), row_bytes(dest[1:])]
     places = [places[0], places[1], places[2][: 4 * 400]]
@@ -795,11 +795,11 @@ def test_blob_parts_round_trip_and_reject_a_damaged_table():
     from agentrt.statecache.codec import CorruptPayload, blob_parts, pack_parts, unpack
 
     tensors = [torch.arange(n, dtype=torch.float32) * (i + 1) for i, n in enumerate([700, 50, 900])]
-    blob = pack_parts(tensors, 1, 0, part_bytes=2900)  # 2800 B, 200 B, 3600 B: three parts
+    blob = pack_parts(tensors, 1, part_bytes=2900)  # 2800 B, 200 B, 3600 B: three parts
     parts = blob_parts(blob)
     assert [size for _, _, size in parts] == [2800, 200, 3600]
     assert bytes(unpack(blob)) == b"".join(t.numpy().tobytes() for t in tensors)
-    assert len(blob_parts(pack_parts(tensors, 1, 0))) == 1  # small tensors share one part
+    assert len(blob_parts(pack_parts(tensors, 1))) == 1  # small tensors share one part
     damaged = [
         blob[:-1],  # truncated
         blob + b"\0",  # longer than its table

@@ -2,8 +2,9 @@
 CUDA-graph code lives here).
 
 The step runs the model in its static form (position in a device tensor, KV written with
-`index_copy_`, attention over the whole reserved capacity under a mask), so every replay launches
-the same kernels on the same buffers. A graph is valid only for the exact cache buffers it was
+`index_copy_`, attention over the used part of the reserved capacity with the length in a device
+tensor: `layers.static_attention`), so every replay launches the same kernels on the same
+buffers. A graph is valid only for the exact cache buffers it was
 captured on; the key is their data pointers, so growing the KV buffers or switching to another
 `SequenceState` triggers a new capture (one graph is kept at a time). Any capture failure
 disables graphs for the engine and decode continues eagerly.
@@ -118,12 +119,7 @@ class DecodeGraph:
         for module in cutters:
             module.recorder = pieces
         try:
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                pieces.begin()
-                try:
-                    logits = self._static_step(state, token, pos)
-                finally:
-                    pieces.end()
+            logits = _record(pieces, lambda: self._static_step(state, token, pos))
         finally:
             for module in cutters:
                 module.recorder = None
@@ -180,6 +176,17 @@ def _warm_up(state: SequenceState, device: torch.device, step: Callable[[], obje
         for cache, (conv, rec) in zip(state.linear_caches(), saved, strict=True):
             cache.conv.copy_(conv)
             cache.recurrent.copy_(rec)
+
+
+def _record(pieces: Pieces, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Capture `step` into `pieces` on a side stream; returns its output (which each replay
+    refills)."""
+    with torch.cuda.stream(torch.cuda.Stream(pieces.device)):
+        pieces.begin()
+        try:
+            return step()
+        finally:
+            pieces.end()
 
 
 def _cutters(model: CausalLM) -> list:
@@ -357,10 +364,5 @@ class PrefillGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         pieces = Pieces(self.device, pool=self.pool)
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):
-            pieces.begin()
-            try:
-                out = step()
-            finally:
-                pieces.end()
+        out = _record(pieces, step)
         return (lambda: pieces.replay(0)), out

@@ -23,6 +23,7 @@ slots as one gathered batched matmul.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -179,28 +180,21 @@ class OffloadedExperts:
         done = []
         stream = self.copy_stream
         rows, slots = self.store.expert_views(layer)[0], self.cache.slot_rows
-        if stream is None:
+        current = torch.cuda.current_stream(self.device) if stream is not None else None
+        if current is not None and not synced:
+            stream.wait_stream(current)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            start = _event() if stream is not None else None
             for expert in experts:
                 slot = self.cache.admit(layer, expert, exclude)
-                if slot is not None:
-                    slots[slot].copy_(rows[expert])
-                    done.append(expert)
-        else:
-            current = torch.cuda.current_stream(self.device)
-            if not synced:
-                stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                start = _event()
-                for expert in experts:
-                    slot = self.cache.admit(layer, expert, exclude)
-                    if slot is None:
-                        continue
-                    slots[slot].copy_(rows[expert], non_blocking=True)
-                    done.append(expert)
-                if done:
-                    self._copy_timing = (start, _event(), len(done) * self.store.expert_bytes)
-            if not synced:
-                current.wait_stream(stream)
+                if slot is None:
+                    continue
+                slots[slot].copy_(rows[expert], non_blocking=stream is not None)
+                done.append(expert)
+            if done and stream is not None:
+                self._copy_timing = (start, _event(), len(done) * self.store.expert_bytes)
+        if current is not None and not synced:
+            current.wait_stream(stream)
         self.totals.copied += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
         return done

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrt.config import EngineConfig, OffloadConfig, StateCacheConfig, parse_bytes
+from agentrt.config import (
+    EngineConfig,
+    OffloadConfig,
+    StateCacheConfig,
+    offload_mode,
+    parse_bytes,
+)
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError
@@ -76,9 +82,7 @@ def _offload_config(
     or a slot count is given, else `none`."""
     if isinstance(offload, OffloadConfig):
         return offload
-    mode = offload or (
-        "auto" if vram_budget is not None or expert_cache_slots is not None else "none"
-    )
+    mode = offload_mode(offload, vram_budget, expert_cache_slots)
     budget = parse_bytes(vram_budget) if vram_budget is not None else None
     return OffloadConfig(
         mode=mode,

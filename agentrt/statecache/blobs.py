@@ -15,6 +15,7 @@ from agentrt.statecache.codec import (
     Layout,
     blob_parts,
     blob_tensors,
+    row_bytes,
     unpack_into,
 )
 from agentrt.statecache.keys import BLOCK
@@ -48,7 +49,7 @@ class BlobLoad:
 
     def jobs(self) -> list[Callable[[], None]]:
         """One job per part: read it from the map and decompress it into its place."""
-        dest, at, out = memoryview(self.buffer.numpy()), 0, []
+        dest, at, out = row_bytes(self.buffer), 0, []
         for start, length, size in self.parts:
             out.append(functools.partial(self._part, start, length, dest[at : at + size]))
             at += size

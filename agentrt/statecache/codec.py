@@ -21,7 +21,7 @@ import msgspec
 import torch
 import zstandard
 
-from agentrt.statecache.keys import BLOCK, FORMAT_VERSION
+from agentrt.statecache.keys import FORMAT_VERSION
 
 MAGIC = b"ART1"
 PARTS_MAGIC = b"ARP1"
@@ -93,24 +93,21 @@ def decode_record(data: bytes) -> Record:
 # ----------------------------------------------------------------------------- compression
 
 
-def _compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int) -> zstandard.ZstdCompressor:
     cache = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
-    if (level, threads) not in cache:
-        cache[level, threads] = zstandard.ZstdCompressor(
-            level=level, write_checksum=True, threads=threads
-        )
-    return cache[level, threads]
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True)
+    return cache[level]
 
 
-def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1, threads: int = 0) -> bytes:
+def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1) -> bytes:
     """Frame the tensors' bytes laid end to end, compressed straight from tensor memory (no
-    joined copy of the raw bytes: the writer thread holds the GIL for less); `threads` > 0
-    compresses on that many zstd worker threads."""
-    views = [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors]
+    joined copy of the raw bytes: the writer thread holds the GIL for less)."""
+    views = [row_bytes(t.contiguous()) for t in tensors]
     raw_len = sum(v.nbytes for v in views)
-    cobj = _compressor(level, threads).compressobj(size=raw_len)
+    cobj = _compressor(level).compressobj(size=raw_len)
     parts = [cobj.compress(v) for v in views]
     parts.append(cobj.flush())
     crc = 0
@@ -198,7 +195,6 @@ def row_bytes(t: torch.Tensor) -> memoryview:
 def pack_parts(
     tensors: Sequence[torch.Tensor],
     level: int = 1,
-    threads: int = 0,
     part_bytes: int = PART_BYTES,
     pool: Executor | None = None,
 ) -> bytes:
@@ -215,9 +211,9 @@ def pack_parts(
         groups[-1].append(t)
         size += nbytes
     if pool is None:
-        payloads = [pack_tensors(group, level, threads) for group in groups]
+        payloads = [pack_tensors(group, level) for group in groups]
     else:
-        futures = [pool.submit(pack_tensors, group, level, threads) for group in groups]
+        futures = [pool.submit(pack_tensors, group, level) for group in groups]
         payloads = [future.result() for future in futures]
     head = _PARTS_HEAD.pack(PARTS_MAGIC, len(payloads))
     return b"".join([head, *(_U64.pack(len(p)) for p in payloads), *payloads])
@@ -251,9 +247,9 @@ def blob_parts(value: bytes | memoryview) -> list[tuple[int, int, int]]:
 
 
 def _take(
-    raw: memoryview | torch.Tensor, offset: int, shape: Sequence[int], dtype: str
+    raw: torch.Tensor, offset: int, shape: Sequence[int], dtype: str
 ) -> tuple[torch.Tensor, int]:
-    """The tensor at `offset` of `raw` (bytes, or a 1-D uint8 tensor: a view of it then)."""
+    """The tensor at `offset` of `raw` (a 1-D uint8 tensor), as a view of it."""
     dt = _DTYPES[dtype]
     count = 1
     for s in shape:
@@ -261,21 +257,13 @@ def _take(
     size = count * dt.itemsize
     if offset + size > len(raw):
         raise CorruptPayload("payload shorter than its layout")
-    if isinstance(raw, torch.Tensor):
-        piece = raw[offset : offset + size]
-        if piece.storage_offset() % dt.itemsize:  # a view needs aligned storage
-            piece = piece.clone()
-        return piece.view(dt).view(*shape), offset + size
-    t = torch.frombuffer(raw[offset : offset + size], dtype=torch.uint8).view(dt).view(*shape)
-    return t, offset + size
+    piece = raw[offset : offset + size]
+    if piece.storage_offset() % dt.itemsize:  # a view needs aligned storage
+        piece = piece.clone()
+    return piece.view(dt).view(*shape), offset + size
 
 
-def chunk_tensors(raw: bytes, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A KV chunk payload -> per attention layer (k, v), each `[Hkv, BLOCK, D]` (read-only)."""
-    return _kv(memoryview(raw), 0, layout, BLOCK)[0]
-
-
-def _kv(raw: memoryview, offset: int, layout: Layout, tokens: int):
+def _kv(raw: torch.Tensor, offset: int, layout: Layout, tokens: int):
     shape = (layout.kv_heads, tokens, layout.head_dim)
     out = []
     for _ in range(layout.num_attn):
@@ -285,10 +273,9 @@ def _kv(raw: memoryview, offset: int, layout: Layout, tokens: int):
     return out, offset
 
 
-def blob_tensors(raw: bytes | torch.Tensor, layout: Layout, tail: int):
-    """A record blob's raw bytes (or a 1-D uint8 tensor holding them) -> (tail KV per attention
+def blob_tensors(view: torch.Tensor, layout: Layout, tail: int):
+    """A record blob's raw bytes in a 1-D uint8 tensor -> views of them: (tail KV per attention
     layer, conv and recurrent per linear layer)."""
-    view = raw if isinstance(raw, torch.Tensor) else memoryview(raw)
     kv, offset = _kv(view, 0, layout, tail)
     conv, rec = [], []
     for _ in range(layout.num_linear):
