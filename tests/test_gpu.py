@@ -1,7 +1,7 @@
-"""GPU checks (skipped without CUDA): fla kernels == torch reference, bf16 CUDA logits close to the
-fp32 CPU path, chunked prefill == one pass on CUDA, CUDA-graph decode and prefill == eager,
-state-cache restores and semantic reuse on CUDA, offloaded experts (graph pieces, copies, CPU
-experts, CPU layers) == the resident model."""
+"""GPU checks (skipped without CUDA): fla kernels and their states at offsets == torch
+reference, bf16 CUDA logits close to the fp32 CPU path, chunked prefill == one pass on CUDA,
+CUDA-graph decode and prefill == eager, state-cache restores and semantic reuse on CUDA,
+offloaded experts (graph pieces, copies, CPU experts, CPU layers) == the resident model."""
 
 from __future__ import annotations
 
@@ -40,6 +40,41 @@ def test_fla_matches_torch_fp32(seq_len):
     out, state = kernels.fla_gated_delta_rule(*args)
     assert (out.float() - ref_out).abs().max().item() < 2e-3
     assert (state - ref_state).abs().max().item() < 2e-3
+
+
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len", [40, 200, 300])
+def test_fla_states_at_offsets(seq_len, dtype):
+    """One fla pass with states at offsets: output and final state as fla's public function
+    gives them (same kernels), states as passes stopped there (torch fp32 reference; bf16
+    snapshots start from fla's bf16 chunk-start states)."""
+    args = _inputs(seq_len, dtype)
+    offsets = [e for e in (1, 5, 64, 65, 128, 129, seq_len - 1, seq_len) if e <= seq_len]
+    ends = torch.tensor(offsets, device="cuda")
+    out, final, states = kernels.gated_delta_rule_states(*args, ends, backend="fla")
+    ref_out, ref_final = kernels.fla_gated_delta_rule(*args)
+    assert torch.equal(out, ref_out.to(out.dtype)) and torch.equal(final, ref_final)
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    for state, end in zip(states, offsets, strict=True):
+        part = [t[:end].float() for t in args[:5]]
+        _, ref = kernels.chunk_gated_delta_rule(*part, args[5])
+        assert (state - ref).abs().max().item() < tol, end
+
+
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len", [1, 7, 300])
+def test_fla_causal_conv_matches_torch(seq_len, dtype):
+    g = torch.Generator(device="cuda").manual_seed(seq_len)
+    x = torch.randn(seq_len, 512, generator=g, device="cuda").to(dtype)
+    state = torch.randn(512, 3, generator=g, device="cuda").to(dtype)
+    weight = torch.randn(512, 1, 4, generator=g, device="cuda").to(dtype)
+    ref, ref_padded = kernels.causal_conv(x, state, weight)
+    out, padded = kernels.causal_conv(x, state, weight, backend="fla")
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.equal(padded, ref_padded)
+    assert (out.float() - ref.float()).abs().max().item() < tol
 
 
 def _tiny_report(kernel: str):

@@ -1,5 +1,6 @@
 """Linear-attention kernels: the chunked gated delta rule equals the token-by-token reference,
-for any length, with grouped value heads, when split into segments; causal conv state carries."""
+for any length, with grouped value heads, when split into segments; the states one pass yields
+at given offsets equal those of passes stopped there; causal conv state carries."""
 
 from __future__ import annotations
 
@@ -39,6 +40,24 @@ def test_segments_chain_to_one_pass():
         outs.append(o)
     assert torch.allclose(torch.cat(outs), full, atol=1e-5)
     assert torch.allclose(state, final, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq_len", [3, 64, 150])
+def test_states_at_offsets_equal_stopped_passes(seq_len):
+    q, k, v, g, beta, s0 = _inputs(seq_len, seed=4)
+    offsets = sorted(
+        {1, 2, 63, 64, 65, 128, 129, seq_len - 1, seq_len} & set(range(1, seq_len + 1))
+    )
+    ends = torch.tensor(offsets)
+    out, final, states = kernels.gated_delta_rule_states(q, k, v, g, beta, s0, ends)
+    full, full_final = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    assert torch.allclose(out, full, atol=1e-5) and torch.allclose(final, full_final, atol=1e-5)
+    assert states.shape == (len(offsets), *s0.shape)
+    for state, end in zip(states, offsets, strict=True):
+        _, ref = kernels.recurrent_gated_delta_rule(
+            q[:end], k[:end], v[:end], g[:end], beta[:end], s0
+        )
+        assert torch.allclose(state, ref, atol=1e-5), end
 
 
 def test_grouped_value_heads_use_interleaved_key_heads():

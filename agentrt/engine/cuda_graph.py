@@ -206,7 +206,11 @@ def _cutters(model: CausalLM) -> list:
 # 2048, ~31 us per token above 1K (`scripts/profile_static.py`, qwen3.5-35b-a3b), so one replay
 # beats two and padding is what is left to cut: from 768 tokens on, buckets every 256 tokens.
 PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 3073, 256))
-PREFILL_CUT_BUCKETS = (64, 128, 256, 512, 1024, 1536, 2048, 3072)  # also with cut slots
+# Every bucket also has a graph with cut slots: linear layers take the states at the cuts from the
+# pass itself (`kernels.gated_delta_rule_states`: one 64-row window per cut), so a cut costs little
+# more than the plain replay; a request whose piece holds a boundary no longer pads up to a
+# sparser set of cut buckets (its worst case was a 2.7K-token suffix padded to 3072 plus cuts).
+PREFILL_CUT_BUCKETS = None
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
 PREFILL_MAX_PROMPT = 4096  # longer prompts run eagerly, in big chunks, nearer GPU-bound
 PREFILL_CUT_SLOTS = 2  # capture positions inside one replay (more split the prompt)

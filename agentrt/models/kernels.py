@@ -4,7 +4,9 @@ One small interface, `gated_delta_rule(q, k, v, g, beta, state, backend)`, with 
 - `torch`: a pure-torch chunked (WY / UT-transform) implementation, always available, exact enough
   for fp32 parity; `recurrent_gated_delta_rule` is its token-by-token plain reference.
 - `fla`: flash-linear-attention's Triton kernels, used on CUDA when `fla` imports.
-All take an initial state and return the final state (fp32). Layouts are unbatched:
+All take an initial state and return the final state (fp32); `gated_delta_rule_states` also
+returns the states after given offsets from the same pass (chunk-start states plus one short
+masked window per offset), which is how capture positions cost no extra pass. Layouts are unbatched:
 q, k `[T, Hk, dk]`, v `[T, Hv, dv]`, g (log decay, <= 0) and beta `[T, Hv]`, state `[Hv, dk, dv]`.
 This module knows nothing about layers, caches or the engine.
 """
@@ -23,16 +25,20 @@ CHUNK = 64
 
 
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, backend: str = "torch"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over `x [T, C]` continuing from `state [C, K-1]`.
 
     Time-major, as a sum of K shifted products accumulated in fp32 (no transposes, no conv
-    kernel). Returns (`[T, C]` output in x's dtype, the padded input `[K-1+T, C]` whose
-    `K-1`-row windows are the conv states). `weight` is `[C, 1, K]` as in `nn.Conv1d(groups=C)`.
+    kernel); with the `fla` backend on CUDA, fla's fused causal conv kernel (one launch where
+    the sum takes K+2 passes over fp32 copies). Returns (`[T, C]` output in x's dtype, the padded
+    input `[K-1+T, C]` whose `K-1`-row windows are the conv states). `weight` is `[C, 1, K]` as
+    in `nn.Conv1d(groups=C)`.
     """
     seq_len, width = x.shape[0], weight.shape[-1]
     padded = torch.cat([state.T.to(x.dtype), x], dim=0)
+    if backend == "fla" and x.is_cuda:
+        return fla_causal_conv(x, state, weight), padded
     taps = weight[:, 0, :].float()  # [C, K]
     out = padded[:seq_len].float() * taps[:, 0]
     for j in range(1, width):
@@ -78,10 +84,11 @@ def _pad_chunks(x: torch.Tensor, pad: int) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, CHUNK, *x.shape[2:])
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_starts: bool = False):
     """Chunked form: inside each chunk of 64 tokens the delta-rule updates are folded into
     triangular solves (the UT transform), then one sequential pass carries the state across chunks.
-    Zero padding (k = v = beta = g = 0) leaves the state unchanged, so any length works."""
+    Zero padding (k = v = beta = g = 0) leaves the state unchanged, so any length works.
+    With `chunk_starts`, also returns the state at the start of each chunk `[N, Hv, dk, dv]`."""
     seq_len = q.shape[0]
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     pad = (-seq_len) % CHUNK
@@ -103,12 +110,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
     chunk_dec = decay[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
     s = state.float().clone()
     out = torch.empty_like(v)
+    starts = []
     for n in range(q.shape[1]):
+        starts.append(s)
         v_new = u[:, n] - w[:, n] @ s
         out[:, n] = q_dec[:, n] @ s + attn[:, n] @ v_new
         s = s * chunk_dec[:, n] + k_dec[:, n].transpose(-1, -2) @ v_new
-    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :seq_len]
-    return out.transpose(0, 1), s
+    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :seq_len].transpose(0, 1)
+    if chunk_starts:
+        return out, s, torch.stack(starts)
+    return out, s
 
 
 # ----------------------------------------------------------------------------- fla backend
@@ -123,6 +134,27 @@ def fla_ops():
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
     return chunk, recurrent
+
+
+@functools.cache
+def _fla_conv():
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d
+
+
+def fla_causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fla's causal conv + SiLU; its state holds the last K inputs (the oldest one unused by the
+    next output), ours the last K-1, so ours goes in with a zero column in front."""
+    initial = F.pad(state.to(x.dtype), (1, 0)).unsqueeze(0)  # [1, C, K]
+    out, _ = _fla_conv()(
+        x.unsqueeze(0),
+        weight[:, 0, :].to(x.dtype),
+        initial_state=initial,
+        output_final_state=False,
+        activation="silu",
+    )
+    return out.squeeze(0)
 
 
 FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
@@ -148,6 +180,54 @@ def fla_gated_delta_rule(q, k, v, g, beta, state):
         use_qk_l2norm_in_kernel=True,
     )
     return out.squeeze(0), final.squeeze(0).float()
+
+
+@functools.cache
+def _fla_internals():
+    """fla 0.6.0's internal forward steps of the chunked rule (the public function returns only
+    the final state; these also give the state at each chunk start, which it computes anyway)."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    return (
+        l2norm_fwd,
+        chunk_local_cumsum,
+        RCP_LN2,
+        (
+            chunk_gated_delta_rule_fwd_intra,
+            chunk_gated_delta_rule_fwd_h,
+            chunk_fwd_o,
+        ),
+    )
+
+
+def fla_chunk_starts(q, k, v, g, beta, state):
+    """fla's chunked pass step by step (as `chunk_gated_delta_rule_fwd` runs it, without context
+    parallelism), returning (output, final state fp32, chunk-start states `[N, Hv, dk, dv]`).
+    fla keeps the chunk-start states in k's dtype: snapshots of a bf16 model are bf16 there,
+    the precision fla's own output reads them at; the final state stays fp32."""
+    l2norm_fwd, local_cumsum, rcp_ln2, (intra, fwd_h, fwd_o) = _fla_internals()
+    q, k, v = (t.unsqueeze(0).contiguous() for t in (q, k, v))
+    q, _ = l2norm_fwd(q)
+    k, _ = l2norm_fwd(k)
+    g = local_cumsum(g.float().unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=rcp_ln2)
+    beta = beta.to(v.dtype).unsqueeze(0).contiguous()
+    w, u, _ = intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
+    h, v_new, final = fwd_h(
+        k=k,
+        w=w,
+        u=u,
+        g=g,
+        initial_state=state.float().unsqueeze(0).contiguous(),
+        output_final_state=True,
+        chunk_size=CHUNK,
+    )
+    out = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
+    return out.squeeze(0), final.squeeze(0), h.squeeze(0)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -180,3 +260,55 @@ def gated_delta_rule(q, k, v, g, beta, state, backend: str = "torch"):
     else:
         out, final = chunk_gated_delta_rule(q, k, v, g, beta, state)
     return out.to(v.dtype), final
+
+
+def gated_delta_rule_states(q, k, v, g, beta, state, ends: torch.Tensor, backend: str = "torch"):
+    """`gated_delta_rule` in one pass that also yields the state after each of `ends` tokens
+    (`[K]` int64 on q's device, values in [1, T]; device tensors, so CUDA graphs can vary them).
+
+    The chunked pass gives the state at each 64-token chunk start; the state after `e` tokens is
+    the start of the chunk holding token e-1, advanced over that chunk's rows before e (the later
+    rows masked to identity updates: beta 0, no decay), all K windows in one batched call.
+    Returns (output, final state fp32, states `[K, Hv, dk, dv]` fp32)."""
+    use_fla = backend == "fla" and q.is_cuda
+    if use_fla:
+        if q.shape[0] <= FLA_RECURRENT_MAX:
+            out, final = fla_gated_delta_rule(q, k, v, g, beta, state)
+            starts = state.float().unsqueeze(0)
+        else:
+            out, final, starts = fla_chunk_starts(q, k, v, g, beta, state)
+    else:
+        out, final, starts = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_starts=True)
+    states = advance_windows(q, k, v, g, beta, starts, ends, use_fla)
+    return out.to(v.dtype), final, states
+
+
+def advance_windows(q, k, v, g, beta, starts, ends, use_fla: bool) -> torch.Tensor:
+    """State after `ends[j]` tokens, from `starts` (the chunk-start states), one 64-row window
+    per end."""
+    first = torch.div(ends - 1, CHUNK, rounding_mode="floor")  # chunk holding the last row
+    rows = first[:, None] * CHUNK + torch.arange(CHUNK, device=ends.device)  # [K, CHUNK]
+    keep = rows < ends[:, None]
+    rows = rows.clamp(max=q.shape[0] - 1)
+    init = starts.index_select(0, first).float()
+    wq, wk, wv = q[rows], k[rows], v[rows]
+    wg, wb = g[rows] * keep[..., None], beta[rows] * keep[..., None]
+    if use_fla:
+        _, recurrent = fla_ops()
+        _, final = recurrent(
+            wq,
+            wk,
+            wv,
+            g=wg.float(),
+            beta=wb.to(v.dtype),
+            initial_state=init,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return final.float()
+    return torch.stack(
+        [
+            chunk_gated_delta_rule(wq[j], wk[j], wv[j], wg[j], wb[j], init[j])[1]
+            for j in range(len(init))
+        ]
+    )

@@ -1,8 +1,8 @@
 """Qwen3.5-MoE (text part): hybrid Gated DeltaNet linear attention + gated full attention, routed
 experts with top-k softmax routing plus a sigmoid-gated shared expert, zero-centred RMSNorms.
 
-The Gated DeltaNet layer runs its causal conv over the whole chunk at once and its recurrence
-segment by segment, split at the capture offsets, recording (conv, recurrent) state at each one.
+The Gated DeltaNet layer runs its causal conv and its recurrence over the whole chunk at once,
+recording (conv, recurrent) state at each capture offset from the same pass.
 Weight names match `Qwen3_5MoeForCausalLM` (prefix `model.`) and the text part of
 `Qwen3_5MoeForConditionalGeneration` (prefix `model.language_model.`).
 """
@@ -61,7 +61,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         seq_len = x.shape[0]
         conv_out, padded = kernels.causal_conv(
-            self.in_proj_qkv(x), cache.conv, self.conv1d.weight
+            self.in_proj_qkv(x), cache.conv, self.conv1d.weight, self.backend
         )  # [T, C]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(seq_len, self.num_k_heads, self.dk)
@@ -80,55 +80,47 @@ class GatedDeltaNet(nn.Module):
     def _recurrence(
         self, q, k, v, g, beta, cache: LinearCache, padded, start: int, captures
     ) -> torch.Tensor:
-        """Run the delta rule segment-wise, recording state after each capture offset."""
+        """One pass of the delta rule; the states at the capture offsets inside the chunk come
+        from the same pass (`kernels.gated_delta_rule_states`), the one at its end is the final."""
         seq_len, width = q.shape[0], self.kernel - 1
         cuts = sorted({c for c in captures if 0 < c < seq_len})
-        outs, state, begin = [], cache.recurrent, 0
-        for end in [*cuts, seq_len]:
-            o, state = kernels.gated_delta_rule(
-                q[begin:end],
-                k[begin:end],
-                v[begin:end],
-                g[begin:end],
-                beta[begin:end],
-                state,
-                self.backend,
+        if cuts:
+            ends = torch.tensor(cuts, device=q.device)
+            out, state, states = kernels.gated_delta_rule_states(
+                q, k, v, g, beta, cache.recurrent, ends, self.backend
             )
-            outs.append(o)
-            if end in captures:
-                cache.captured[start + end] = (padded[end : end + width].T.clone(), state.clone())
-            begin = end
+            for end, snapshot in zip(cuts, states, strict=True):
+                cache.captured[start + end] = (padded[end : end + width].T.clone(), snapshot)
+        else:
+            out, state = kernels.gated_delta_rule(q, k, v, g, beta, cache.recurrent, self.backend)
+        if seq_len in captures:
+            cache.captured[start + seq_len] = (
+                padded[seq_len : seq_len + width].T.clone(),
+                state.clone(),
+            )
         cache.conv.copy_(padded[seq_len : seq_len + width].T)
         cache.recurrent.copy_(state)
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out
 
     def _masked_recurrence(self, q, k, v, g, beta, cache: LinearCache, padded, span: Span):
         """Static pass: padding rows (from `span.valid` on) become identity updates (beta 0, no
         decay), so the final state is the one after the real tokens; the conv state is the
-        window of inputs ending there. Each of `span.cuts` reruns the rule with the rows from
-        the cut on masked the same way (only its final state is kept) into `cache.slots`."""
+        window of inputs ending there. The states after `span.cuts` come from the same pass
+        into `cache.slots`."""
         steps = torch.arange(q.shape[0], device=q.device)
-        if span.cuts is not None:
-            ends = [span.cuts[j] for j in range(span.cuts.shape[0])]
-            cache.slots = (
-                torch.stack([self._conv_window(padded, end) for end in ends]),
-                torch.stack([self._state_until(q, k, v, g, beta, cache, steps < e) for e in ends]),
-            )
         keep = (steps < span.valid)[:, None]
-        out, state = kernels.gated_delta_rule(
-            q, k, v, g * keep, beta * keep, cache.recurrent, self.backend
-        )
+        g, beta = g * keep, beta * keep
+        if span.cuts is None:
+            out, state = kernels.gated_delta_rule(q, k, v, g, beta, cache.recurrent, self.backend)
+        else:
+            out, state, states = kernels.gated_delta_rule_states(
+                q, k, v, g, beta, cache.recurrent, span.cuts, self.backend
+            )
+            ends = [span.cuts[j] for j in range(span.cuts.shape[0])]
+            cache.slots = (torch.stack([self._conv_window(padded, end) for end in ends]), states)
         cache.conv.copy_(self._conv_window(padded, span.valid))
         cache.recurrent.copy_(state)
         return out
-
-    def _state_until(self, q, k, v, g, beta, cache: LinearCache, keep) -> torch.Tensor:
-        """The recurrent state after the rows where `keep` holds (the others: identities)."""
-        keep = keep[:, None]
-        _, state = kernels.gated_delta_rule(
-            q, k, v, g * keep, beta * keep, cache.recurrent, self.backend
-        )
-        return state
 
     def _conv_window(self, padded: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         """The conv state after `end` (a device tensor) tokens of the pass: the inputs ending
