@@ -4,6 +4,7 @@
 # tests,crossover,ttft,statecache):
 #   tests        the GPU tests (TESTS: pytest -k, default all)
 #   crossover    fla's chunked vs recurrent kernel times
+#   conv         torch vs fla causal conv, host and GPU time per call (bench_conv.py)
 #   profile      the suffix prefill profile (PREFILL_GRAPHS=1 for the graphed path)
 #   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*)
 #   ttft_graphs  the same with --prefill-graphs (into ttft_graphs.*)
@@ -23,6 +24,10 @@ fi
 if has crossover; then
   timeout 60 python3 scripts/fla_crossover.py > "$OUT/fla_crossover.jsonl" 2>&1
   cat "$OUT/fla_crossover.jsonl"
+fi
+if has conv; then
+  timeout 60 python3 scripts/bench_conv.py > "$OUT/conv.jsonl" 2>&1
+  cat "$OUT/conv.jsonl"
 fi
 if has profile; then
   timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
