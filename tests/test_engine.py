@@ -320,7 +320,7 @@ def test_prefill_graph_buckets(hf_checkpoints):
         3072,
     ]
     # by default every bucket has a cut variant
-    assert [graphs.bucket(n, cuts=True) for n in (65, 700, 1025, 2049)] == [128, 768, 1280, 2304]
+    assert [graphs.bucket(n, cuts=True) for n in (65, 700, 1025, 2049)] == [128, 768, 1280, 2176]
     assert graphs.bucket(3073) is None and graphs.bucket(3073, cuts=True) is None
     odd = PrefillGraphs(eng.model, torch.device("cpu"), (16, 48), cut_buckets=(16, 32))
     assert odd.cut_buckets == (16, 48)

@@ -204,8 +204,9 @@ def _cutters(model: CausalLM) -> list:
 # tensor; a mask over the whole capacity where that kernel is unusable). Every replay streams
 # (nearly) all expert weights once: on the H200 a replay cost 36 ms at 64 tokens and 94 ms at
 # 2048, ~31 us per token above 1K (`scripts/profile_static.py`, qwen3.5-35b-a3b), so one replay
-# beats two and padding is what is left to cut: from 768 tokens on, buckets every 256 tokens.
-PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 3073, 256))
+# beats two and padding is what is left to cut: from 768 tokens on, buckets every 256 tokens,
+# every 128 above 2048 (the longest suffixes set the worst-case TTFT; 4 ms of padding less there).
+PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 2049, 256), *range(2176, 3073, 128))
 # Every bucket also has a graph with cut slots: linear layers take the states at the cuts from the
 # pass itself (`kernels.gated_delta_rule_states`: one 64-row window per cut), so a cut costs little
 # more than the plain replay; a request whose piece holds a boundary no longer pads up to a
