@@ -795,7 +795,7 @@ def test_blob_parts_round_trip_and_reject_a_damaged_table():
     from agentrt.statecache.codec import CorruptPayload, blob_parts, pack_parts, unpack
 
     tensors = [torch.arange(n, dtype=torch.float32) * (i + 1) for i, n in enumerate([700, 50, 900])]
-    blob = pack_parts(tensors, 1, part_bytes=2900)  # 2800 B, 200 B, 3600 B: three parts
+    blob = bytes(pack_parts(tensors, 1, part_bytes=2900))  # 2800 B, 200 B, 3600 B: three parts
     parts = blob_parts(blob)
     assert [size for _, _, size in parts] == [2800, 200, 3600]
     assert bytes(unpack(blob)) == b"".join(t.numpy().tobytes() for t in tensors)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import msgspec
+import numpy as np
 import torch
 import zstandard
 
@@ -102,7 +103,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1) -> bytes:
+def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1) -> memoryview:
     """Frame the tensors' bytes laid end to end, compressed straight from tensor memory (no
     joined copy of the raw bytes: the writer thread holds the GIL for less)."""
     views = [row_bytes(t.contiguous()) for t in tensors]
@@ -113,7 +114,21 @@ def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1) -> bytes:
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
-    return b"".join([_HEAD.pack(MAGIC, crc, raw_len), *parts])
+    return _join([_HEAD.pack(MAGIC, crc, raw_len), *parts])
+
+
+def _join(pieces: Sequence[bytes | memoryview]) -> memoryview:
+    """The pieces laid end to end in a new buffer, allocated and copied by numpy, which lets
+    other threads run meanwhile; `bytes.join` (and `bytearray(n)`'s zero fill) hold the GIL
+    throughout: a stall of the prefill thread for every payload the writer frames
+    (`scripts/writer_stall.py`)."""
+    sizes = [len(piece) for piece in pieces]
+    out = np.empty(sum(sizes), dtype=np.uint8)
+    offset = 0
+    for piece, size in zip(pieces, sizes, strict=True):
+        out[offset : offset + size] = np.frombuffer(piece, dtype=np.uint8)
+        offset += size
+    return memoryview(out)
 
 
 def unpack(value: bytes | memoryview) -> bytearray:
@@ -197,7 +212,7 @@ def pack_parts(
     level: int = 1,
     part_bytes: int = PART_BYTES,
     pool: Executor | None = None,
-) -> bytes:
+) -> memoryview:
     """A blob: the tensors in consecutive groups of about `part_bytes` raw bytes (a tensor is
     never split), each group one payload (`pack_tensors`, on `pool`'s threads at once when
     given), behind a header of their lengths."""
@@ -216,7 +231,7 @@ def pack_parts(
         futures = [pool.submit(pack_tensors, group, level) for group in groups]
         payloads = [future.result() for future in futures]
     head = _PARTS_HEAD.pack(PARTS_MAGIC, len(payloads))
-    return b"".join([head, *(_U64.pack(len(p)) for p in payloads), *payloads])
+    return _join([head, *(_U64.pack(len(p)) for p in payloads), *payloads])
 
 
 def blob_parts(value: bytes | memoryview) -> list[tuple[int, int, int]]:
