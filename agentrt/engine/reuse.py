@@ -95,11 +95,17 @@ class SemanticReuse(PrefixReuse):
             default=0,
         )
         hit = self.cache.restore_into(
-            prompt, max(live, on_device), state.kv_caches(), state.linear_caches(), kv_valid
+            prompt,
+            max(live, on_device),
+            state.kv_caches(),
+            state.linear_caches(),
+            kv_valid,
+            count_miss=False,
         )
-        if hit is None:  # (the cache counted a miss: nothing stored beyond live / device)
+        if hit is None:  # nothing stored beyond live / device: a miss unless those serve
             if self.cache.dirty:  # a corrupt candidate overwrote part of the live state
                 state.reset()
+                self.cache.stats["misses"] += 1
                 return 0, None
             if on_device > live:
                 state.truncate(on_device)
@@ -108,8 +114,7 @@ class SemanticReuse(PrefixReuse):
                 kind = self.cache.boundaries.ends_with(prompt[:on_device], BOUNDARY_KINDS)
                 return on_device, kind or "live"
             start, kind = super().begin(state, prompt)
-            if start:
-                self.cache.stats["hits_live"] += 1
+            self.cache.stats["hits_live" if start else "misses"] += 1
             return start, kind
         state.adopt(prompt[: hit.pos])
         self.source = hit.source

@@ -448,10 +448,12 @@ class StateCache:
         kv_caches: Sequence[KVCache],
         linear: Sequence[LinearCache],
         kv_valid: int = 0,
+        count_miss: bool = True,
     ) -> Hit | None:
         """Fill the caches with the longest verified checkpoint for a prefix of `ids` longer than
         `min_pos`. Returns None (caches untouched) when there is none, or when every candidate
         that was tried turned out corrupt (caches then hold garbage: the caller resets them).
+        `count_miss=False`: the caller counts the miss (it may still reuse state it holds).
 
         `kv_valid`: the caches' KV already holds `ids[:kv_valid]` (the live sequence agrees with
         the prompt that far). KV can be cut back, linear-attention state cannot: a checkpoint
@@ -469,7 +471,8 @@ class StateCache:
                 self.stats[f"hits_{hit.source}"] += 1
                 self.stats["restored_tokens"] += pos
                 return hit
-        self.stats["misses"] += 1
+        if count_miss:
+            self.stats["misses"] += 1
         return None
 
     def _restore(
