@@ -5,6 +5,8 @@
 #   tests        the GPU tests (TESTS: pytest -k, default all)
 #   crossover    fla's chunked vs recurrent kernel times
 #   conv         torch vs fla causal conv, host and GPU time per call (bench_conv.py)
+#   moe          the MoE combine before and after (bench_moe.py)
+#   copy         expert copies: copy_ per expert vs one zero-copy Triton gather (bench_copy.py)
 #   profile      the suffix prefill profile (PREFILL_GRAPHS=1 for the graphed path)
 #   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*)
 #   ttft_graphs  the same with --prefill-graphs (into ttft_graphs.*)
@@ -28,6 +30,14 @@ fi
 if has conv; then
   timeout 60 python3 scripts/bench_conv.py > "$OUT/conv.jsonl" 2>&1
   cat "$OUT/conv.jsonl"
+fi
+if has moe; then
+  timeout 60 python3 scripts/bench_moe.py > "$OUT/moe.jsonl" 2>&1
+  cat "$OUT/moe.jsonl"
+fi
+if has copy; then
+  timeout 120 python3 scripts/bench_copy.py > "$OUT/copy.jsonl" 2>&1
+  cat "$OUT/copy.jsonl"
 fi
 if has profile; then
   timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
