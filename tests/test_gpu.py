@@ -80,6 +80,37 @@ def test_fla_causal_conv_matches_torch(seq_len, dtype):
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_norms_match_torch(dtype):
+    """The fused norms (fla) against the torch formulas, zero-centred and plain, gated."""
+    from agentrt.models.layers import GatedRMSNorm, RMSNorm, fla_norms_usable
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(37, 2048, generator=g, device="cuda").to(dtype)
+    assert fla_norms_usable(x.device, dtype)  # else the fused path is never taken
+    gate = torch.randn(37, 4, 128, generator=g, device="cuda").to(dtype)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for norm, args in (
+        (RMSNorm(2048, 1e-6, zero_centered=True), (x,)),
+        (RMSNorm(2048, 1e-6), (x,)),
+        (GatedRMSNorm(128, 1e-6), (x[:, :512].reshape(37, 4, 128), gate)),
+    ):
+        norm = norm.to("cuda", dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(-0.5, 1.5, generator=g)
+        ref = norm(*args)
+        norm.backend = "fla"
+        out = norm(*args)
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+        with torch.no_grad():
+            norm.weight.add_(1.0)  # a changed weight reaches the fused path too
+        norm.backend = "torch"
+        ref = norm(*args)
+        norm.backend = "fla"
+        torch.testing.assert_close(norm(*args).float(), ref.float(), **tol)
+
+
 def _tiny_report(kernel: str):
     from agentrt import bench
 

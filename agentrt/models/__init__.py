@@ -12,7 +12,7 @@ import torch
 
 from agentrt.config import ModelConfig
 from agentrt.errors import UnsupportedArchitectureError
-from agentrt.models import qwen3_5_moe, qwen3_moe
+from agentrt.models import layers, qwen3_5_moe, qwen3_moe
 from agentrt.models.layers import CausalLM, Rotary
 from agentrt.models.moe import RoutedExperts
 
@@ -77,9 +77,10 @@ def _init_buffers(model: CausalLM, device) -> None:
 
 
 def set_linear_backend(model: CausalLM, backend: str) -> None:
-    """Choose the gated-delta-rule backend (`torch` or `fla`) of every linear-attention layer."""
+    """Choose the kernel backend (`torch` or `fla`) of every linear-attention layer and every
+    norm (`fla`: its Triton kernels for the delta rule, the causal conv and the norms)."""
     for module in model.modules():
-        if isinstance(module, qwen3_5_moe.GatedDeltaNet):
+        if isinstance(module, (qwen3_5_moe.GatedDeltaNet, layers.NormBase)):
             module.backend = backend
 
 

@@ -163,6 +163,35 @@ def fla_causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) 
     return out.squeeze(0)
 
 
+@functools.cache
+def _fla_norms():
+    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
+    from fla.modules.norm.layernorm import layer_norm_fwd
+
+    return layer_norm_fwd, layer_norm_gated_fwd
+
+
+def fla_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rmsnorm(x) * scale` in one fla kernel (fp32 inside, one rounding to x's dtype), where
+    the torch path takes five (upcast, norm, scale, downcast); `scale` is fp32."""
+    fwd, _ = _fla_norms()
+    rows = x.reshape(-1, x.shape[-1])
+    y, _, _, _ = fwd(rows.contiguous(), scale, None, eps=eps, is_rms_norm=True)
+    return y.view(x.shape)
+
+
+def fla_rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`rmsnorm(x) * scale * silu(gate)` in one fla kernel (fp32 inside)."""
+    _, fwd = _fla_norms()
+    rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
+    y, _, _, _ = fwd(
+        rows.contiguous(), gates.contiguous(), scale, None, "swish", eps=eps, is_rms_norm=True
+    )
+    return y.view(x.shape)
+
+
 FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
 
 

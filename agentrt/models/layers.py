@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from agentrt.config import FULL, ModelConfig
+from agentrt.models import kernels
 from agentrt.models.cache import KVCache, LayerCache
 from agentrt.models.moe import RoutedExperts
 
@@ -44,16 +45,82 @@ class Span:
 Position = int | torch.Tensor | Span
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32; `zero_centered` scales by (1 + weight) as Qwen3.5 does."""
+class NormBase(nn.Module):
+    """Shared by the norms: the `backend` (`torch`, or `fla` for its fused kernels on CUDA, set
+    with the linear-attention backend) and the fp32 scale the fused kernels multiply by."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+    backend = "torch"
+
+    def __init__(self, weight: torch.Tensor, eps: float, zero_centered: bool) -> None:
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.weight = nn.Parameter(weight)
+        self._scale_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def fused(self, x: torch.Tensor) -> bool:
+        return self.backend == "fla" and x.is_cuda and fla_norms_usable(x.device, x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """fp32 (1 + weight) when zero-centred, else weight; recomputed only when the weight
+        changes (loading writes it in place), so graph replays read one tensor."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._scale_cache is not None and self._scale_cache[0] == key:
+            return self._scale_cache[1]
+        w = self.weight.detach().float()
+        scale = 1.0 + w if self.zero_centered else w
+        if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._scale_cache = (key, scale)  # (never memory of a graph's pool)
+        return scale
+
+
+_FLA_NORMS: dict[tuple, bool] = {}
+
+
+def fla_norms_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether fla's fused norms run and agree with the torch formulas on this device and
+    dtype: checked once, outside any CUDA-graph capture (a capture meeting an unchecked pair
+    takes the torch path)."""
+    key = (device, dtype)
+    if key not in _FLA_NORMS:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _FLA_NORMS[key] = _probe_fla_norms(device, dtype)
+    return _FLA_NORMS[key]
+
+
+def _probe_fla_norms(device, dtype) -> bool:
+    """Both fla kernels of each norm: a tile of rows up to 512 channels (head-sized norms), a
+    row per program above (hidden-sized)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        for dim in (128, 2048):
+            x, gate = (
+                torch.randn(5, dim, device=device, generator=gen).to(dtype) for _ in range(2)
+            )
+            scale = torch.rand(dim, device=device, generator=gen) + 0.5
+            plain = F.rms_norm(x.float(), (dim,), None, 1e-6) * scale
+            for got, want in (
+                (kernels.fla_rms_norm(x, scale, 1e-6), plain),
+                (kernels.fla_rms_norm_gated(x, gate, scale, 1e-6), plain * F.silu(gate.float())),
+            ):
+                if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
+                    raise ValueError(f"differs by {(got.float() - want).abs().max():.3g}")
+    except Exception as exc:  # noqa: BLE001 - any failure: the torch formulas are always right
+        print(f"agentrt: fla's fused norms unusable ({exc}); norms use torch", file=sys.stderr)
+        return False
+    return True
+
+
+class RMSNorm(NormBase):
+    """RMSNorm computed in fp32; `zero_centered` scales by (1 + weight) as Qwen3.5 does."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+        super().__init__(torch.zeros(dim) if zero_centered else torch.ones(dim), eps, zero_centered)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused(x):  # one kernel where the lines below take five
+            return kernels.fla_rms_norm(x, self.scale(), self.eps)
         # F.rms_norm: one fused kernel on CUDA (eager prefill of short suffixes is launch-bound);
         # on the CPU the same arithmetic in the same order as the explicit formula
         dims = (x.shape[-1],)
@@ -62,15 +129,15 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), dims, None, self.eps).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(NormBase):
     """weight * rmsnorm(x) * silu(gate), norm in fp32 (the Gated DeltaNet output norm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__(torch.ones(dim), eps, zero_centered=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.fused(x):  # one kernel where the lines below take eight
+            return kernels.fla_rms_norm_gated(x, gate, self.scale(), self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         h = self.weight * h.to(x.dtype)
         return (h * F.silu(gate.float())).to(x.dtype)
