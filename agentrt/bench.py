@@ -310,7 +310,7 @@ def _statecache_run(
     for p in many:
         ids[p - 1] = marker
     target = length - 1
-    reps = 5 if length <= 32768 else 1  # where a run takes seconds, not tens
+    reps = 7 if length <= 32768 else 1  # where a run takes seconds, not tens
     # other first tokens: prompts as long, with keys of their own (a capture of a stored
     # checkpoint would be skipped), so every capture timing does the full work
     variants = [_other_start(ids, r, marker) for r in range(3 * reps)]

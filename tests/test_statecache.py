@@ -569,7 +569,7 @@ def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     (run,) = json.loads(out.read_text())["runs"]
-    assert run["repeats"] == 5 and run["restore_sources"] == ["ram", "lmdb"]
+    assert run["repeats"] == 7 and run["restore_sources"] == ["ram", "lmdb"]
     assert run["kv_chunk_bytes"] > 0 and run["writer_mib_s"] > 0
     low, high = run["capture_overhead_many_range"]
     assert low <= run["capture_overhead_many"] <= high
