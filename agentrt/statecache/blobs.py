@@ -72,7 +72,8 @@ class BlobLoad:
         return [t for pair in tail_kv for t in pair] + conv + rec
 
     def release(self, device: torch.device) -> None:
-        """Give the pinned region back, after the copies queued from it are done."""
+        """Give the pinned region back, after the copies queued from it are done (a wait that
+        costs nothing when the caller has just waited for them)."""
         if self.region is not None:
             torch.cuda.current_stream(device).synchronize()
             self.ring.free(self.region)

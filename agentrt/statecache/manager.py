@@ -576,12 +576,12 @@ class StateCache:
             load = self._load_chunks(key, pos, chunk_keys, ram_chunks, staged, load_blob)
             blob = blob if load is None else load.tensors(self.layout, pos)
             self.dirty = True
-            self._upload(staged, targets, region)
-            region = None  # freed by the upload
+            self._upload(staged, targets, non_blocking=region is not None)
             if needs_blob:
                 self._fill_blob(kv_caches, linear, pos, blob, load)
         finally:
-            if region is not None:
+            if region is not None:  # one wait for the KV and blob copies queued from the ring
+                torch.cuda.current_stream(self.device).synchronize()
                 self._ring.free(region)
             if load is not None:
                 load.release(self.device)
@@ -637,14 +637,15 @@ class StateCache:
             return self._ring.views(region, targets), region
         return [torch.empty(t.shape, dtype=t.dtype) for t in targets], None
 
-    def _upload(self, staged: list[torch.Tensor], targets: list[torch.Tensor], region) -> None:
+    def _upload(
+        self, staged: list[torch.Tensor], targets: list[torch.Tensor], non_blocking
+    ) -> None:
+        """Staged KV into the caches (asynchronous from a pinned region: the caller waits for
+        the copies before freeing it)."""
         if staged is targets:
             return
         for host, dev in zip(staged, targets, strict=True):
-            dev.copy_(host, non_blocking=region is not None)
-        if region is not None:
-            torch.cuda.current_stream(self.device).synchronize()
-            self._ring.free(region)
+            dev.copy_(host, non_blocking=non_blocking)
 
     def _fill_chunk(self, staged: list[torch.Tensor], index: int, tensors) -> None:
         """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers."""
