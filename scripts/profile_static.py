@@ -4,7 +4,8 @@ PREFIX tokens, then per bucket length: the piece as graph replays and eagerly, e
 two capture positions inside it (cuts of one replay vs splits of the eager recurrence); then
 decode steps with KV reserved for the graphs vs grown as needed. Medians of REPS runs at the
 same position (the state is rewound by length only: timing, not correctness). Prints JSON lines,
-then the GPU kernels of one static pass (the kernels a replay runs) at 64 and 2048 tokens.
+then the GPU kernels of one decode step and of one static pass (the kernels a replay runs) at
+64 and 2048 tokens.
 
     python scripts/profile_static.py [layers] [prefix] [reps]     (default 40 8000 5)
 """
@@ -85,6 +86,17 @@ def main() -> None:
                 }
             )
         )
+
+    st = plain.new_state()  # one eager decode step: the kernels a decode graph replays
+    plain.prefill(st, ids)
+    plain.decode_graph = None
+    with torch.inference_mode():
+        for _ in range(2):  # warm-up, then profiled
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                plain.decode_step(st, 5)
+                torch.cuda.synchronize()
+    print("decode step (eager, same kernels as the graph)")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
 
     eager_static = PrefillGraphs(model, torch.device("cuda"), capture=False)
     for n in (64, 2048):
