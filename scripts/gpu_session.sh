@@ -12,7 +12,8 @@
 #   ttft_graphs  the same with --prefill-graphs (into ttft_graphs.*)
 #   static       graphed vs eager prefill per piece length, and decode (profile_static.py)
 #   statecache   the state-cache benchmark at LENGTHS (default 8192,32768)
-# Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare).
+# Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare), and .triton-cache.tgz when a previous
+# run left one in $OUT (it saves the fla kernel compilation of a fresh machine).
 set -u
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
@@ -61,4 +62,9 @@ for r in json.load(open(sys.argv[1]))["runs"]:
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()
            if not isinstance(v, (dict, list))})
 EOF
+fi
+# the Triton cache for the next fresh machine (carry it back as .triton-cache.tgz), if small
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded . 2>/dev/null
+if [ "$(stat -c %s "$OUT/triton-cache.tgz" 2>/dev/null || echo 0)" -gt $((40 << 20)) ]; then
+  rm -f "$OUT/triton-cache.tgz"; echo "triton cache over 40 MiB: not kept"
 fi
