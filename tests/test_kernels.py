@@ -60,6 +60,16 @@ def test_states_at_offsets_equal_stopped_passes(seq_len):
         assert torch.allclose(state, ref, atol=1e-5), end
 
 
+def test_states_by_reruns_agree_with_one_pass():
+    """The fallback for fla releases whose internals differ: one masked rerun per offset."""
+    q, k, v, g, beta, s0 = _inputs(150, seed=5)
+    ends = torch.tensor([1, 64, 100, 150])
+    one_pass = kernels.gated_delta_rule_states(q, k, v, g, beta, s0, ends)
+    reruns = kernels._states_by_reruns(q, k, v, g, beta, s0, ends, "torch")
+    for a, b in zip(one_pass, reruns, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_grouped_value_heads_use_interleaved_key_heads():
     q, k, v, g, beta, s0 = _inputs(20, hk=2, hv=4, seed=2)
     out, _ = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, s0)

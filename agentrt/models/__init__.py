@@ -82,6 +82,8 @@ def set_linear_backend(model: CausalLM, backend: str) -> None:
     for module in model.modules():
         if isinstance(module, (qwen3_5_moe.GatedDeltaNet, layers.NormBase)):
             module.backend = backend
+        if isinstance(module, layers.NormBase):
+            module.clear_scale()
 
 
 def copy_model(model: CausalLM, device: str | torch.device, dtype: torch.dtype) -> CausalLM:

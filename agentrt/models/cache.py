@@ -79,6 +79,9 @@ class LinearCache:
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # `[K, ...]` conv and recurrent states at the cuts of the last static pass that had cuts
     slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # where every static pass puts them (one pair for all captured graphs: outputs of their own
+    # would each stay allocated in the graphs' memory pool, ~120 MiB per graph at 35B shapes)
+    slot_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def zeros(

@@ -13,7 +13,9 @@ This module knows nothing about layers, caches or the engine.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +178,8 @@ def fla_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tens
     the torch path takes five (upcast, norm, scale, downcast); `scale` is fp32."""
     fwd, _ = _fla_norms()
     rows = x.reshape(-1, x.shape[-1])
-    y, _, _, _ = fwd(rows.contiguous(), scale, None, eps=eps, is_rms_norm=True)
+    with _on_device_of(x):
+        y, _, _, _ = fwd(rows.contiguous(), scale, None, eps=eps, is_rms_norm=True)
     return y.view(x.shape)
 
 
@@ -186,9 +189,10 @@ def fla_rms_norm_gated(
     """`rmsnorm(x) * scale * silu(gate)` in one fla kernel (fp32 inside)."""
     _, fwd = _fla_norms()
     rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
-    y, _, _, _ = fwd(
-        rows.contiguous(), gates.contiguous(), scale, None, "swish", eps=eps, is_rms_norm=True
-    )
+    with _on_device_of(x):
+        y, _, _, _ = fwd(
+            rows.contiguous(), gates.contiguous(), scale, None, "swish", eps=eps, is_rms_norm=True
+        )
     return y.view(x.shape)
 
 
@@ -245,6 +249,16 @@ def fla_chunk_starts(q, k, v, g, beta, state):
     parallelism), returning (output, final state fp32, chunk-start states `[N, Hv, dk, dv]`).
     fla keeps the chunk-start states in k's dtype: snapshots of a bf16 model are bf16 there,
     the precision fla's own output reads them at; the final state stays fp32."""
+    with _on_device_of(q):  # fla's public functions set the device; its internal ones do not
+        return _fla_chunk_starts(q, k, v, g, beta, state)
+
+
+def _on_device_of(x: torch.Tensor):
+    """The CUDA device of `x` made current (nothing for CPU tensors: Triton's interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _fla_chunk_starts(q, k, v, g, beta, state):
     l2norm_fwd, local_cumsum, rcp_ln2, (intra, fwd_h, fwd_o) = _fla_internals()
     q, k, v = (t.unsqueeze(0).contiguous() for t in (q, k, v))
     q, _ = l2norm_fwd(q)
@@ -306,6 +320,8 @@ def gated_delta_rule_states(q, k, v, g, beta, state, ends: torch.Tensor, backend
     rows masked to identity updates: beta 0, no decay), all K windows in one batched call.
     Returns (output, final state fp32, states `[K, Hv, dk, dv]` fp32)."""
     use_fla = backend == "fla" and q.is_cuda
+    if use_fla and q.shape[0] > FLA_RECURRENT_MAX and not fla_chunk_starts_usable():
+        return _states_by_reruns(q, k, v, g, beta, state, ends, backend)
     if use_fla:
         if q.shape[0] <= FLA_RECURRENT_MAX:
             out, final = fla_gated_delta_rule(q, k, v, g, beta, state)
@@ -314,18 +330,55 @@ def gated_delta_rule_states(q, k, v, g, beta, state, ends: torch.Tensor, backend
             out, final, starts = fla_chunk_starts(q, k, v, g, beta, state)
     else:
         out, final, starts = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_starts=True)
-    states = advance_windows(q, k, v, g, beta, starts, ends, use_fla)
+    states = advance_windows(q, k, v, g, beta, starts, ends, use_fla, state)
     return out.to(v.dtype), final, states
 
 
-def advance_windows(q, k, v, g, beta, starts, ends, use_fla: bool) -> torch.Tensor:
+@functools.cache
+def fla_chunk_starts_usable() -> bool:
+    """`fla_chunk_starts` follows fla 0.6's internal forward steps: other versions (which may
+    move or change them) take `_states_by_reruns`, slower and right."""
+    try:
+        import fla
+
+        _fla_internals()
+        version = getattr(fla, "__version__", "")
+    except Exception:  # noqa: BLE001 - any import problem: not usable
+        return False
+    if version.startswith("0.6."):
+        return True
+    print(
+        f"agentrt: flash-linear-attention {version} is not 0.6.x; state captures inside a "
+        "prefill chunk rerun the delta rule per capture",
+        file=sys.stderr,
+    )
+    return False
+
+
+def _states_by_reruns(q, k, v, g, beta, state, ends, backend):
+    """The states after `ends` through one masked rerun of the rule each (public kernels only)."""
+    out, final = gated_delta_rule(q, k, v, g, beta, state, backend)
+    steps = torch.arange(q.shape[0], device=q.device)
+    states = []
+    for j in range(ends.shape[0]):
+        keep = (steps < ends[j])[:, None]
+        states.append(gated_delta_rule(q, k, v, g * keep, beta * keep, state, backend)[1])
+    return out, final, torch.stack(states)
+
+
+def advance_windows(
+    q, k, v, g, beta, starts, ends, use_fla: bool, state: torch.Tensor | None = None
+) -> torch.Tensor:
     """State after `ends[j]` tokens, from `starts` (the chunk-start states), one 64-row window
-    per end."""
+    per end. `state` (the pass's fp32 initial state) replaces `starts[0]` where fla rounded it
+    to the model's dtype."""
     first = torch.div(ends - 1, CHUNK, rounding_mode="floor")  # chunk holding the last row
     rows = first[:, None] * CHUNK + torch.arange(CHUNK, device=ends.device)  # [K, CHUNK]
     keep = rows < ends[:, None]
     rows = rows.clamp(max=q.shape[0] - 1)
     init = starts.index_select(0, first).float()
+    if state is not None and starts.dtype != torch.float32:
+        init = torch.where((first == 0)[:, None, None, None], state.float(), init)
     wq, wk, wv = q[rows], k[rows], v[rows]
     wg, wb = g[rows] * keep[..., None], beta[rows] * keep[..., None]
     if use_fla:

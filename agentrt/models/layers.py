@@ -61,10 +61,19 @@ class NormBase(nn.Module):
     def fused(self, x: torch.Tensor) -> bool:
         return self.backend == "fla" and x.is_cuda and fla_norms_usable(x.device, x.dtype)
 
+    def clear_scale(self) -> None:
+        """Forget the cached scale (`set_linear_backend` does, after weights are loaded: writes
+        through `.data` do not count as a change of the weight's version)."""
+        self._scale_cache = None
+
     def scale(self) -> torch.Tensor:
         """fp32 (1 + weight) when zero-centred, else weight; recomputed only when the weight
-        changes (loading writes it in place), so graph replays read one tensor."""
-        key = (self.weight.data_ptr(), self.weight._version)
+        changes, so graph replays read one tensor."""
+        try:
+            version = self.weight._version
+        except RuntimeError:  # a weight created under inference mode has no version counter
+            version = -1
+        key = (self.weight.data_ptr(), version)
         if self._scale_cache is not None and self._scale_cache[0] == key:
             return self._scale_cache[1]
         w = self.weight.detach().float()

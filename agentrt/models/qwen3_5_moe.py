@@ -117,7 +117,8 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, cache.recurrent, span.cuts, self.backend
             )
             ends = [span.cuts[j] for j in range(span.cuts.shape[0])]
-            cache.slots = (torch.stack([self._conv_window(padded, end) for end in ends]), states)
+            conv = torch.stack([self._conv_window(padded, end) for end in ends])
+            cache.slots = _into_slot_buffers(cache, conv, states)
         cache.conv.copy_(self._conv_window(padded, span.valid))
         cache.recurrent.copy_(state)
         return out
@@ -127,6 +128,21 @@ class GatedDeltaNet(nn.Module):
         there, `[conv_dim, kernel-1]`."""
         rows = end.reshape(1) + torch.arange(self.kernel - 1, device=padded.device)
         return padded.index_select(0, rows).T
+
+
+def _into_slot_buffers(
+    cache: LinearCache, conv: torch.Tensor, rec: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut states, copied into the buffers every static pass shares (allocated at first
+    use: the eager warm-up that precedes any capture, so outside the graphs' pool)."""
+    buffers = cache.slot_buffers
+    if buffers is None or buffers[0].shape != conv.shape or buffers[1].shape != rec.shape:
+        if conv.is_cuda and torch.cuda.is_current_stream_capturing():
+            return conv, rec  # a shape first met inside a capture: that graph's own tensors
+        buffers = cache.slot_buffers = (torch.empty_like(conv), torch.empty_like(rec))
+    buffers[0].copy_(conv)
+    buffers[1].copy_(rec)
+    return buffers
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
