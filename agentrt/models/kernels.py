@@ -1,4 +1,5 @@
-"""Linear-attention kernels: causal depthwise conv with carried state, and the gated delta rule.
+"""Linear-attention kernels (causal depthwise conv with carried state, the gated delta rule) and
+fla's fused RMS norms for the layers that use the `fla` backend.
 
 One small interface, `gated_delta_rule(q, k, v, g, beta, state, backend)`, with two backends:
 - `torch`: a pure-torch chunked (WY / UT-transform) implementation, always available, exact enough
@@ -6,9 +7,9 @@ One small interface, `gated_delta_rule(q, k, v, g, beta, state, backend)`, with 
 - `fla`: flash-linear-attention's Triton kernels, used on CUDA when `fla` imports.
 All take an initial state and return the final state (fp32); `gated_delta_rule_states` also
 returns the states after given offsets from the same pass (chunk-start states plus one short
-masked window per offset), which is how capture positions cost no extra pass. Layouts are unbatched:
-q, k `[T, Hk, dk]`, v `[T, Hv, dv]`, g (log decay, <= 0) and beta `[T, Hv]`, state `[Hv, dk, dv]`.
-This module knows nothing about layers, caches or the engine.
+masked window per offset), which is how capture positions cost no extra pass. Layouts are
+unbatched: q, k `[T, Hk, dk]`, v `[T, Hv, dv]`, g (log decay, <= 0) and beta `[T, Hv]`, state
+`[Hv, dk, dv]`. This module knows nothing about layers, caches or the engine.
 """
 
 from __future__ import annotations
