@@ -325,3 +325,22 @@ def test_prefill_graph_buckets(hf_checkpoints):
     odd = PrefillGraphs(eng.model, torch.device("cpu"), (16, 48), cut_buckets=(16, 32))
     assert odd.cut_buckets == (16, 48)
     assert len(odd._variants()) == 4
+
+
+def test_common_prefix_matches_a_plain_scan():
+    import random
+
+    from agentrt.engine.reuse import common_prefix
+
+    rnd = random.Random(0)
+    for _ in range(300):
+        a = [rnd.randrange(3) for _ in range(rnd.randrange(0, 3000))]
+        b = list(a)
+        if b and rnd.random() < 0.8:
+            b[rnd.randrange(len(b))] += 1
+        if rnd.random() < 0.3:
+            b = b[: rnd.randrange(len(b) + 1)]
+        want = 0
+        while want < min(len(a), len(b)) and a[want] == b[want]:
+            want += 1
+        assert common_prefix(a, b) == want == common_prefix(tuple(b), a)

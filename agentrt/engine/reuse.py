@@ -21,11 +21,19 @@ from agentrt.statecache.boundaries import BOUNDARY_KINDS
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, found by comparing blocks (list comparisons run in
+    C; a loop over 20K ids cost ~0.6 ms per request on the 2-core machine)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    a, b = list(a[:n]), list(b[:n])
+    lo, step = 0, 1024
+    while lo < n:  # whole equal blocks first, then the mismatching block id by id
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo = hi
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 class NoReuse:

@@ -412,7 +412,8 @@ class StateCache:
 
     def candidates(self, ids: Sequence[int], min_pos: int = 0) -> list[tuple[int, str]]:
         """Positions where a stored checkpoint could apply, longest first (< len(ids))."""
-        found = {p: k for p, k in self.boundaries.find(ids) if min_pos < p < len(ids)}
+        # boundaries ending past `min_pos` only: the scan starts there, not at the prompt's start
+        found = {p: k for p, k in self.boundaries.find(ids, min_pos) if min_pos < p < len(ids)}
         if self.block_edges:
             for p in range(BLOCK, self._chunked_prefix(ids) + 1, BLOCK):
                 if min_pos < p < len(ids):
