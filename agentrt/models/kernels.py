@@ -312,9 +312,10 @@ def gated_delta_rule(q, k, v, g, beta, state, backend: str = "torch"):
     return out.to(v.dtype), final
 
 
-def gated_delta_rule_states(q, k, v, g, beta, state, ends: torch.Tensor, backend: str = "torch"):
+def gated_delta_rule_states(q, k, v, g, beta, state, ends, backend: str = "torch"):
     """`gated_delta_rule` in one pass that also yields the state after each of `ends` tokens
-    (`[K]` int64 on q's device, values in [1, T]; device tensors, so CUDA graphs can vary them).
+    (`[K]` int64 on q's device, values in [1, T]; device tensors, so CUDA graphs can vary them;
+    or their `window_index`).
 
     The chunked pass gives the state at each 64-token chunk start; the state after `e` tokens is
     the start of the chunk holding token e-1, advanced over that chunk's rows before e (the later
@@ -358,6 +359,7 @@ def fla_chunk_starts_usable() -> bool:
 
 def _states_by_reruns(q, k, v, g, beta, state, ends, backend):
     """The states after `ends` through one masked rerun of the rule each (public kernels only)."""
+    ends = ends if isinstance(ends, torch.Tensor) else ends[0]
     out, final = gated_delta_rule(q, k, v, g, beta, state, backend)
     steps = torch.arange(q.shape[0], device=q.device)
     states = []
@@ -367,16 +369,25 @@ def _states_by_reruns(q, k, v, g, beta, state, ends, backend):
     return out, final, torch.stack(states)
 
 
+def window_index(ends: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """For `advance_windows`: (`ends`, the chunk holding each end's last row `[K]`, the rows of
+    each window `[K, CHUNK]` (clamped into the pass), which of them count `[K, CHUNK]`). The same
+    for every layer of a pass: callers with fixed offsets compute it once (`CutWindows`)."""
+    first = torch.div(ends - 1, CHUNK, rounding_mode="floor")
+    rows = first[:, None] * CHUNK + torch.arange(CHUNK, device=ends.device)
+    keep = rows < ends[:, None]
+    return ends, first, rows.clamp(max=seq_len - 1), keep
+
+
 def advance_windows(
     q, k, v, g, beta, starts, ends, use_fla: bool, state: torch.Tensor | None = None
 ) -> torch.Tensor:
     """State after `ends[j]` tokens, from `starts` (the chunk-start states), one 64-row window
-    per end. `state` (the pass's fp32 initial state) replaces `starts[0]` where fla rounded it
-    to the model's dtype."""
-    first = torch.div(ends - 1, CHUNK, rounding_mode="floor")  # chunk holding the last row
-    rows = first[:, None] * CHUNK + torch.arange(CHUNK, device=ends.device)  # [K, CHUNK]
-    keep = rows < ends[:, None]
-    rows = rows.clamp(max=q.shape[0] - 1)
+    per end. `ends`: the offsets `[K]`, or their `window_index`. `state` (the pass's fp32
+    initial state) replaces `starts[0]` where fla rounded it to the model's dtype."""
+    if isinstance(ends, torch.Tensor):
+        ends = window_index(ends, q.shape[0])
+    _, first, rows, keep = ends
     init = starts.index_select(0, first).float()
     if state is not None and starts.dtype != torch.float32:
         init = torch.where((first == 0)[:, None, None, None], state.float(), init)

@@ -9,6 +9,7 @@ Weight names match `Qwen3_5MoeForCausalLM` (prefix `model.`) and the text part o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -85,9 +86,9 @@ class GatedDeltaNet(nn.Module):
         seq_len, width = q.shape[0], self.kernel - 1
         cuts = sorted({c for c in captures if 0 < c < seq_len})
         if cuts:
-            ends = _on_device(cuts, q.device)
+            windows = _cut_windows(tuple(cuts), seq_len, q.device)
             out, state, states = kernels.gated_delta_rule_states(
-                q, k, v, g, beta, cache.recurrent, ends, self.backend
+                q, k, v, g, beta, cache.recurrent, windows, self.backend
             )
             for end, snapshot in zip(cuts, states, strict=True):
                 cache.captured[start + end] = (padded[end : end + width].T.clone(), snapshot)
@@ -143,6 +144,13 @@ def _into_slot_buffers(
     buffers[0].copy_(conv)
     buffers[1].copy_(rec)
     return buffers
+
+
+@functools.lru_cache(maxsize=4)
+def _cut_windows(cuts: tuple[int, ...], seq_len: int, device: torch.device) -> tuple:
+    """The capture offsets of an eager chunk on the device and their `kernels.window_index`,
+    computed once for all the chunk's linear layers (read only, so they can share it)."""
+    return kernels.window_index(_on_device(list(cuts), device), seq_len)
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
