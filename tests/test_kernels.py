@@ -58,6 +58,8 @@ def test_states_at_offsets_equal_stopped_passes(seq_len):
             q[:end], k[:end], v[:end], g[:end], beta[:end], s0
         )
         assert torch.allclose(state, ref, atol=1e-5), end
+    windows = kernels.window_index(ends, seq_len)  # precomputed once for all layers of a pass
+    assert torch.equal(kernels.gated_delta_rule_states(q, k, v, g, beta, s0, windows)[2], states)
 
 
 def test_states_by_reruns_agree_with_one_pass():
