@@ -24,22 +24,17 @@ if has tests; then
     > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
 fi
-if has crossover; then
-  timeout 60 python3 scripts/fla_crossover.py > "$OUT/fla_crossover.jsonl" 2>&1
-  cat "$OUT/fla_crossover.jsonl"
-fi
-if has conv; then
-  timeout 60 python3 scripts/bench_conv.py > "$OUT/conv.jsonl" 2>&1
-  cat "$OUT/conv.jsonl"
-fi
-if has moe; then
-  timeout 60 python3 scripts/bench_moe.py > "$OUT/moe.jsonl" 2>&1
-  cat "$OUT/moe.jsonl"
-fi
-if has copy; then
-  timeout 120 python3 scripts/bench_copy.py > "$OUT/copy.jsonl" 2>&1
-  cat "$OUT/copy.jsonl"
-fi
+# a script that prints JSON lines: STEP SECONDS SCRIPT OUTPUT_STEM
+json_step() {
+  if has "$1"; then
+    timeout "$2" python3 "scripts/$3" > "$OUT/$4.jsonl" 2>&1
+    cat "$OUT/$4.jsonl"
+  fi
+}
+json_step crossover 60 fla_crossover.py fla_crossover
+json_step conv 60 bench_conv.py conv
+json_step moe 60 bench_moe.py moe
+json_step copy 120 bench_copy.py copy
 if has profile; then
   timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
   grep median "$OUT/suffix.txt"

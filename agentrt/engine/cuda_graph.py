@@ -233,13 +233,13 @@ class PrefillGraphs:
     serves every prompt up to that length at any position. An eager forward of a large model
     costs host time per kernel launch whatever its length; a replay costs one launch.
 
-    Each bucket has a graph without cuts; the `cut_buckets` also one with `cut_slots` cuts
-    (capture positions inside the piece, whose linear states the pass records; unused slots
-    repeat the end). Graphs are valid for the cache buffers they were captured on: all are
-    captured together (`prepare`, or at first use) and again whenever the KV buffers change (so
-    capture costs land in one request; KV is reserved `reserve` positions at a time, so growth
-    is rare); they share one memory pool (they never run at once); any capture failure turns
-    them off for the engine.
+    Each bucket has a graph without cuts and, by default, one with `cut_slots` cuts (capture
+    positions inside the piece, whose linear states the pass records; unused slots repeat the
+    end; `cut_buckets` limits which buckets have one). Graphs are valid for the cache buffers
+    they were captured on: all are captured together (`prepare`, or at first use) and again
+    whenever the KV buffers change (so capture costs land in one request; KV is reserved
+    `reserve` positions at a time, so growth is rare); they share one memory pool (they never
+    run at once); any capture failure turns them off for the engine.
 
     `capture=False` runs the same static pass eagerly (CPU tests of the padding and masking)."""
 
@@ -306,7 +306,7 @@ class PrefillGraphs:
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """Append `token_ids` to `state`'s caches (the caller records the ids). Returns the
         logits after them and, per linear layer, the (conv, recurrent) states after each of
-        `cuts` (offsets in (0, len)), stacked: the graph's own buffers, valid only until the
+        `cuts` (offsets in (0, len)), stacked: buffers every pass writes, valid only until the
         next replay of any graph (copy them now); None when no bucket is long enough, there are
         more cuts than slots, or graphs are off (then nothing was changed)."""
         size = self.bucket(len(token_ids), bool(cuts))

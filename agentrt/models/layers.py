@@ -83,19 +83,23 @@ class NormBase(nn.Module):
         return scale
 
 
-_FLA_NORMS: dict[tuple, bool] = {}
+_PROBED: dict[tuple, bool] = {}  # (probe, its arguments) -> the fast path is right there
+
+
+def _checked_once(probe, *key) -> bool:
+    """`probe(*key)`, run once per key and remembered; never inside a CUDA-graph capture (a
+    capture meeting an unchecked key takes the plain path)."""
+    if (probe, *key) not in _PROBED:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _PROBED[(probe, *key)] = probe(*key)
+    return _PROBED[(probe, *key)]
 
 
 def fla_norms_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether fla's fused norms run and agree with the torch formulas on this device and
-    dtype: checked once, outside any CUDA-graph capture (a capture meeting an unchecked pair
-    takes the torch path)."""
-    key = (device, dtype)
-    if key not in _FLA_NORMS:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _FLA_NORMS[key] = _probe_fla_norms(device, dtype)
-    return _FLA_NORMS[key]
+    dtype (checked once)."""
+    return _checked_once(_probe_fla_norms, device, dtype)
 
 
 def _probe_fla_norms(device, dtype) -> bool:
@@ -285,21 +289,14 @@ def flash_varlen(
     return out.transpose(0, 1)  # [H, T, D]
 
 
-_FLASH_VARLEN: dict[tuple, bool] = {}  # (device, dtype, heads, kv heads, head dim) -> verified
-
-
 def flash_varlen_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `flash_varlen` runs and agrees with masked SDPA for these shapes on this device:
-    checked once per shape family, outside any CUDA-graph capture (a capture that meets an
-    unchecked family takes the masked path)."""
+    """Whether `flash_varlen` runs and agrees with masked SDPA for these shapes on this device
+    (checked once per shape family)."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    key = (q.device, q.dtype, q.shape[0], k.shape[0], q.shape[-1])
-    if key not in _FLASH_VARLEN:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _FLASH_VARLEN[key] = _probe_flash_varlen(*key)
-    return _FLASH_VARLEN[key]
+    return _checked_once(
+        _probe_flash_varlen, q.device, q.dtype, q.shape[0], k.shape[0], q.shape[-1]
+    )
 
 
 def _probe_flash_varlen(device, dtype, heads: int, kv_heads: int, dim: int) -> bool:

@@ -117,18 +117,17 @@ class GatedDeltaNet(nn.Module):
             out, state, states = kernels.gated_delta_rule_states(
                 q, k, v, g, beta, cache.recurrent, span.cuts, self.backend
             )
-            ends = [span.cuts[j] for j in range(span.cuts.shape[0])]
-            conv = torch.stack([self._conv_window(padded, end) for end in ends])
+            conv = self._conv_windows(padded, span.cuts)
             cache.slots = _into_slot_buffers(cache, conv, states)
-        cache.conv.copy_(self._conv_window(padded, span.valid))
+        cache.conv.copy_(self._conv_windows(padded, span.valid)[0])
         cache.recurrent.copy_(state)
         return out
 
-    def _conv_window(self, padded: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        """The conv state after `end` (a device tensor) tokens of the pass: the inputs ending
-        there, `[conv_dim, kernel-1]`."""
-        rows = end.reshape(1) + torch.arange(self.kernel - 1, device=padded.device)
-        return padded.index_select(0, rows).T
+    def _conv_windows(self, padded: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The conv states after `ends` (`[K]` device tensor) tokens of the pass: the inputs
+        ending there, `[K, conv_dim, kernel-1]`."""
+        rows = ends[:, None] + torch.arange(self.kernel - 1, device=padded.device)
+        return padded[rows].transpose(1, 2)
 
 
 def _into_slot_buffers(
@@ -155,8 +154,8 @@ def _cut_windows(cuts: tuple[int, ...], seq_len: int, device: torch.device) -> t
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A small int64 tensor on `device` without a host sync: a copy from pageable memory waits
-    for the stream (once per linear layer, it cost +40% on a prefill with captures), one from
-    pinned memory (PyTorch's caching host allocator) does not."""
+    for the stream (made once per linear layer, before `_cut_windows`, it cost +40% on a prefill
+    with captures), one from pinned memory (PyTorch's caching host allocator) does not."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return host
