@@ -43,7 +43,7 @@ if has ttft; then
   VARIANTS=dropped timeout 240 bash scripts/gpu_ttft.sh | tail -14
 fi
 if has ttft_graphs; then
-  VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout 240 bash scripts/gpu_ttft.sh | tail -14
+  VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout "${TTFT_TIMEOUT:-240}" bash scripts/gpu_ttft.sh | tail -14
 fi
 if has static; then
   timeout 200 python3 scripts/profile_static.py > "$OUT/static.jsonl" 2>&1
@@ -59,7 +59,9 @@ for r in json.load(open(sys.argv[1]))["runs"]:
 EOF
 fi
 # the Triton cache for the next fresh machine (carry it back as .triton-cache.tgz), if small
-tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded . 2>/dev/null
+# (loading a kernel needs only its .cubin and .json files: the IR and PTX stages stay behind)
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded --exclude '*.ptx' \
+  --exclude '*.ttir' --exclude '*.ttgir' --exclude '*.llir' --exclude '*.source' . 2>/dev/null
 if [ "$(stat -c %s "$OUT/triton-cache.tgz" 2>/dev/null || echo 0)" -gt $((34 << 20)) ]; then
   rm -f "$OUT/triton-cache.tgz"; echo "triton cache over 34 MiB (the carry limit is 64 with .whl .tok): not kept"
 fi

@@ -111,6 +111,24 @@ def test_fla_norms_match_torch(dtype):
         torch.testing.assert_close(norm(*args).float(), ref.float(), **tol)
 
 
+def test_fla_head_norms_tune_once_per_size_class():
+    """Head-sized norms (fla's tile kernels) over many row counts: right, and tuned for at most
+    two size classes per shape (fla's own wrappers tune again for almost every prompt length)."""
+    from agentrt.models import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tiles = kernels._fla_norms()[2:]
+    for rows in (3, 700, 2049, 4100, 33000, 70000, 150000):
+        x, gate = (torch.randn(rows, 256, generator=g, device="cuda") for _ in range(2))
+        scale = torch.rand(256, generator=g, device="cuda") + 0.5
+        plain = torch.nn.functional.rms_norm(x, (256,), None, 1e-6) * scale
+        torch.testing.assert_close(kernels.fla_rms_norm(x, scale, 1e-6), plain)
+        gated = kernels.fla_rms_norm_gated(x, gate, scale, 1e-6)
+        torch.testing.assert_close(gated, plain * torch.nn.functional.silu(gate))
+    for tile in tiles:
+        assert len([k for k in tile.cache if k[0] == 256]) <= 2
+
+
 def _tiny_report(kernel: str):
     from agentrt import bench
 
@@ -173,10 +191,19 @@ def test_cuda_graph_decode_matches_eager(kernel):
     assert engines[0].decode_graph.enabled
 
 
+def _within_twice_eager(graph: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 graph output against bf16 eager output, the fp32 model's as the oracle: the graph's
+    error stays within twice the eager path's (plus 1% of the values' range). Padding to a
+    bucket changes matmul shapes and so bf16 rounding; a wrong state would miss by far more."""
+    err_graph, err_eager = ((x.float() - ref).abs().max().item() for x in (graph, eager))
+    assert err_graph <= 2 * err_eager + 0.01 * ref.abs().max().item() + 1e-4
+
+
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
 def test_prefill_graphs_match_eager_on_cuda(kernel):
     """Short prefills replayed as CUDA graphs (padded to a bucket) give the eager logits, at new
-    positions and lengths in one bucket and across a KV growth step (recapture)."""
+    positions and lengths in one bucket and across a KV growth step (recapture); bf16, with the
+    fp32 model (eager) as the oracle, also for the states captured inside a pass."""
     from agentrt.config import EngineConfig
     from agentrt.engine import Engine
     from agentrt.models.registry import open_model
@@ -189,6 +216,10 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
         )
         for g in (True, False)
     ]
+    reference = open_model("tiny", "cuda", torch.float32).model
+    engines.append(  # (torch kernels: fla's fp32 matmuls may round to tf32)
+        Engine(reference, EngineConfig(device="cuda", dtype="float32", linear_attn="torch"))
+    )
     engines[0].prefill_graphs.reserve = 0  # grow KV as needed: recaptures along the way
     states = [e.new_state() for e in engines]
     pieces = [range(10, 50), range(50, 60), range(60, 300), range(300, 1000), range(1000, 1100)]
@@ -197,21 +228,15 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
         ids = [t % 2000 for t in piece]  # the tiny model's vocabulary has 2048 ids
         lo, n = states[0].num_tokens, len(piece)
         capture = [lo + n // 3, lo + n // 2, lo + n - 1, lo + n] if i % 2 and n > 8 else []
-        graph_logits, eager_logits = (
-            e.prefill(s, ids, capture=capture) for e, s in zip(engines, states, strict=True)
-        )
-        bound = 0.05 * eager_logits.abs().max().item()
-        assert (graph_logits - eager_logits).abs().max().item() < bound
+        logits = [e.prefill(s, ids, capture=capture) for e, s in zip(engines, states, strict=True)]
+        _within_twice_eager(*logits)
         for pos in capture:
-            for a, b in zip(*(s.linear_at(pos)[1] for s in states), strict=True):
-                assert (a - b).abs().max().item() < 0.05 * b.abs().max().item() + 1e-3
+            for taken in zip(*(s.linear_at(pos)[1] for s in states), strict=True):
+                _within_twice_eager(*taken)
     graphs = engines[0].prefill_graphs
     assert graphs.enabled and len(graphs.graphs) == len(graphs._variants())
     tok = 7  # and decoding goes on from the same state
-    graph_logits, eager_logits = (
-        e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)
-    )
-    assert (graph_logits - eager_logits).abs().max().item() < bound
+    _within_twice_eager(*(e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)))
 
 
 @pytest.mark.parametrize("q_len", [1, 7, 512])

@@ -168,19 +168,47 @@ def fla_causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) 
 
 @functools.cache
 def _fla_norms():
-    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
-    from fla.modules.norm.layernorm import layer_norm_fwd
+    """fla's norm wrappers (row kernels, above 512 channels) and tile kernels (up to 512)."""
+    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd, layer_norm_gated_fwd_kernel
+    from fla.modules.norm.layernorm import layer_norm_fwd, layer_norm_fwd_kernel
 
-    return layer_norm_fwd, layer_norm_gated_fwd
+    return layer_norm_fwd, layer_norm_gated_fwd, layer_norm_fwd_kernel, layer_norm_gated_fwd_kernel
+
+
+def _size_class(rows: int, per_class: int) -> int:
+    """The `NB` argument of fla's tile norm kernels. Its wrappers pass cdiv(rows, per_class),
+    which the kernels do not use except as an autotuning key: every new value meant a new
+    compilation and tuning of nine configurations, i.e. one for nearly every new prompt length
+    (a q norm has 16 rows per token, 2048 rows per value). Two classes instead."""
+    return 1 if rows <= per_class else 2
+
+
+def _fla_tile_norm(kernel, rows, gates, scale, eps: float, per_class: int) -> torch.Tensor:
+    """One of fla's tile norm kernels (rows of up to 512 channels) on `[T, D]` rows."""
+    import triton
+
+    count, dim = rows.shape
+    y, rstd = torch.empty_like(rows), torch.empty(count, dtype=torch.float, device=rows.device)
+    args = dict(x=rows, y=y, w=scale, b=None, mean=None, rstd=rstd, eps=eps, T=count, D=dim)
+    args |= dict(BD=triton.next_power_of_2(dim), NB=_size_class(count, per_class))
+    if gates is None:
+        args |= dict(res=None, res_out=None, G=1, HAS_RESIDUAL=False, STORE_RESIDUAL_OUT=False)
+        args |= dict(HAS_WEIGHT=True, HAS_BIAS=False)
+    else:  # (this kernel derives the HAS_* flags from the arguments)
+        args |= dict(g=gates, residual=None, residual_out=None, ACTIVATION="swish")
+    kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](**args, IS_RMS_NORM=True)
+    return y
 
 
 def fla_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """`rmsnorm(x) * scale` in one fla kernel (fp32 inside, one rounding to x's dtype), where
     the torch path takes five (upcast, norm, scale, downcast); `scale` is fp32."""
-    fwd, _ = _fla_norms()
-    rows = x.reshape(-1, x.shape[-1])
+    fwd, _, tile, _ = _fla_norms()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     with _on_device_of(x):
-        y, _, _, _ = fwd(rows.contiguous(), scale, None, eps=eps, is_rms_norm=True)
+        if rows.shape[1] <= 512:
+            return _fla_tile_norm(tile, rows, None, scale, eps, 2048).view(x.shape)
+        y, _, _, _ = fwd(rows, scale, None, eps=eps, is_rms_norm=True)
     return y.view(x.shape)
 
 
@@ -188,12 +216,13 @@ def fla_rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """`rmsnorm(x) * scale * silu(gate)` in one fla kernel (fp32 inside)."""
-    _, fwd = _fla_norms()
-    rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1])
+    _, fwd, _, tile = _fla_norms()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    gates = gate.reshape(-1, gate.shape[-1]).contiguous()
     with _on_device_of(x):
-        y, _, _, _ = fwd(
-            rows.contiguous(), gates.contiguous(), scale, None, "swish", eps=eps, is_rms_norm=True
-        )
+        if rows.shape[1] <= 512:
+            return _fla_tile_norm(tile, rows, gates, scale, eps, 65536).view(x.shape)
+        y, _, _, _ = fwd(rows, gates, scale, None, "swish", eps=eps, is_rms_norm=True)
     return y.view(x.shape)
 
 
