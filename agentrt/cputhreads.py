@@ -1,6 +1,7 @@
 """Keeps torch's CPU parallelism to one OpenMP team per process: helper threads (the state-cache
 writer and restore workers) run their tensor copies on themselves alone. Also chooses, before torch
-loads, how that team's idle workers wait (`spin_between_steps`).
+loads, how that team's idle workers wait (`spin_between_steps`), and keeps helper threads' freed
+buffers in the C heap (`keep_freed_buffers`).
 
 Every thread that runs a parallel torch CPU kernel gets an OpenMP team of its own, of
 `torch.get_num_threads()` threads. Sixteen restore workers copying at once would run sixteen
@@ -73,3 +74,29 @@ def spin_between_steps(enable: bool) -> bool:
         return False
     os.environ.update(SPIN_ENV)
     return True
+
+
+# glibc serves allocations above its mmap threshold (128 KiB, rising adaptively to at most
+# 32 MiB) with mmap and frees them with munmap, whose page-table teardown runs under the GIL
+# when Python frees the object. The state-cache writer frees several 4-5 MiB payload buffers
+# per checkpoint: on the 2-core machine that stalled the other threads (request preparation, a
+# prefill's host side) by ~5.8 ms per 66 MB checkpoint packed, against 0.6 ms with buffers up
+# to 32 MiB kept in the heap (`scripts/writer_stall.py`). Freed heap memory is returned to the
+# system only beyond 256 MiB at the top of a heap.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 256 << 20
+
+
+@functools.cache
+def keep_freed_buffers() -> bool:
+    """Raise glibc's mmap and trim thresholds (once per process; `AGENTRT_MALLOC_TUNE=0` leaves
+    them alone, as does a libc other than glibc). Returns whether both were set."""
+    if not sys.platform.startswith("linux") or os.environ.get("AGENTRT_MALLOC_TUNE") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )

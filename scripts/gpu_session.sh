@@ -7,6 +7,7 @@
 #   conv         torch vs fla causal conv, host and GPU time per call (bench_conv.py)
 #   moe          the MoE combine before and after (bench_moe.py)
 #   copy         expert copies: copy_ per expert vs one zero-copy Triton gather (bench_copy.py)
+#   stall        how long the state-cache writer's packing stalls other threads (writer_stall.py)
 #   profile      the suffix prefill profile (PREFILL_GRAPHS=1 for the graphed path)
 #   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*)
 #   ttft_graphs  the same with --prefill-graphs (into ttft_graphs.*)
@@ -27,7 +28,7 @@ fi
 # a script that prints JSON lines: STEP SECONDS SCRIPT OUTPUT_STEM
 json_step() {
   if has "$1"; then
-    timeout "$2" python3 "scripts/$3" > "$OUT/$4.jsonl" 2>&1
+    timeout "$2" python3 scripts/$3 > "$OUT/$4.jsonl" 2>&1  # ($3: the script and its arguments)
     cat "$OUT/$4.jsonl"
   fi
 }
@@ -35,6 +36,7 @@ json_step crossover 60 fla_crossover.py fla_crossover
 json_step conv 60 bench_conv.py conv
 json_step moe 60 bench_moe.py moe
 json_step copy 120 bench_copy.py copy
+json_step stall 60 "writer_stall.py 10 4" writer_stall
 if has profile; then
   timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
   grep median "$OUT/suffix.txt"

@@ -1,12 +1,13 @@
 """How long the state-cache writer's packing of one checkpoint stalls other Python threads (a
 prefill's host side, request preparation) by holding the GIL: a background thread packs a
 snapshot the size of qwen3.5-35b-a3b's (30 linear layers of conv and recurrent fp32 state,
-~66 MB) as the writer does (`pack_parts`, here on a pool of one thread, so that at most one
-thread computes and a 2-core machine is not oversubscribed), while the main thread sleeps
+~66 MB) as the writer does (`pack_parts` on a pool of WORKERS threads: 1 by default, so that
+a 2-core machine is not oversubscribed; the state cache uses 4), while the main thread sleeps
 0.2 ms at a time and records how late it wakes. Prints JSON: wake-ups later than 1 ms, their
-total lateness and the longest, per packing.
+total lateness and the longest, per packing; with glibc's malloc defaults, then with the state
+cache's `keep_freed_buffers` (one JSON line each).
 
-    python scripts/writer_stall.py [packings]     (default 10)
+    python scripts/writer_stall.py [packings] [workers]     (default 10 1)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from agentrt.cputhreads import keep_freed_buffers
 from agentrt.statecache.codec import pack_parts
 
 
@@ -29,9 +31,7 @@ def snapshot() -> list[torch.Tensor]:
     return conv + rec
 
 
-def main() -> None:
-    packings = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    tensors, pool = snapshot(), ThreadPoolExecutor(1)
+def measure(tensors: list[torch.Tensor], packings: int, pool: ThreadPoolExecutor) -> dict:
     done = threading.Event()
 
     def writer() -> None:
@@ -47,20 +47,24 @@ def main() -> None:
         late = time.perf_counter() - before - 0.0002
         if late > 1e-3:
             gaps.append(late)
-    seconds = time.perf_counter() - start
+    return {
+        "seconds": round(time.perf_counter() - start, 3),
+        "gaps_over_1ms": len(gaps),
+        "stalled_ms_per_packing": round(sum(gaps) * 1e3 / packings, 2),
+        "longest_gap_ms": round(max(gaps, default=0) * 1e3, 2),
+    }
+
+
+def main() -> None:
+    packings = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    workers = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    tensors, pool = snapshot(), ThreadPoolExecutor(workers)
     raw = sum(t.numel() * t.element_size() for t in tensors)
-    print(
-        json.dumps(
-            {
-                "snapshot_mb": round(raw / 1e6, 1),
-                "packings": packings,
-                "seconds": round(seconds, 3),
-                "gaps_over_1ms": len(gaps),
-                "stalled_ms_per_packing": round(sum(gaps) * 1e3 / packings, 2),
-                "longest_gap_ms": round(max(gaps, default=0) * 1e3, 2),
-            }
-        )
-    )
+    head = {"snapshot_mb": round(raw / 1e6, 1), "packings": packings, "workers": workers}
+    # glibc's defaults first, then what the state cache sets (process-wide, so in this order)
+    print(json.dumps(head | {"malloc": "default"} | measure(tensors, packings, pool)))
+    tuned = "keep_freed_buffers" if keep_freed_buffers() else "default (not settable)"
+    print(json.dumps(head | {"malloc": tuned} | measure(tensors, packings, pool)))
 
 
 if __name__ == "__main__":

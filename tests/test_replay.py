@@ -269,6 +269,8 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
         t = row["timings"]
         assert 0 <= t["restore_s"] <= t["prefill_s"] <= row["ttft_s"]
         assert 0 <= t["capture_s"] <= t["prefill_s"] and t["capture_gpu_s"] == 0  # CPU run
+        assert 0 <= t["restore_wait_s"] <= t["restore_s"]
+        assert 0 < t["prepare_s"] and t["prepare_s"] + t["prefill_s"] <= row["ttft_s"]
         if row["cached_tokens"] == 0:
             assert t["restore_source"] is None
     sources = {r["timings"]["restore_source"] for r in semantic if r["cached_tokens"]}

@@ -35,7 +35,9 @@ class Timings:
     its first part (finding + loading a checkpoint); `capture_s` is the host time spent queueing
     new checkpoints after the prefill's kernels were launched (it overlaps their execution),
     `capture_gpu_s` the device time of their device->host copies after the prefill's last
-    kernel (CUDA events; 0 on the CPU, where the copies are part of `capture_s`)."""
+    kernel (CUDA events; 0 on the CPU, where the copies are part of `capture_s`).
+    `prepare_s` runs from the request's start to the start of state reuse (rendering and
+    tokenizing); `restore_wait_s` is the part of `restore_s` spent waiting for the device."""
 
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -43,6 +45,8 @@ class Timings:
     restore_s: float = 0.0
     capture_s: float = 0.0
     capture_gpu_s: float = 0.0
+    prepare_s: float = 0.0
+    restore_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """The public `timings` of a result (DESIGN §2: exactly these three)."""
@@ -245,10 +249,13 @@ class Engine:
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
         t0 = time.perf_counter()
+        gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0
         start, gen.checkpoint = reuse.begin(state, prompt_ids)
         gen.cached_tokens, gen.restore_source = start, reuse.source if start else None
+        waited = time.perf_counter()
         self.synchronize()
         gen.timings.restore_s = time.perf_counter() - t0
+        gen.timings.restore_wait_s = time.perf_counter() - waited
         positions = reuse.capture_positions(prompt_ids, start)
         logits = self.prefill(
             state, prompt_ids[start:], capture=positions, should_stop=gen.should_stop

@@ -88,6 +88,8 @@ def local_target(rt) -> Target:
                 "prefill_s": result.timings["prefill_s"],
                 "capture_s": result.reuse_s["capture_s"],
                 "capture_gpu_s": result.reuse_s["capture_gpu_s"],
+                "prepare_s": result.reuse_s["prepare_s"],
+                "restore_wait_s": result.reuse_s["restore_wait_s"],
                 "restore_source": result.restore_source,
             },
         }

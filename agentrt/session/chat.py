@@ -37,7 +37,7 @@ class ChatResult:
     timings: dict[str, float]
     checkpoint: str | None = None  # kind of reused state: "live", a boundary kind, "block"
     restore_source: str | None = None  # where it came from: "live", "device", "ram", "lmdb"
-    reuse_s: dict[str, float] | None = None  # restore_s, capture_s, capture_gpu_s (see Timings)
+    reuse_s: dict[str, float] | None = None  # restore_s, capture_s, ... (see engine.Timings)
 
     def message(self) -> dict[str, Any]:
         """The assistant message in OpenAI shape (for appending to `messages`)."""

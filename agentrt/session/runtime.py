@@ -394,6 +394,8 @@ class Runtime:
                 "restore_s": gen.timings.restore_s,
                 "capture_s": gen.timings.capture_s,
                 "capture_gpu_s": gen.timings.capture_gpu_s,
+                "prepare_s": gen.timings.prepare_s,
+                "restore_wait_s": gen.timings.restore_wait_s,
             },
             timings=gen.timings.as_dict(),
         )

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.config import ModelConfig, StateCacheConfig
-from agentrt.cputhreads import single_threaded
+from agentrt.cputhreads import keep_freed_buffers, single_threaded
 from agentrt.models.cache import KVCache, LinearCache
 from agentrt.statecache.blobs import BlobLoad
 from agentrt.statecache.boundaries import Boundaries
@@ -178,6 +178,7 @@ class StateCache:
             thread_name_prefix="agentrt-compress",
             initializer=single_threaded,
         )
+        keep_freed_buffers()  # the writer's frees must not hold the GIL in munmap
         self._ring = PinnedRing.shared(config.staging_bytes) if device.type == "cuda" else None
         self._writer = threading.Thread(target=self._write_loop, name="agentrt-writer", daemon=True)
         self._writer.start()
