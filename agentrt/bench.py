@@ -11,7 +11,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -254,10 +254,19 @@ def _timed(device: str, fn):
 
 
 def statecache(
-    spec, device, dtype, lengths, state_dir, seed, capture_every: int = 2000
+    spec,
+    device,
+    dtype,
+    lengths,
+    state_dir,
+    seed,
+    capture_every: int = 2000,
+    rounds: int | None = None,
+    note: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Checkpoint sizes, writer throughput, restore latency (LMDB / RAM tier) vs recompute, and
-    prefill overhead of capture, for one long random prompt per length."""
+    prefill overhead of capture, for one long random prompt per length. `rounds` of timings
+    per length (default `default_rounds`); `note` hears of each round as it starts."""
     import shutil
     from pathlib import Path
 
@@ -293,16 +302,23 @@ def statecache(
     cache.wait_staging()  # as in a long-running server, whose ring was pinned at start-up
     runs = []
     for length in lengths:
-        runs.append(
-            _statecache_run(engine, cache, open_cache, marker, length, seed, capture_every, device)
-        )
+        reps = rounds or default_rounds(length)
+        args = (marker, length, seed, capture_every, device, reps, note)
+        runs.append(_statecache_run(engine, cache, open_cache, *args))
     cache.close()
     info = {"bench": "statecache", "model": spec, "device": device, "dtype": dtype}
     return {**info, "machine": machine(), "capture_every": capture_every, "runs": runs}
 
 
+def default_rounds(length: int) -> int:
+    """Timing rounds of `bench statecache` per prompt length: each round writes every one of
+    its checkpoints in full (about 1.7 GB at 32K tokens on qwen3.5-35b-a3b's shapes), so long
+    prompts get fewer."""
+    return 7 if length <= 8192 else 3 if length <= 32768 else 1
+
+
 def _statecache_run(
-    engine, cache, open_cache, marker, length, seed, every, device
+    engine, cache, open_cache, marker, length, seed, every, device, reps, note
 ) -> dict[str, Any]:
     ids = random_ids(engine.cfg.vocab_size - 1, length, seed + length)
     ids[-2] = marker  # boundary: checkpoint at length-1, the last token stays to prefill
@@ -310,7 +326,6 @@ def _statecache_run(
     for p in many:
         ids[p - 1] = marker
     target = length - 1
-    reps = 7 if length <= 32768 else 1  # where a run takes seconds, not tens
     # other first tokens: prompts as long, with keys of their own (a capture of a stored
     # checkpoint would be skipped), so every capture timing does the full work
     variants = [_other_start(ids, r, marker) for r in range(3 * reps)]
@@ -331,6 +346,7 @@ def _statecache_run(
     # of the host's speed over the run (prefill here is bound by host time) cancels out
     plain, t_end, t_many, write_s, write_raw, dropped0 = [], [], [], 0.0, 0, _dropped(cache)
     for r in range(reps):
+        note(f"{length} tokens: round {r + 1}/{reps}")
         prompt = variants[3 * r]
         plain.append(_timed(device, lambda p=prompt: engine.prefill(_reset(state), p))[0])
         t_end.append(capture(ids if r == 0 else variants[3 * r + 1], [target]))

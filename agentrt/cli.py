@@ -628,14 +628,35 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     show_default=True,
     help="Spacing of the boundaries in the many-checkpoints prefill.",
 )
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Timing rounds per length (default: 7 up to 8K tokens, 3 up to 32K, then 1).",
+)
 def bench_statecache(
-    model, device, dtype, linear_attn, seed, eager, json_out, lengths, state_dir, capture_every
+    model,
+    device,
+    dtype,
+    linear_attn,
+    seed,
+    eager,
+    json_out,
+    lengths,
+    state_dir,
+    capture_every,
+    rounds,
 ):
     """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead."""
     from agentrt import bench as b
 
     dev = resolve_device(device)
-    _report(b.statecache(model, dev, dtype, lengths, state_dir, seed, capture_every), json_out)
+
+    def note(text: str) -> None:
+        click.echo(text, err=True)
+
+    result = b.statecache(model, dev, dtype, lengths, state_dir, seed, capture_every, rounds, note)
+    _report(result, json_out)
 
 
 # ----------------------------------------------------------------------------- serve

@@ -52,7 +52,7 @@ if has static; then
   cat "$OUT/static.jsonl"
 fi
 if has statecache; then
-  SKIP_TESTS=1 LENGTHS="${LENGTHS:-8192,32768}" timeout 280 bash scripts/gpu_statecache.sh >/dev/null
+  SKIP_TESTS=1 LENGTHS="${LENGTHS:-8192,32768}" timeout "${STATECACHE_TIMEOUT:-400}" bash scripts/gpu_statecache.sh >/dev/null
   python3 - "$OUT/statecache.json" <<'EOF'
 import json, sys
 for r in json.load(open(sys.argv[1]))["runs"]:
