@@ -144,11 +144,20 @@ class Store:
 
     # ------------------------------------------------------------------ transactions
 
-    def _txn(self, fn: Callable[[lmdb.Transaction], T], write: bool = False) -> T:
-        """Run `fn` in a transaction; adopt map growth by other processes, grow when full."""
+    def _txn(
+        self, fn: Callable[[lmdb.Transaction], T], write: bool = False, views: bool | None = None
+    ) -> T:
+        """Run `fn` in a transaction; adopt map growth by other processes, grow when full.
+
+        `views` (default: for write transactions) makes `get` return views into the map, valid
+        until the transaction ends or writes, instead of copies: a copy of a payload (a 5 MiB KV
+        chunk) is made under the GIL, and the writer's existence checks of a long prompt's
+        chunks stalled the request thread by tens of milliseconds with copies. `fn` must then
+        use what it reads at once (test, measure, decode) and return nothing that views it."""
+        views = write if views is None else views
         for _ in range(64):
             try:
-                with self.shared.lock.shared(), self.env.begin(write=write) as txn:
+                with self.shared.lock.shared(), self.env.begin(write=write, buffers=views) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 with self.shared.lock.alone():
@@ -173,10 +182,11 @@ class Store:
         return decode_record(data) if data is not None else None
 
     def has_record(self, key: bytes) -> bool:
-        return self._txn(lambda txn: txn.get(key, db=self.records)) is not None
+        return self._txn(lambda txn: txn.get(key, db=self.records) is not None, views=True)
 
     def missing_chunks(self, keys: list[bytes]) -> list[bytes]:
-        return self._txn(lambda txn: [k for k in keys if txn.get(k, db=self.chunks) is None])
+        missing = lambda txn: [k for k in keys if txn.get(k, db=self.chunks) is None]  # noqa: E731
+        return self._txn(missing, views=True)
 
     def read_payloads(
         self, key: bytes, chunk_keys: list[bytes]
@@ -210,7 +220,7 @@ class Store:
             return None
 
     def total_bytes(self) -> int:
-        return self._txn(lambda txn: _u64(txn.get(_TOTAL, db=self.meta)))
+        return self._txn(lambda txn: _u64(txn.get(_TOTAL, db=self.meta)), views=True)
 
     def list_records(self) -> list[tuple[bytes, Record]]:
         def read(txn):
@@ -309,13 +319,13 @@ class Store:
         data = txn.get(key, db=self.records)
         if data is None:
             return False
-        freed = len(txn.get(key, db=self.blobs) or b"")
-        txn.delete(key, db=self.records)
-        txn.delete(key, db=self.blobs)
-        try:
+        try:  # (before any write: `data` may be a view into the map)
             chunk_keys = decode_record(data).chunk_keys
         except CorruptPayload:
             chunk_keys = []
+        freed = len(txn.get(key, db=self.blobs) or b"")
+        txn.delete(key, db=self.records)
+        txn.delete(key, db=self.blobs)
         for ck in chunk_keys:
             refs = _u64(txn.get(ck, db=self.refs)) - 1
             if refs > 0:
@@ -356,7 +366,8 @@ class Store:
                     used.update(decode_record(data).chunk_keys)
                 except CorruptPayload:
                     continue
-            orphans = [bytes(k) for k, _ in txn.cursor(db=self.chunks) if bytes(k) not in used]
+            chunk_keys = txn.cursor(db=self.chunks).iternext(keys=True, values=False)
+            orphans = [bytes(k) for k in chunk_keys if bytes(k) not in used]
             freed = 0
             for ck in orphans:
                 freed += len(txn.get(ck, db=self.chunks))
