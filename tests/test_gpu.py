@@ -117,7 +117,11 @@ def test_fla_head_norms_tune_once_per_size_class():
     from agentrt.models import kernels
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    tiles = kernels._fla_norms()[2:]
+    tiles = []
+    for kernel in kernels._fla_norms()[2:]:  # the autotuner, under any heuristics wrapper
+        while not hasattr(kernel, "cache"):
+            kernel = kernel.fn
+        tiles.append(kernel)
     for rows in (3, 700, 2049, 4100, 33000, 70000, 150000):
         x, gate = (torch.randn(rows, 256, generator=g, device="cuda") for _ in range(2))
         scale = torch.rand(256, generator=g, device="cuda") + 0.5
@@ -191,12 +195,14 @@ def test_cuda_graph_decode_matches_eager(kernel):
     assert engines[0].decode_graph.enabled
 
 
-def _within_twice_eager(graph: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor) -> None:
+def _within_twice_eager(
+    graph: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, slack: float = 0.01
+) -> None:
     """bf16 graph output against bf16 eager output, the fp32 model's as the oracle: the graph's
-    error stays within twice the eager path's (plus 1% of the values' range). Padding to a
+    error stays within twice the eager path's (plus `slack` of the values' range). Padding to a
     bucket changes matmul shapes and so bf16 rounding; a wrong state would miss by far more."""
     err_graph, err_eager = ((x.float() - ref).abs().max().item() for x in (graph, eager))
-    assert err_graph <= 2 * err_eager + 0.01 * ref.abs().max().item() + 1e-4
+    assert err_graph <= 2 * err_eager + slack * ref.abs().max().item() + 1e-4
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("fla", marks=needs_fla)])
@@ -230,9 +236,12 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
         capture = [lo + n // 3, lo + n // 2, lo + n - 1, lo + n] if i % 2 and n > 8 else []
         logits = [e.prefill(s, ids, capture=capture) for e, s in zip(engines, states, strict=True)]
         _within_twice_eager(*logits)
-        for pos in capture:
+        for pos in capture:  # recurrent states inside a pass start from fla's bf16 chunk
+            # states, and the two paths cut a piece into chunks at different places (eager at
+            # its prefill chunk, graphs at their largest bucket): 5% of the range (seen: 4.3%
+            # eager, 10% graph, of 0.061)
             for taken in zip(*(s.linear_at(pos)[1] for s in states), strict=True):
-                _within_twice_eager(*taken)
+                _within_twice_eager(*taken, slack=0.05)
     graphs = engines[0].prefill_graphs
     assert graphs.enabled and len(graphs.graphs) == len(graphs._variants())
     tok = 7  # and decoding goes on from the same state
