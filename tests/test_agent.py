@@ -137,6 +137,32 @@ def test_generated_ids_are_spliced_back(tmp_path):
     assert tok.decode(ids) == prompt
 
 
+def test_generated_ids_spliced_with_prefix_reuse():
+    """Turns that carry this runtime's replies: each prompt reuses the previous one's ids up to
+    a special token (splices included) and splices only in the rest, giving the ids of a fresh
+    encoding with the same remembered generations."""
+    from agentrt.models.tiny import ensure_tiny
+    from agentrt.session.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ensure_tiny())
+    memory, prompt = GeneratedIds(tok), "<|im_start|>system\n" + "be brief. " * 300 + "<|im_end|>\n"
+    for turn in range(4):
+        prompt += f"<|im_start|>user\nquestion {turn}<|im_end|>\n<|im_start|>assistant\n"
+        memory.encode(prompt)
+        reply = f"answer {turn} hello world"
+        odd = [i for ch in reply for i in tok.encode(ch, add_special_tokens=False)]
+        memory.remember(odd)  # a generation tokenized unlike its text
+        prompt += reply + "<|im_end|>\n"
+    prompt += "<|im_start|>user\nlast<|im_end|>\n<|im_start|>assistant\n"
+    before = memory.prefix.reused
+    ids = memory.encode(prompt)
+    assert memory.prefix.reused > before  # the shared part was not re-encoded
+    fresh = GeneratedIds(tok)
+    fresh.items = dict(memory.items)
+    assert ids == fresh.encode(prompt) and fresh.spliced == 4
+    assert tok.decode(ids) == prompt
+
+
 def test_tools_do_not_follow_links_out_and_survive_bad_arguments(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("secret-outside")

@@ -38,23 +38,33 @@ class GeneratedIds:
                 self.items.popitem(last=False)
 
     def encode(self, prompt: str) -> list[int]:
-        """Token ids of `prompt`, with remembered generations spliced in where they appear."""
+        """Token ids of `prompt`, with remembered generations spliced in where they appear. The
+        part shared with the previous prompt (up to a special token) keeps the previous ids,
+        splices included; only the rest is tokenized and searched. A transcript that carries
+        this runtime's replies used to be re-tokenized in full, with offsets, every turn."""
+        cut, head = self.prefix.reusable(prompt)
+        tail = prompt[cut:]
         with self.lock:
-            found = [(text, ids) for text, ids in self.items.items() if text in prompt]
-        if not found:
-            return self.prefix.encode(prompt)
-        enc = self.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+            found = [(text, ids) for text, ids in self.items.items() if text in tail]
+        ids = head + (self._spliced(tail, found) if found else self.prefix.tokenize(tail))
+        self.prefix.last = (prompt, ids)
+        return ids
+
+    def _spliced(self, text: str, found: list[tuple[str, tuple[int, ...]]]) -> list[int]:
+        """`text` tokenized, with each remembered generation in `found` that sits on token
+        boundaries replaced by its own ids."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
         starts = {o[0]: i for i, o in reversed(list(enumerate(offsets)))}
         ends = {o[1]: i + 1 for i, o in enumerate(offsets)}
         spans = []
-        for text, gen in found:
-            at = prompt.find(text)
+        for generated, gen in found:
+            at = text.find(generated)
             while at >= 0:
-                a, b = starts.get(at), ends.get(at + len(text))
+                a, b = starts.get(at), ends.get(at + len(generated))
                 if a is not None and b is not None and a < b:
                     spans.append((a, b, gen))
-                at = prompt.find(text, at + 1)
+                at = text.find(generated, at + 1)
         for a, b, gen in sorted(_disjoint(spans), reverse=True):
             if tuple(ids[a:b]) != gen:
                 ids[a:b] = gen
@@ -92,27 +102,31 @@ class PrefixEncoder:
         self.reused = 0  # characters not re-encoded (tests, stats)
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self._reuse(prompt)
-        if ids is None:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        cut, head = self.reusable(prompt)
+        ids = head + self.tokenize(prompt[cut:])
         self.last = (prompt, ids)
         return ids
 
-    def _reuse(self, prompt: str) -> list[int] | None:
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def reusable(self, prompt: str) -> tuple[int, list[int]]:
+        """(cut, ids): the previous prompt's ids of `prompt[:cut]`, which the ids of the rest,
+        encoded alone, extend; (0, []) when nothing worth reusing is shared."""
         if self.last is None or not self.splits:
-            return None
+            return 0, []
         prev, prev_ids = self.last
         common = _common_prefix(prev, prompt)
         if common < self.MIN_REUSE:
-            return None
+            return 0, []
         cut, token = max((prompt.rfind(text, 0, common), text) for text in self.splits)
         if cut < self.MIN_REUSE:
-            return None
+            return 0, []
         index = _nth(prev_ids, self.splits[token], prev.count(token, 0, cut))
         if index is None:  # the token's text did not encode to the token: no reuse
-            return None
+            return 0, []
         self.reused += cut
-        return prev_ids[:index] + self.tokenizer.encode(prompt[cut:], add_special_tokens=False)
+        return cut, prev_ids[:index]
 
 
 def _split_tokens(tokenizer) -> dict[str, int]:
