@@ -163,6 +163,30 @@ def test_generated_ids_spliced_with_prefix_reuse():
     assert tok.decode(ids) == prompt
 
 
+def test_generated_special_token_text_disables_prefix_reuse():
+    """A reply that spells a special token's text with ordinary tokens (no special id): prompts
+    that carry it are encoded whole (prefix reuse counts special tokens by their text), and an
+    edited retry still gives the ids of a fresh encoding."""
+    from agentrt.models.tiny import ensure_tiny
+    from agentrt.session.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ensure_tiny())
+    memory = GeneratedIds(tok)
+    base = "<|im_start|>system\n" + "be brief. " * 300 + "<|im_end|>\n<|im_start|>user\nq"
+    base += "<|im_end|>\n<|im_start|>assistant\n"
+    memory.encode(base)
+    reply = "write <|im_start|> literally"
+    memory.remember([i for ch in reply for i in tok.encode(ch, add_special_tokens=False)])
+    history = base + reply + "<|im_end|>\n<|im_start|>user\nsecond question"
+    memory.encode(history + "<|im_end|>\n<|im_start|>assistant\n")
+    retry = history + ", edited<|im_end|>\n<|im_start|>assistant\n"
+    ids = memory.encode(retry)
+    fresh = GeneratedIds(tok)
+    fresh.items = dict(memory.items)
+    assert ids == fresh.encode(retry) and tok.decode(ids) == retry
+    assert memory.prefix.last is None  # nothing to reuse from a prompt holding it
+
+
 def test_tools_do_not_follow_links_out_and_survive_bad_arguments(tmp_path):
     outside = tmp_path / "outside.txt"
     outside.write_text("secret-outside")

@@ -37,7 +37,8 @@ class Timings:
     `capture_gpu_s` the device time of their device->host copies after the prefill's last
     kernel (CUDA events; 0 on the CPU, where the copies are part of `capture_s`).
     `prepare_s` runs from the request's start to the start of state reuse (rendering and
-    tokenizing); `restore_wait_s` is the part of `restore_s` spent waiting for the device."""
+    tokenizing; in the server, also the wait in its queue); `restore_wait_s` is the part of
+    `restore_s` spent waiting for the device."""
 
     ttft_s: float = 0.0
     prefill_s: float = 0.0

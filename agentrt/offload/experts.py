@@ -194,12 +194,17 @@ class OffloadedExperts:
         current = torch.cuda.current_stream(self.device) if side is not None else None
         if side is not None:
             side.wait_stream(current)
+        # (the stream the copies go on: the current stream of the slots' device, not of the
+        # current device, which may be another one)
+        stream = (
+            side if side is not None or not self.on_cuda else torch.cuda.current_stream(self.device)
+        )
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            start = self._events.record() if self.on_cuda else None
+            start = self._events.record(stream) if self.on_cuda else None
             torch._foreach_copy_(targets, [rows[e] for e in done], non_blocking=self.on_cuda)
             if start is not None:
                 nbytes = len(done) * self.store.expert_bytes
-                self._copy_timing = (start, self._events.record(), nbytes)
+                self._copy_timing = (start, self._events.record(stream), nbytes)
         if side is not None:
             current.wait_stream(side)
         self.totals.copied += len(done)
@@ -378,18 +383,19 @@ class OffloadedExperts:
 
 class _EventRing:
     """Timing events for the copies, created once and recorded again in turn (creating a CUDA
-    event costs host time on every layer of every token). A copy's pair is read before the
-    next copies are issued, so two pairs are in use at most; the ring holds four."""
+    event costs host time on every layer of every token). A pair of them is read at the latest
+    right after the next pair is recorded, so two pairs are in use at most; the ring holds
+    four pairs."""
 
     def __init__(self, size: int = 8) -> None:
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(size)]
         self.next = 0
 
-    def record(self) -> torch.cuda.Event:
-        """The next event of the ring, recorded on the current stream."""
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """The next event of the ring, recorded on `stream`."""
         event = self.events[self.next]
         self.next = (self.next + 1) % len(self.events)
-        event.record()
+        event.record(stream)
         return event
 
 

@@ -22,6 +22,8 @@ class GeneratedIds:
         self.spliced = 0  # how many spans were replaced (for tests and stats)
         self.lock = threading.Lock()  # requests are prepared while the worker remembers
         self.prefix = PrefixEncoder(tokenizer)
+        # remembered texts that contain a split token's text (see `encode`)
+        self.crossing: set[str] = set()
 
     def remember(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -31,17 +33,33 @@ class GeneratedIds:
         )
         if not text or "\ufffd" in text:
             return
+        crossing = any(split in text for split in self.prefix.splits)
         with self.lock:
             self.items[text] = tuple(ids)
             self.items.move_to_end(text)
+            if crossing:
+                self.crossing.add(text)
             while len(self.items) > self.capacity:
-                self.items.popitem(last=False)
+                self.crossing.discard(self.items.popitem(last=False)[0])
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of `prompt`, with remembered generations spliced in where they appear. The
         part shared with the previous prompt (up to a special token) keeps the previous ids,
         splices included; only the rest is tokenized and searched. A transcript that carries
-        this runtime's replies used to be re-tokenized in full, with offsets, every turn."""
+        this runtime's replies used to be re-tokenized in full, with offsets, every turn.
+
+        Not when the prompt holds a generation that spells a split token's text (say, the model
+        wrote `<|im_start|>` while editing a chat template): its ids do not contain that token,
+        so counting the token's text would no longer find its ids (the reuse relies on that),
+        and a cut could fall inside it. Such prompts are encoded whole and leave nothing to
+        reuse."""
+        with self.lock:
+            crossing = [t for t in self.crossing if t in prompt]
+        if crossing:
+            with self.lock:
+                found = [(text, ids) for text, ids in self.items.items() if text in prompt]
+            self.prefix.last = None
+            return self._spliced(prompt, found)
         cut, head = self.prefix.reusable(prompt)
         tail = prompt[cut:]
         with self.lock:
