@@ -77,6 +77,27 @@ def test_offloaded_equals_dense(model_spec, reference, name):
         assert t.streamed > 0  # the long prompt went through the prefill path
 
 
+@pytest.mark.parametrize("name", ["split", "cpu-only", "copy-only"])
+def test_short_prefill_shares_few_token_experts_with_the_cpu(model_spec, reference, name):
+    """A short prefill (a suffix: most experts get a few tokens) with the split runs some missing
+    experts on the CPU and streams the rest; copy-only streams them all. Logits equal dense."""
+    ids, _, _ = reference
+    prompt = ids[:24]  # 96 (token, expert) pairs: the prefill path, a few tokens per expert
+    dense = Runtime.open(model_spec, cache="off")
+    want = dense.engine.prefill(dense.engine.new_state(), prompt, all_logits=True)
+    rt = Runtime.open(model_spec, cache="off", offload=CONFIGS[name])
+    got = rt.engine.prefill(rt.engine.new_state(), prompt, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    t = rt.engine.offload.totals
+    assert t.copied == 0  # prefill admits nothing
+    if name == "copy-only":
+        assert t.cpu == 0 and t.streamed > 0
+    elif name == "cpu-only":
+        assert t.cpu > 0
+    else:
+        assert t.cpu > 0 and t.streamed > 0
+
+
 def test_q_star_rounding():
     assert q_star(0, 1, 1) == 0
     assert q_star(8, 1, 1) == 4

@@ -10,7 +10,8 @@ expert) pair's output lands in the
 same place it would in the dense path, and the weighted sum over the k experts is the same, so
 the result equals the dense computation. Large batches (prefill) stream the missing experts
 through a scratch slot instead of admitting them, so prefill does not evict the decode working
-set. `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
+set; with the split, the missing experts that were routed only a few tokens run on the CPU
+meanwhile (as many as the q* rule leaves to it). `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
 
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
 cuts the capture: the graph copies the token's routed ids, weights and hidden row to pinned host
@@ -35,6 +36,9 @@ from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
 
 PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as prefill
+# in prefill, a missing expert routed this many tokens or fewer may run on the CPU (the split):
+# there its cost is still about reading its weights once, as in decode
+PREFILL_CPU_TOKENS = 16
 # with measured bandwidths, every PROBE_EVERY-th decision that would send no miss to the CPU
 # sends one anyway: otherwise a few slow early samples would settle q* = m for good
 PROBE_EVERY = 64
@@ -125,7 +129,8 @@ class OffloadedExperts:
         self._run_slots(layer, x, pairs, plan_gpu, top_k, out)  # queued on the GPU ...
         self._run_streamed(layer, x, pairs, streamed, top_k, out)
         if plan_cpu:  # ... while this thread computes the CPU experts
-            result = self._cpu_ffn(layer, x_host, [(e, len(pairs[e])) for e in plan_cpu])
+            segments = [(e, len(pairs[e])) for e in plan_cpu]
+            result = self._cpu_ffn(layer, x_host, segments, observe=len(flat) <= PREFILL_PAIRS)
             out[rows] = result.to(out.device, out.dtype)
         return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
@@ -165,13 +170,26 @@ class OffloadedExperts:
         return hits + copied, cpu, []
 
     def _plan_prefill(self, layer: int, pairs: dict[int, list[int]]):
-        """Many tokens: hits from slots; misses stream through scratch (nothing is evicted)."""
+        """Many tokens: hits from slots; misses stream through scratch (nothing is evicted),
+        except, with the split, those routed few tokens (`PREFILL_CPU_TOKENS`), fewest first, up
+        to the m - q* of the q* rule: they run on the CPU while the GPU works through the
+        streamed ones (a short suffix touches most experts with a few tokens each)."""
         stats = self.cache.stats[layer]
-        hits = [e for e in pairs if self.cache.lookup(layer, e) >= 0]
-        misses = [e for e in pairs if self.cache.lookup(layer, e) < 0]
+        lookup = self.cache.slot_of[layer]
+        hits = [e for e in pairs if lookup[e] >= 0]
+        misses = [e for e in pairs if lookup[e] < 0]
         stats.hits += len(hits)
         stats.misses += len(misses)
-        return hits, [], misses
+        cpu: list[int] = []
+        if self.split and misses:
+            few = sorted(
+                (e for e in misses if len(pairs[e]) <= PREFILL_CPU_TOKENS),
+                key=lambda e: len(pairs[e]),
+            )
+            cpu = few[: len(misses) - q_star(len(misses), self.bw.copy, self.bw.cpu)]
+            stats.cpu += len(cpu)
+        on_cpu = set(cpu)
+        return hits, cpu, [e for e in misses if e not in on_cpu]
 
     def _copy_in(self, layer: int, experts: list[int], exclude: set, synced: bool = False):
         """Copy experts into victim slots; returns those that got a slot. Unless `synced`, the
@@ -275,8 +293,10 @@ class OffloadedExperts:
         return rows, x[index].to("cpu", self.store.dtype)
 
     def _cpu_ffn(
-        self, layer: int, x_host: torch.Tensor, segments: list[tuple[int, int]]
+        self, layer: int, x_host: torch.Tensor, segments: list[tuple[int, int]], observe=True
     ) -> torch.Tensor:
+        """The CPU experts' outputs for their rows of `x_host` (`segments`: expert and row count,
+        in order); `observe`: a decode step, whose time updates the measured CPU bandwidth."""
         out, begin = torch.empty_like(x_host), 0
         _, gate_up, down = self.store.expert_views(layer)
         t0 = time.perf_counter()
@@ -287,7 +307,8 @@ class OffloadedExperts:
                 gate, up = h.chunk(2, dim=-1)
                 out[begin:end] = F.linear(F.silu(gate) * up, down[expert])
                 begin = end
-        self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
+        if observe:
+            self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
         return out
 
     # ------------------------------------------------------------------ captured decode
