@@ -185,6 +185,46 @@ def test_slots_follow_the_vram_budget():
         slots_for_budget(model, store, OffloadConfig(mode="auto", vram_budget=2**20))
 
 
+def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
+    """Elastic (DESIGN §5): under a VRAM budget, KV that outgrows its reservation shrinks the
+    expert cache by what it takes, and outputs still equal the dense model's; a prompt whose
+    KV would leave no room for one token's experts is refused before anything changes."""
+    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token
+    from agentrt.errors import PromptTooLongError
+
+    ids, want_tokens, want_logits = reference
+    probe = Runtime.open(model_spec, cache="off", offload=CONFIGS["split"])
+    model, store = probe.engine.model, probe.engine.offload.store
+    reserve, slots = 64, 40  # KV for 64 tokens, then 40 slots
+    budget = dense_bytes(model) + reserve * kv_bytes_per_token(model) + slots * store.expert_bytes
+    config = OffloadConfig(
+        mode="auto",
+        vram_budget=budget,
+        kv_reserve_tokens=reserve,
+        workspace_bytes=0,
+        copy_bandwidth=1.0,
+        cpu_bandwidth=1.0,
+    )
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    cache = rt.engine.offload.cache
+    assert cache.num_slots == slots
+    logits = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (logits - want_logits).abs().max().item() < 1e-4
+    assert rt.generate(ids, max_tokens=20) == want_tokens
+    state = rt.engine.new_state()
+    rt.engine.prefill(state, ids)
+    kv = sum(c.bytes_at(c.capacity) for c in state.kv_caches())
+    assert cache.resizes >= 1 and cache.num_slots < slots
+    assert cache.num_slots == (budget - dense_bytes(model) - kv) // store.expert_bytes
+    cache.check()
+    tight = OffloadConfig(**{**config.__dict__, "vram_budget": budget - 36 * store.expert_bytes})
+    small = Runtime.open(model_spec, cache="off", offload=tight)
+    state = small.engine.new_state()
+    with pytest.raises(PromptTooLongError, match="VRAM budget"):
+        small.engine.prefill(state, ids)
+    assert state.num_tokens == 0 and small.engine.offload.cache.num_slots == 4
+
+
 def test_calibration_profile_round_trip(tmp_path):
     from agentrt.offload.calibrate import calibrate, load_profile, profile_path, save_profile
 

@@ -132,7 +132,8 @@ class DecodeGraph:
         """
         if not self.enabled:
             return None
-        key = _buffers_key(state)
+        experts_key = getattr(self.model.experts, "buffers_key", None)  # offloaded: the pool
+        key = _buffers_key(state) + (experts_key() if experts_key is not None else ())
         try:
             if self.current is None or self.current.key != key:
                 self.current = self._capture(state, key)

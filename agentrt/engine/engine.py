@@ -118,6 +118,31 @@ class Engine:
                 f"{self.max_context} tokens"
             )
 
+    def _make_kv_room(self, state: SequenceState, num_tokens: int) -> None:
+        """With offloaded experts under a VRAM budget: KV about to outgrow the budget's KV
+        reservation takes its room from the expert cache (DESIGN §5, elastic). The pool is
+        freed, the KV grown, then a smaller pool made, between steps; the cached experts are
+        dropped (the host store holds them) and come back as misses. Too little room left for
+        even one token's experts is `PromptTooLongError`, before anything changes."""
+        experts = self.offload
+        if experts is None or getattr(experts, "slots_for_kv", None) is None:
+            return
+        caches = state.kv_caches()
+        if all(cache.capacity >= num_tokens for cache in caches):
+            return
+        kv = sum(cache.bytes_at(cache.grown_capacity(num_tokens)) for cache in caches)
+        try:
+            slots = experts.slots_for_kv(kv)
+        except InvalidArgumentError as exc:
+            msg = f"{num_tokens} tokens do not fit the VRAM budget: {exc}"
+            raise PromptTooLongError(msg) from None
+        if slots >= experts.cache.num_slots:
+            return  # within the reservation
+        experts.cache.release()
+        for cache in caches:
+            cache.reserve(num_tokens, state.num_tokens)
+        experts.cache.resize(slots)
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (
             ids
@@ -168,6 +193,7 @@ class Engine:
             if done == len(token_ids):
                 return logits
             token_ids, start = token_ids[done:], state.num_tokens  # the rest runs eagerly
+        self._make_kv_room(state, start + len(token_ids))
         ids = self._tensor(token_ids)
         chunk, outputs = self.config.prefill_chunk, []
         for offset in range(0, len(token_ids), chunk):
@@ -220,6 +246,7 @@ class Engine:
         """Feed one token; return the next-token fp32 logits `[V]`."""
         self.check_fits(state.num_tokens + 1)
         self._check_ids([token_id])
+        self._make_kv_room(state, state.num_tokens + 1)
         logits = None
         if self.decode_graph is not None:
             for cache in state.kv_caches():
@@ -249,6 +276,7 @@ class Engine:
         self.check_fits(gen.prompt_tokens)
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
+        self._make_kv_room(state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0
         start, gen.checkpoint = reuse.begin(state, prompt_ids)

@@ -36,24 +36,24 @@ def kv_bytes_per_token(model: CausalLM) -> int:
     return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def slots_for_budget(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> int:
-    """Expert slots that fit: budget - dense weights - KV reservation - workspace."""
+def slots_for_budget(
+    model: CausalLM, store: ExpertStore, config: OffloadConfig, kv_bytes: int | None = None
+) -> int:
+    """Expert slots that fit: budget - dense weights - KV (the reservation unless `kv_bytes`)
+    - workspace."""
     if config.expert_cache_slots is not None:
         return config.expert_cache_slots
     if config.vram_budget is None:
         return len(store.layers) * store.num_experts  # no budget: room for every expert
-    free = (
-        config.vram_budget
-        - dense_bytes(model)
-        - config.kv_reserve_tokens * kv_bytes_per_token(model)
-    )
-    free -= config.workspace_bytes
+    reserved = config.kv_reserve_tokens * kv_bytes_per_token(model)
+    kv = reserved if kv_bytes is None else max(kv_bytes, reserved)
+    free = config.vram_budget - dense_bytes(model) - kv - config.workspace_bytes
     slots = free // store.expert_bytes
     if slots < model.config.num_experts_per_tok:
-        need = (dense_bytes(model) + config.workspace_bytes) / 2**30
+        need = (dense_bytes(model) + kv + config.workspace_bytes) / 2**30
         raise InvalidArgumentError(
             f"vram budget {config.vram_budget / 2**30:.1f} GiB leaves no room for experts "
-            f"(dense weights and workspace alone need {need:.1f} GiB)"
+            f"(dense weights, {kv / 2**30:.2f} GiB of KV and the workspace need {need:.1f} GiB)"
         )
     return int(slots)
 
@@ -96,6 +96,8 @@ def install(
         bw = bandwidths(store, device, config, recalibrate)
         given = config.copy_bandwidth is not None or config.cpu_bandwidth is not None
         experts = OffloadedExperts(store, cache, bw, split=config.split, adaptive=not given)
+        if config.vram_budget is not None and config.expert_cache_slots is None:
+            experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)
     else:
         cpu_layers = _cpu_expert_layers(model, store, config)
         resident = [layer for layer in store.layers if layer not in cpu_layers]

@@ -34,13 +34,23 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[1]
 
+    def grown_capacity(self, num_tokens: int) -> int:
+        """The capacity `reserve(num_tokens, ...)` leaves (at least doubling, in whole steps)."""
+        if num_tokens <= self.capacity:
+            return self.capacity
+        step = max(self.grow_tokens, 1)
+        new_cap = max(num_tokens, 2 * self.capacity)
+        return (new_cap + step - 1) // step * step
+
+    def bytes_at(self, capacity: int) -> int:
+        """Device bytes of keys and values at `capacity` positions."""
+        return 2 * self.k.shape[0] * capacity * self.k.shape[2] * self.k.element_size()
+
     def reserve(self, num_tokens: int, used: int) -> None:
         """Make room for `num_tokens` positions, keeping the first `used` ones."""
         if num_tokens <= self.capacity:
             return
-        step = max(self.grow_tokens, 1)
-        new_cap = max(num_tokens, 2 * self.capacity)
-        new_cap = (new_cap + step - 1) // step * step
+        new_cap = self.grown_capacity(num_tokens)
         k = self.k.new_zeros((self.k.shape[0], new_cap, self.k.shape[2]))
         v = torch.zeros_like(k)
         k[:, :used].copy_(self.k[:, :used])

@@ -1,6 +1,6 @@
 """`ExpertCache`: one pool of device slots for experts of any layer, the `slot_of` table
 (layer -> expert -> slot or -1), a replacement policy, and per-layer counters. The host store
-stays the truth: evicting a slot loses nothing."""
+stays the truth: evicting a slot loses nothing, nor does rebuilding the pool at another size."""
 
 from __future__ import annotations
 
@@ -37,10 +37,31 @@ class ExpertCache:
         self.free = list(range(num_slots - 1, -1, -1))
         self.policy = POLICIES[policy]()
         self.stats = {layer: LayerStats() for layer in store.layers}
+        self.resizes = 0  # times the pool was rebuilt (elastic: KV took room from it)
 
     @property
     def num_slots(self) -> int:
         return self.slots.shape[0]
+
+    def release(self) -> None:
+        """Empty the pool and free its memory (every cached expert is dropped; the host store
+        still holds them all). `resize` makes a new one."""
+        self.resize(0)
+
+    def resize(self, num_slots: int) -> None:
+        """A new pool of `num_slots` empty slots in place of the current one, which is freed
+        first (so the two never take memory at once). The policy starts afresh."""
+        for row in self.slot_of.values():
+            row[:] = [-1] * len(row)
+        self.slots, self.slot_rows = None, []  # the old pool's memory goes back first
+        self.slots = torch.zeros(
+            num_slots, self.store.expert_numel, dtype=self.store.dtype, device=self.device
+        )
+        self.slot_rows = list(self.slots.unbind(0))
+        self.owner = [None] * num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.policy = POLICIES[self.policy.name]()
+        self.resizes += 1
 
     def lookup(self, layer: int, expert: int) -> int:
         return self.slot_of[layer][expert]

@@ -11,7 +11,8 @@ same place it would in the dense path, and the weighted sum over the k experts i
 the result equals the dense computation. Large batches (prefill) stream the missing experts
 through a scratch slot instead of admitting them, so prefill does not evict the decode working
 set; with the split, the missing experts that were routed only a few tokens run on the CPU
-meanwhile (as many as the q* rule leaves to it). `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
+meanwhile (as many as the q* rule leaves to it). `cpu_layers` (the static baseline) computes
+every expert of those layers on the CPU.
 
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
 cuts the capture: the graph copies the token's routed ids, weights and hidden row to pinned host
@@ -24,6 +25,7 @@ slots as one gathered batched matmul.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -102,6 +104,13 @@ class OffloadedExperts:
         # runs keep the configured ones, so their decisions stay reproducible)
         self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
         self._copy_only_decisions = 0
+        # slots the VRAM budget allows next to this many bytes of KV (set under a budget: the
+        # engine then lets growing KV take room from the cache, DESIGN §5 elastic)
+        self.slots_for_kv: Callable[[int], int] | None = None
+
+    def buffers_key(self) -> tuple[int, ...]:
+        """What a captured decode step depends on here: the slot pool (rebuilt by a resize)."""
+        return (self.cache.slots.data_ptr(), self.cache.num_slots)
 
     # ------------------------------------------------------------------ interface
 
