@@ -139,9 +139,11 @@ class Engine:
         if slots >= experts.cache.num_slots:
             return  # within the reservation
         experts.cache.release()
-        for cache in caches:
-            cache.reserve(num_tokens, state.num_tokens)
-        experts.cache.resize(slots)
+        try:
+            for cache in caches:
+                cache.reserve(num_tokens, state.num_tokens)
+        finally:  # a pool again even when growing failed (say, out of memory)
+            experts.cache.resize(slots)
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (
