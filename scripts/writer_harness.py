@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from writer_stall import late_wakeups  # (this script's folder is on the path)
 
 from agentrt.config import StateCacheConfig
 from agentrt.models.cache import KVCache
@@ -63,12 +64,7 @@ def main() -> None:
         for n in range(1, count + 1):
             cache.save(ids, n * step, "message_end", kv, conv, rec)
             until = time.perf_counter() + 0.05  # a turn's worth of other work between saves
-            while time.perf_counter() < until:
-                before = time.perf_counter()
-                time.sleep(0.0002)
-                late = time.perf_counter() - before - 0.0002
-                if late > 1e-3:
-                    gaps.append(late)
+            gaps += late_wakeups(lambda u=until: time.perf_counter() >= u)
         cache.flush()
     finally:
         cache.close()

@@ -16,6 +16,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -31,6 +32,18 @@ def snapshot() -> list[torch.Tensor]:
     return conv + rec
 
 
+def late_wakeups(done: Callable[[], bool]) -> list[float]:
+    """Sleep 0.2 ms at a time until `done()`; the lateness of each wake-up over 1 ms."""
+    gaps = []
+    while not done():
+        before = time.perf_counter()
+        time.sleep(0.0002)
+        late = time.perf_counter() - before - 0.0002
+        if late > 1e-3:
+            gaps.append(late)
+    return gaps
+
+
 def measure(tensors: list[torch.Tensor], packings: int, pool: ThreadPoolExecutor) -> dict:
     done = threading.Event()
 
@@ -39,14 +52,9 @@ def measure(tensors: list[torch.Tensor], packings: int, pool: ThreadPoolExecutor
             pack_parts(tensors, 1, pool=pool)
         done.set()
 
-    gaps, start = [], time.perf_counter()
+    start = time.perf_counter()
     threading.Thread(target=writer).start()
-    while not done.is_set():
-        before = time.perf_counter()
-        time.sleep(0.0002)
-        late = time.perf_counter() - before - 0.0002
-        if late > 1e-3:
-            gaps.append(late)
+    gaps = late_wakeups(done.is_set)
     return {
         "seconds": round(time.perf_counter() - start, 3),
         "gaps_over_1ms": len(gaps),

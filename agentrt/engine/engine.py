@@ -125,7 +125,7 @@ class Engine:
         dropped (the host store holds them) and come back as misses. Too little room left for
         even one token's experts is `PromptTooLongError`, before anything changes."""
         experts = self.offload
-        if experts is None or getattr(experts, "slots_for_kv", None) is None:
+        if experts is None or experts.slots_for_kv is None:
             return
         caches = state.kv_caches()
         if all(cache.capacity >= num_tokens for cache in caches):

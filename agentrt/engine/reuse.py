@@ -24,7 +24,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix, found by comparing blocks (list comparisons run in
     C; a loop over 20K ids cost ~0.6 ms per request on the 2-core machine)."""
     n = min(len(a), len(b))
-    a, b = list(a[:n]), list(b[:n])
+    a, b = (x if isinstance(x, list) else list(x) for x in (a, b))  # list == list, in C
     lo, step = 0, 1024
     while lo < n:  # whole equal blocks first, then the mismatching block id by id
         hi = min(n, lo + step)
@@ -78,7 +78,10 @@ class PrefixReuse(NoReuse):
         return 0  # hybrid state that is not an exact prefix cannot be cut back
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
-        keep = self.live_length(state, prompt)
+        return self._keep_live(state, self.live_length(state, prompt))
+
+    def _keep_live(self, state: SequenceState, keep: int) -> tuple[int, str | None]:
+        """Cut the live state back to `keep` tokens (0: reset it)."""
         if keep == 0:
             state.reset()
         else:
@@ -121,7 +124,7 @@ class SemanticReuse(PrefixReuse):
                 self.cache.stats["hits_device"] += 1
                 kind = self.cache.boundaries.ends_with(prompt[:on_device], BOUNDARY_KINDS)
                 return on_device, kind or "live"
-            start, kind = super().begin(state, prompt)
+            start, kind = self._keep_live(state, live)
             self.cache.stats["hits_live" if start else "misses"] += 1
             return start, kind
         state.adopt(prompt[: hit.pos])

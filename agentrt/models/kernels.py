@@ -200,15 +200,22 @@ def _fla_tile_norm(kernel, rows, gates, scale, eps: float, per_class: int) -> to
     return y
 
 
-def fla_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rmsnorm(x) * scale` in one fla kernel (fp32 inside, one rounding to x's dtype), where
-    the torch path takes five (upcast, norm, scale, downcast); `scale` is fp32."""
-    fwd, _, tile, _ = _fla_norms()
+def fla_rms_norm(
+    x: torch.Tensor, scale: torch.Tensor, eps: float, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`rmsnorm(x) * scale` (times `silu(gate)` when given) in one fla kernel (fp32 inside, one
+    rounding to x's dtype), where the torch path takes five to eight; `scale` is fp32."""
+    plain, gated, plain_tile, gated_tile = _fla_norms()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
+    gates = None if gate is None else gate.reshape(-1, gate.shape[-1]).contiguous()
     with _on_device_of(x):
-        if rows.shape[1] <= 512:
-            return _fla_tile_norm(tile, rows, None, scale, eps, 2048).view(x.shape)
-        y, _, _, _ = fwd(rows, scale, None, eps=eps, is_rms_norm=True)
+        if rows.shape[1] <= 512:  # fla's own classes: 2048 rows, 2048 * 32 gated
+            tile, per_class = (plain_tile, 2048) if gate is None else (gated_tile, 65536)
+            return _fla_tile_norm(tile, rows, gates, scale, eps, per_class).view(x.shape)
+        if gate is None:
+            y, _, _, _ = plain(rows, scale, None, eps=eps, is_rms_norm=True)
+        else:
+            y, _, _, _ = gated(rows, gates, scale, None, "swish", eps=eps, is_rms_norm=True)
     return y.view(x.shape)
 
 
@@ -216,14 +223,7 @@ def fla_rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """`rmsnorm(x) * scale * silu(gate)` in one fla kernel (fp32 inside)."""
-    _, fwd, _, tile = _fla_norms()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    gates = gate.reshape(-1, gate.shape[-1]).contiguous()
-    with _on_device_of(x):
-        if rows.shape[1] <= 512:
-            return _fla_tile_norm(tile, rows, gates, scale, eps, 65536).view(x.shape)
-        y, _, _, _ = fwd(rows, gates, scale, None, "swish", eps=eps, is_rms_norm=True)
-    return y.view(x.shape)
+    return fla_rms_norm(x, scale, eps, gate)
 
 
 FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel

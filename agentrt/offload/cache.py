@@ -28,16 +28,20 @@ class ExpertCache:
     def __init__(self, store: ExpertStore, num_slots: int, device, policy: str = "lru") -> None:
         self.store = store
         self.device = torch.device(device)
+        self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}
+        self.stats = {layer: LayerStats() for layer in store.layers}
+        self.resizes = 0  # times the pool was rebuilt (elastic: KV took room from it)
+        self._new_pool(num_slots, policy)
+
+    def _new_pool(self, num_slots: int, policy: str) -> None:
+        """Empty slots, their owners and free list, and a fresh policy."""
         self.slots = torch.zeros(  # zeros: a slot read under weight 0 must hold finite numbers
-            num_slots, store.expert_numel, dtype=store.dtype, device=self.device
+            num_slots, self.store.expert_numel, dtype=self.store.dtype, device=self.device
         )
         self.slot_rows = list(self.slots.unbind(0))  # one view per slot (no indexing per copy)
-        self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}
         self.owner: list[Key | None] = [None] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))
         self.policy = POLICIES[policy]()
-        self.stats = {layer: LayerStats() for layer in store.layers}
-        self.resizes = 0  # times the pool was rebuilt (elastic: KV took room from it)
 
     @property
     def num_slots(self) -> int:
@@ -54,13 +58,7 @@ class ExpertCache:
         for row in self.slot_of.values():
             row[:] = [-1] * len(row)
         self.slots, self.slot_rows = None, []  # the old pool's memory goes back first
-        self.slots = torch.zeros(
-            num_slots, self.store.expert_numel, dtype=self.store.dtype, device=self.device
-        )
-        self.slot_rows = list(self.slots.unbind(0))
-        self.owner = [None] * num_slots
-        self.free = list(range(num_slots - 1, -1, -1))
-        self.policy = POLICIES[self.policy.name]()
+        self._new_pool(num_slots, self.policy.name)
         self.resizes += 1
 
     def lookup(self, layer: int, expert: int) -> int:

@@ -218,14 +218,11 @@ class OffloadedExperts:
         if not done:
             return done
         side = self.copy_stream if not synced else None
-        current = torch.cuda.current_stream(self.device) if side is not None else None
+        # (the slots' device's current stream, not the current device's: they may differ)
+        current = torch.cuda.current_stream(self.device) if self.on_cuda else None
+        stream = side if side is not None else current  # the one the copies go on
         if side is not None:
             side.wait_stream(current)
-        # (the stream the copies go on: the current stream of the slots' device, not of the
-        # current device, which may be another one)
-        stream = (
-            side if side is not None or not self.on_cuda else torch.cuda.current_stream(self.device)
-        )
         with torch.cuda.stream(side) if side is not None else nullcontext():
             start = self._events.record(stream) if self.on_cuda else None
             torch._foreach_copy_(targets, [rows[e] for e in done], non_blocking=self.on_cuda)

@@ -84,12 +84,8 @@ def local_target(rt) -> Target:
             "checkpoint": rt.checkpoint_label(result.checkpoint),
             "output_token_ids": result.token_ids,
             "timings": {  # the parts of the TTFT, and where reused state came from
-                "restore_s": result.reuse_s["restore_s"],
+                **result.reuse_s,  # restore_s, capture_s, ... (see engine.Timings)
                 "prefill_s": result.timings["prefill_s"],
-                "capture_s": result.reuse_s["capture_s"],
-                "capture_gpu_s": result.reuse_s["capture_gpu_s"],
-                "prepare_s": result.reuse_s["prepare_s"],
-                "restore_wait_s": result.reuse_s["restore_wait_s"],
                 "restore_source": result.restore_source,
             },
         }

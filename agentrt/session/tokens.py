@@ -54,18 +54,13 @@ class GeneratedIds:
         and a cut could fall inside it. Such prompts are encoded whole and leave nothing to
         reuse."""
         with self.lock:
-            crossing = [t for t in self.crossing if t in prompt]
-        if crossing:
-            with self.lock:
-                found = [(text, ids) for text, ids in self.items.items() if text in prompt]
-            self.prefix.last = None
-            return self._spliced(prompt, found)
-        cut, head = self.prefix.reusable(prompt)
+            crossing = any(text in prompt for text in self.crossing)
+        cut, head = (0, []) if crossing else self.prefix.reusable(prompt)
         tail = prompt[cut:]
         with self.lock:
             found = [(text, ids) for text, ids in self.items.items() if text in tail]
         ids = head + (self._spliced(tail, found) if found else self.prefix.tokenize(tail))
-        self.prefix.last = (prompt, ids)
+        self.prefix.last = None if crossing else (prompt, ids)
         return ids
 
     def _spliced(self, text: str, found: list[tuple[str, tuple[int, ...]]]) -> list[int]:

@@ -106,6 +106,12 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1) -> memoryview:
     """Frame the tensors' bytes laid end to end, compressed straight from tensor memory (no
     joined copy of the raw bytes: the writer thread holds the GIL for less)."""
+    return _join(_frame(tensors, level))
+
+
+def _frame(tensors: Sequence[torch.Tensor], level: int) -> list[bytes]:
+    """A payload's pieces (its header, then the compressed stream in pieces), not yet joined:
+    a blob joins the pieces of all its payloads once."""
     views = [row_bytes(t.contiguous()) for t in tensors]
     raw_len = sum(v.nbytes for v in views)
     cobj = _compressor(level).compressobj(size=raw_len)
@@ -114,7 +120,7 @@ def pack_tensors(tensors: Sequence[torch.Tensor], level: int = 1) -> memoryview:
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
-    return _join([_HEAD.pack(MAGIC, crc, raw_len), *parts])
+    return [_HEAD.pack(MAGIC, crc, raw_len), *parts]
 
 
 def _join(pieces: Sequence[bytes | memoryview]) -> memoryview:
@@ -214,8 +220,8 @@ def pack_parts(
     pool: Executor | None = None,
 ) -> memoryview:
     """A blob: the tensors in consecutive groups of about `part_bytes` raw bytes (a tensor is
-    never split), each group one payload (`pack_tensors`, on `pool`'s threads at once when
-    given), behind a header of their lengths."""
+    never split), each group one payload (framed as by `pack_tensors`, on `pool`'s threads at
+    once when given), behind a header of their lengths; all of it joined in one copy."""
     groups: list[list[torch.Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -226,12 +232,13 @@ def pack_parts(
         groups[-1].append(t)
         size += nbytes
     if pool is None:
-        payloads = [pack_tensors(group, level) for group in groups]
+        framed = [_frame(group, level) for group in groups]
     else:
-        futures = [pool.submit(pack_tensors, group, level) for group in groups]
-        payloads = [future.result() for future in futures]
-    head = _PARTS_HEAD.pack(PARTS_MAGIC, len(payloads))
-    return _join([head, *(_U64.pack(len(p)) for p in payloads), *payloads])
+        futures = [pool.submit(_frame, group, level) for group in groups]
+        framed = [future.result() for future in futures]
+    head = _PARTS_HEAD.pack(PARTS_MAGIC, len(framed))
+    lengths = [_U64.pack(sum(map(len, pieces))) for pieces in framed]
+    return _join([head, *lengths, *(piece for pieces in framed for piece in pieces)])
 
 
 def blob_parts(value: bytes | memoryview) -> list[tuple[int, int, int]]:
