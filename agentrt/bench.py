@@ -361,15 +361,17 @@ def _statecache_run(
     t_ram, hit_ram = _median_timed(reps, device, lambda: _restore(cache, state, ids))
     t_lmdb, hit_lmdb = _lmdb_restores(reps, device, open_cache, state, ids)
     _restore(cache, state, ids)
-    restored = engine.prefill(state, ids[target:])
-    engine.prefill(_reset(state), ids[:target])  # the same prefix recomputed, then the same suffix
-    recomputed = engine.prefill(state, ids[target:])
+    held = state.num_tokens  # the checkpoint's state: `target`, or up to 63 tokens before it
+    restored = engine.prefill(state, ids[held:])
+    engine.prefill(_reset(state), ids[:held])  # the same prefix recomputed, then the same suffix
+    recomputed = engine.prefill(state, ids[held:])
     raw = cache.layout.blob_bytes(target)  # as if all of it were one record's snapshot
     end_ratios = sorted(e / p for e, p in zip(t_end, plain, strict=True))
     many_ratios = sorted(m / p for m, p in zip(t_many, plain, strict=True))
     return {
         "prompt_tokens": length,
         "checkpoint_tokens": target,
+        "checkpoint_state_tokens": held,  # less than target: taken on the capture grid
         "repeats": reps,
         "recompute_s": t_plain,
         "recompute_spread_s": [min(plain), max(plain)],
@@ -445,8 +447,9 @@ def _key(cache, ids, pos):
 def _prefill_capture(engine, cache, state, ids, positions):
     engine.prefill(state, ids, capture=positions)
     for pos in positions:
-        conv, rec = state.linear_at(pos)
-        cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec)
+        at = state.capture_position(pos)  # eager fla prefill: on the 64-token grid
+        conv, rec = state.linear_at(at)
+        cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec, at=at)
 
 
 def _restore(cache, state, ids) -> str | None:

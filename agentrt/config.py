@@ -309,6 +309,9 @@ class EngineConfig:
     kv_grow_tokens: int = 1024
     cuda_graphs: bool = True  # capture the decode step on CUDA (False = --eager)
     prefill_graphs: bool = False  # short prefills as CUDA graphs of padded lengths (experimental)
+    # eager prefill moves a capture inside a piece back onto this grid of the piece (tokens; 0:
+    # captures stay where asked; None: 64 with fla's kernels, else 0), see Engine.capture_grid
+    capture_grid: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -321,6 +324,10 @@ class EngineConfig:
             )
         if self.prefill_chunk < 1:
             raise InvalidArgumentError("prefill_chunk must be >= 1")
+        if self.capture_grid not in (None, 0, 64):
+            raise InvalidArgumentError(
+                f"capture_grid must be 0 or 64 (the delta rule's chunk), got {self.capture_grid!r}"
+            )
 
     @staticmethod
     def default_dtype(device: str) -> str:

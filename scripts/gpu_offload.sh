@@ -4,11 +4,13 @@
 # on the qwen3.5-35b-a3b-shaped synthetic model, decoding real text through the Qwen3 tokenizer.
 # Prepare on the dev machine first: bash scripts/gpu_ttft.sh prepare (copies the tokenizer to
 # .tok/), then run with carry .whl .tok. Writes into $OUT. Env BW=0 / NOSPIN=0 skip the
-# calibration run / the rerun without spinning OpenMP workers.
+# calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests.
 set -u
 source "$(dirname "$0")/device_env.sh"
 M=synthetic:qwen3.5-35b-a3b
-python3 -m pytest -q -rs tests/test_gpu.py -k "offload or graph" 2>&1 | tee "$OUT/gpu_offload_tests.log" | tail -3
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -rs tests/test_gpu.py -k "offload or graph" 2>&1 | tee "$OUT/gpu_offload_tests.log" | tail -3
+fi
 if [ "${BW:-1}" = 1 ]; then
   python3 -m agentrt.cli bench bw --model $M --device cuda --json "$OUT/bw.json" > "$OUT/bw.log" 2>&1
   grep -A6 gb_per_s "$OUT/bw.json"

@@ -35,6 +35,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def event() -> torch.cuda.Event | None:
+    if DEVICE != "cuda":
+        return None
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
 def timed(fn) -> float:
     sync()
     t0 = time.perf_counter()
@@ -78,11 +86,21 @@ def main() -> None:
         state.reset()
         engine.prefill(state, ids, capture=positions)
 
+    loop: dict[str, list[float]] = {"host": [], "gpu": []}
+
     def saves(ids):
         cuts(ids)
+        begin = event()
+        t0 = time.perf_counter()
         for pos in positions:
-            conv, rec = state.linear_at(pos)
-            cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec)
+            at = state.capture_position(pos)
+            conv, rec = state.linear_at(at)
+            cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec, at=at)
+        loop["host"].append(time.perf_counter() - t0)
+        end = event()
+        if begin is not None:
+            end.synchronize()
+            loop["gpu"].append(begin.elapsed_time(end) / 1000)
 
     plain(prompt(0))
     saves(prompt(1))  # warm-up of every path
@@ -99,6 +117,10 @@ def main() -> None:
         out[f"{name}_s"] = sorted(runs)[1]
     out["cuts_overhead"] = out["cuts_s"] / out["plain_s"] - 1
     out["saves_overhead"] = out["cuts_and_saves_s"] / out["plain_s"] - 1
+    # the save loop after the prefill: host time queueing, device time from its first to its
+    # last queued copy (medians of the timed runs)
+    out["save_loop_host_s"] = sorted(loop["host"][-3:])[1]
+    out["save_loop_gpu_s"] = sorted(loop["gpu"][-3:])[1] if loop["gpu"] else 0.0
     print(json.dumps(out, indent=2))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -107,6 +129,7 @@ def main() -> None:
     cache.flush()
     key = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     cache.close()
 
 

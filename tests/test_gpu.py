@@ -218,7 +218,13 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
     engines = [
         Engine(
             model,
-            EngineConfig(device="cuda", dtype="bfloat16", linear_attn=kernel, prefill_graphs=g),
+            EngineConfig(
+                device="cuda",
+                dtype="bfloat16",
+                linear_attn=kernel,
+                prefill_graphs=g,
+                capture_grid=0,  # captures where asked (graphs take them there too)
+            ),
         )
         for g in (True, False)
     ]
@@ -248,6 +254,35 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
     _within_twice_eager(*(e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)))
 
 
+@needs_fla
+def test_fla_eager_captures_move_onto_the_chunk_grid():
+    """With fla, eager prefill takes a capture inside a piece at the last 64-token chunk start
+    before it (`Engine.capture_grid`), with no window pass; the states there match the fp32
+    oracle's at the same positions (bf16 chunk states: 5% of the range), and a piece's end
+    stays where asked."""
+    from agentrt.config import EngineConfig
+    from agentrt.engine import Engine
+    from agentrt.models.registry import open_model
+
+    fla = Engine(
+        open_model("tiny", "cuda", torch.bfloat16).model,
+        EngineConfig(device="cuda", dtype="bfloat16", linear_attn="fla", prefill_graphs=False),
+    )
+    ref = Engine(
+        open_model("tiny", "cuda", torch.float32).model,
+        EngineConfig(device="cuda", dtype="float32", linear_attn="torch"),
+    )
+    assert fla.capture_grid == 64 and ref.capture_grid == 0
+    ids = [t % 2000 for t in range(10, 1010)]
+    a, b = fla.new_state(), ref.new_state()
+    fla.prefill(a, ids, capture=[333, 500, 1000])
+    assert a.moved == {333: 320, 500: 448}  # 1000: the piece's end
+    ref.prefill(b, ids, capture=[320, 448, 1000])
+    for pos in (320, 448, 1000):
+        for got, want in zip(a.linear_at(pos)[1], b.linear_at(pos)[1], strict=True):
+            assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-4, pos
+
+
 @pytest.mark.parametrize("q_len", [1, 7, 512])
 def test_flash_varlen_matches_masked_attention(q_len):
     """The static pass's attention (flash varlen over the used part of the reserved KV, length in
@@ -271,7 +306,8 @@ def test_flash_varlen_matches_masked_attention(q_len):
 
 
 def test_state_cache_restore_on_cuda(tmp_path):
-    """Checkpoints captured on CUDA (pinned, non-blocking copies) restore to the same logits."""
+    """Checkpoints captured on CUDA (pinned, non-blocking copies) restore to the same logits
+    (with fla, from the 64-token chunk start before the boundary: `Engine.capture_grid`)."""
     from agentrt import Runtime
     from agentrt.config import StateCacheConfig
     from agentrt.engine import SamplingParams
@@ -284,6 +320,8 @@ def test_state_cache_restore_on_cuda(tmp_path):
     full = eng.prefill(eng.new_state(), prompt + [7], all_logits=True)[-1]
     eng.generate(rt._live_state(), prompt, SamplingParams(max_tokens=2), rt.reuse)
     rt.reuse.cache.flush()
+    grid = eng.capture_grid  # fla: the checkpoint's state is the chunk start before 891
+    want = 891 - 891 % grid if grid else 891
     for ram in (rt.reuse.cache.config.ram_bytes, 0):
         rt2 = Runtime.open(
             "tiny",
@@ -293,7 +331,7 @@ def test_state_cache_restore_on_cuda(tmp_path):
         )
         state = rt2.engine.new_state()
         start, kind = rt2.reuse.begin(state, prompt + [7])
-        assert start == 891 and kind == "message_end"
+        assert start == want and kind == "message_end"
         logits = rt2.engine.prefill(state, (prompt + [7])[start:])
         assert (logits - full).abs().max().item() < 0.1 * full.abs().max().item()
         rt2.close()
@@ -334,6 +372,11 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
         assert (a - b).abs().max().item() < 1e-3, tok
     graph = rt.engine.decode_graph
     assert graph.enabled and len(graph.current.pieces.graphs) > 1
+    # a short suffix prefill: experts routed a few tokens each (the CPU's share of the split)
+    more = list(range(400, 412))
+    a = resident.engine.prefill(state_a, more, all_logits=True)
+    b = rt.engine.prefill(state_b, more, all_logits=True)
+    assert (a - b).abs().max().item() < 1e-3
     rt.engine.offload.cache.check()
     totals = rt.engine.offload.totals
     assert totals.copied > 0 if name in ("split", "copy-only") else totals.cpu > 0

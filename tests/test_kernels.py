@@ -62,6 +62,19 @@ def test_states_at_offsets_equal_stopped_passes(seq_len):
     assert torch.equal(kernels.gated_delta_rule_states(q, k, v, g, beta, s0, windows)[2], states)
 
 
+def test_states_on_the_chunk_grid_are_the_chunk_starts():
+    """Ends given as ints on the 64-token grid (`Engine.capture_grid`) take the chunk-start
+    states of the pass, no window: the same states as the windows give there."""
+    q, k, v, g, beta, s0 = _inputs(300, seed=7)
+    grid = (64, 128, 256)
+    _, _, states = kernels.gated_delta_rule_states(q, k, v, g, beta, s0, grid)
+    _, _, windows = kernels.gated_delta_rule_states(q, k, v, g, beta, s0, torch.tensor(grid))
+    for a, b in zip(states, windows, strict=True):
+        assert a.dtype == torch.float32 and torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        kernels.gated_delta_rule_states(q, k, v, g, beta, s0, (64, 100))
+
+
 def test_states_by_reruns_agree_with_one_pass():
     """The fallback for fla releases whose internals differ: one masked rerun per offset."""
     q, k, v, g, beta, s0 = _inputs(150, seed=5)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import torch
 from util import TOOLS, agent_requests
 
 from agentrt import Runtime
@@ -105,6 +106,45 @@ def test_semantic_is_transparent_and_reuses_exactly_where_possible(model, tmp_pa
     stats = sem.reuse.cache.stats
     sem.close()
     assert stats["dropped_queue_full"] == 0 and stats["write_errors"] == 0
+
+
+def test_captures_on_the_chunk_grid_restore_early_and_stay_transparent(tmp_path):
+    """`capture_grid=64` (the default with fla's kernels on a GPU; here with torch's): eager
+    prefill takes a checkpoint inside a piece at the last chunk start before its boundary. The
+    record is found by the boundary's prefix and restores those fewer tokens (the state there,
+    as a prefill of them alone gives it); greedy outputs stay those of `off`."""
+    from dataclasses import replace
+
+    off = Runtime.open("tiny", cache="off")
+    sem = _semantic("tiny", tmp_path / "state")
+    sem.engine.config = replace(sem.engine.config, capture_grid=64)
+    assert sem.engine.capture_grid == 64
+    early, cached = set(), []
+    for msgs in agent_requests("g", output_len=700):
+        want = off.chat(msgs, tools=TOOLS, max_tokens=10)
+        got = sem.chat(msgs, tools=TOOLS, max_tokens=10)
+        assert got.token_ids == want.token_ids
+        cached.append(got.usage["cached_tokens"])
+        state = sem._live_state()
+        for asked, at in state.moved.items():
+            assert asked - 64 < at < asked and at in state.captured_positions()
+            early.add(at)
+    assert early, "no capture inside an eager piece moved onto the grid"
+    assert all(c > 0 for c in cached[1:5])
+    sem.close()
+    # a record of a moved capture, read back by the boundary's prefix from LMDB
+    cache = _semantic("tiny", tmp_path / "state", ram_bytes=0).reuse.cache
+    prompt = _prompt_ids(off, agent_requests("g", output_len=700)[0])
+    fresh = off.engine.new_state()
+    hit = cache.restore_into(prompt, 0, fresh.kv_caches(), fresh.linear_caches())
+    assert hit is not None and hit.source == "lmdb" and hit.pos in early, (hit, early)
+    fresh.adopt(prompt[: hit.pos])
+    ref = off.engine.new_state()
+    off.engine.prefill(ref, prompt[: hit.pos])
+    for a, b in zip(fresh.linear_caches(), ref.linear_caches(), strict=True):
+        assert torch.allclose(a.recurrent, b.recurrent, atol=1e-4)
+        assert torch.allclose(a.conv, b.conv, atol=1e-5)
+    cache.close()
 
 
 def test_reasoning_dropped_and_truncated_outputs_reuse_earlier_boundaries(tmp_path):

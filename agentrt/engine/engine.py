@@ -21,7 +21,7 @@ from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.errors import InvalidArgumentError, PromptTooLongError
 from agentrt.models import set_linear_backend
-from agentrt.models.kernels import resolve_backend
+from agentrt.models.kernels import CHUNK, resolve_backend
 from agentrt.models.layers import CausalLM
 
 
@@ -204,12 +204,45 @@ class Engine:
             part = ids[offset : offset + chunk]
             begin = start + offset
             cuts = [p - begin for p in wanted if begin < p <= begin + part.numel()]
+            cuts = self._on_grid(state, begin, cuts, part.numel())
             hidden = self.model(part, state.caches, begin, cuts)
             state.token_ids.extend(token_ids[offset : offset + chunk])
             outputs.append(self.model.logits(hidden) if all_logits else hidden[-1:])
         if all_logits:
             return torch.cat(outputs)
         return self.model.logits(outputs[-1])[0]
+
+    @property
+    def capture_grid(self) -> int:
+        """Eager prefill takes a capture inside a piece at the last multiple of this many tokens
+        from the piece's start at or before the asked position (0: exactly where asked).
+
+        The linear layers' chunked pass computes the state at every 64-token chunk start anyway;
+        a state between two starts needs one more (recurrent) pass over a 64-token window per
+        layer. With fla's kernels on a GPU that window was most of the cost of a checkpoint: on
+        the H200, a prefill of 8K tokens with a checkpoint every 2000 tokens took 17% longer
+        than without (`scripts/profile_capture.py 8192 40 2000`). A checkpoint taken up to 63
+        tokens early is as valid (`StateCache.save(at=...)`): a later turn prefills those
+        tokens again. Default: 64 with fla, 0 with torch's kernels (CPU: the oracle path)."""
+        grid = self.config.capture_grid
+        if grid is None:
+            grid = CHUNK if self.cfg.is_hybrid and self.linear_backend == "fla" else 0
+        return grid
+
+    def _on_grid(self, state: SequenceState, begin: int, cuts: list[int], length: int) -> list[int]:
+        """`cuts` (offsets in a piece of `length` tokens from `begin`) moved onto the capture
+        grid; the moves are noted in `state.moved`. A piece's end stays (its final state), and
+        so does a cut in the first grid step (no chunk start before it but the piece's own)."""
+        grid = self.capture_grid
+        if not grid:
+            return cuts
+        out = set()
+        for cut in cuts:
+            at = cut if cut == length or cut < grid else cut - cut % grid
+            if at != cut:
+                state.moved[begin + cut] = begin + at
+            out.add(at)
+        return sorted(out)
 
     def _prefill_graphed(
         self, state: SequenceState, token_ids: Sequence[int], wanted: list[int], should_stop

@@ -138,8 +138,9 @@ class SemanticReuse(PrefixReuse):
         self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
     ) -> None:
         for pos, kind in positions.items():
-            conv, rec = state.linear_at(pos)
-            self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec)
+            at = state.capture_position(pos)  # the prefill may have taken it a little earlier
+            conv, rec = state.linear_at(at)
+            self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec, at=at)
 
     def after_token(self, state: SequenceState) -> None:
         kind = self.cache.boundaries.ends_with(state.token_ids)

@@ -60,6 +60,9 @@ class SequenceState:
     cfg: ModelConfig
     caches: list[LayerCache]
     token_ids: list[int] = field(default_factory=list)
+    # captures the last prefill took earlier than asked (see `Engine.capture_grid`):
+    # asked position -> the position whose state was captured for it
+    moved: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,11 @@ class SequenceState:
         return (
             pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
         )
+
+    def capture_position(self, pos: int) -> int:
+        """Where the state captured for a capture asked at `pos` is: `pos`, or a position up to
+        63 tokens before it on the last eager prefill's chunk grid."""
+        return self.moved.get(pos, pos)
 
     def record_capture(self, pos: int) -> None:
         """Record the current linear states as the capture at `pos` (the current length)."""
@@ -163,5 +171,6 @@ class SequenceState:
         self.token_ids = []
 
     def clear_captures(self) -> None:
+        self.moved.clear()
         for cache in self.linear_caches():
             cache.captured.clear()

@@ -349,9 +349,17 @@ def gated_delta_rule_states(q, k, v, g, beta, state, ends, backend: str = "torch
     The chunked pass gives the state at each 64-token chunk start; the state after `e` tokens is
     the start of the chunk holding token e-1, advanced over that chunk's rows before e (the later
     rows masked to identity updates: beta 0, no decay), all K windows in one batched call.
+    `ends` may also be a tuple of ints that are all multiples of 64 (chunk starts, see
+    `Engine.capture_grid`): those states are the chunk starts themselves, no window runs.
+
     Returns (output, final state fp32, states `[K, Hv, dk, dv]` fp32)."""
     use_fla = backend == "fla" and q.is_cuda
+    on_grid = isinstance(ends, tuple) and all(isinstance(e, int) for e in ends)
+    if on_grid and not all(e % CHUNK == 0 for e in ends):
+        raise ValueError("integer ends must be chunk starts (multiples of 64)")
     if use_fla and q.shape[0] > FLA_RECURRENT_MAX and not fla_chunk_starts_usable():
+        if on_grid:
+            ends = torch.tensor(ends, dtype=torch.long, device=q.device)
         return _states_by_reruns(q, k, v, g, beta, state, ends, backend)
     if use_fla:
         if q.shape[0] <= FLA_RECURRENT_MAX:
@@ -361,6 +369,12 @@ def gated_delta_rule_states(q, k, v, g, beta, state, ends, backend: str = "torch
             out, final, starts = fla_chunk_starts(q, k, v, g, beta, state)
     else:
         out, final, starts = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_starts=True)
+    if on_grid and all(e // CHUNK < starts.shape[0] for e in ends):
+        # copies (fp32), not views: a view would keep the pass's every chunk state alive
+        states = [starts[e // CHUNK].to(torch.float32, copy=True) for e in ends]
+        return out.to(v.dtype), final, states
+    if on_grid:  # past the starts the pass gave (a short fla segment)
+        ends = torch.tensor(ends, dtype=torch.long, device=q.device)
     states = advance_windows(q, k, v, g, beta, starts, ends, use_fla, state)
     return out.to(v.dtype), final, states
 

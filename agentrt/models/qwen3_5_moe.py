@@ -86,9 +86,12 @@ class GatedDeltaNet(nn.Module):
         seq_len, width = q.shape[0], self.kernel - 1
         cuts = sorted({c for c in captures if 0 < c < seq_len})
         if cuts:
-            windows = _cut_windows(tuple(cuts), seq_len, q.device)
+            # cuts on the 64-token chunk grid (`Engine.capture_grid`) are chunk starts the pass
+            # computes anyway; others advance a window from the chunk start before them
+            aligned = all(c % kernels.CHUNK == 0 for c in cuts)
+            ends = tuple(cuts) if aligned else _cut_windows(tuple(cuts), seq_len, q.device)
             out, state, states = kernels.gated_delta_rule_states(
-                q, k, v, g, beta, cache.recurrent, windows, self.backend
+                q, k, v, g, beta, cache.recurrent, ends, self.backend
             )
             for end, snapshot in zip(cuts, states, strict=True):
                 cache.captured[start + end] = (padded[end : end + width].T.clone(), snapshot)

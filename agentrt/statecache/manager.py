@@ -86,6 +86,10 @@ class _Job:
     new_chunks: list[bytes] = field(default_factory=list)
 
 
+# how many tokens before its prefix's end a checkpoint's state may be (the delta rule's chunk:
+# `Engine.capture_grid`)
+MAX_EARLY = 63
+
 # longest a restore waits for the writer to store a checkpoint an earlier request queued (past
 # that the request recomputes instead: a writer that far behind must not stall requests)
 PENDING_WAIT_S = 1.0
@@ -222,10 +226,19 @@ class StateCache:
         kv_caches: Sequence[KVCache],
         conv: Sequence[torch.Tensor],
         rec: Sequence[torch.Tensor],
+        at: int | None = None,
     ) -> bool:
-        """Queue a checkpoint of the state after `ids[:pos]` (device tensors are copied now)."""
+        """Queue a checkpoint of the state after `ids[:pos]` (device tensors are copied now).
+
+        `at` (at most `pos`, default `pos`): the caches' state is the one after `ids[:at]` (a
+        capture the prefill took a little early, `Engine.capture_grid`). The record is still
+        found by the prefix `ids[:pos]` and restores `at` tokens."""
         keys = PrefixKeys(self.fp, ids)
         key = keys.key(pos)
+        at = pos if at is None else at
+        if not 0 < at <= pos:
+            raise ValueError(f"a checkpoint for {pos} tokens cannot hold the state after {at}")
+        pos = at  # what is stored is the state there
         if self._stored(key):
             self.stats["skipped_existing"] += 1
             return False
@@ -352,7 +365,7 @@ class StateCache:
         tail = job.pos % BLOCK
         tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
         blob = tail_kv + job.conv + job.rec
-        self.ram.put(job.key, (job.kind, blob), _nbytes(blob))
+        self.ram.put(job.key, (job.kind, blob, job.pos), _nbytes(blob))
         chunks = {}
         for ck in self.store.missing_chunks(job.chunk_keys):
             index = job.chunk_keys.index(ck)
@@ -456,31 +469,41 @@ class StateCache:
         for pos, kind in candidates:
             # once a failed candidate wrote into the caches, their KV is no longer the live one
             kv_ready = pos <= kv_valid and not self.dirty
-            hit = self._restore(keys, pos, kind, kv_caches, linear, kv_ready)
+            hit = self._restore(keys, pos, kind, kv_caches, linear, kv_ready, min_pos)
             if hit is not None:
                 self.stats[f"hits_{hit.source}"] += 1
-                self.stats["restored_tokens"] += pos
+                self.stats["restored_tokens"] += hit.pos
                 return hit
         if count_miss:
             self.stats["misses"] += 1
         return None
 
     def _restore(
-        self, keys: PrefixKeys, pos: int, kind: str, kv_caches, linear, kv_ready: bool = False
+        self,
+        keys: PrefixKeys,
+        pos: int,
+        kind: str,
+        kv_caches,
+        linear,
+        kv_ready: bool = False,
+        min_pos: int = 0,
     ) -> Hit | None:
-        """Load the checkpoint at `pos` (a record, or for attention-only models bare chunks at a
-        block edge); None when absent or corrupt (corrupt records are deleted)."""
+        """Load the checkpoint of the prefix of `pos` tokens (a record, or for attention-only
+        models bare chunks at a block edge); None when absent, corrupt (corrupt records are
+        deleted) or holding no more than `min_pos` tokens."""
         key = keys.key(pos)
-        entry = self.ram.get(key)  # (kind, blob tensors) from this process
+        entry = self.ram.get(key)  # (kind, blob tensors, tokens held) from this process
         source = "ram" if entry is not None else "lmdb"
         record = self.store.get_record(key) if entry is None else None
         if entry is not None:
-            kind = entry[0]
+            kind, pos = entry[0], entry[2]
         elif record is not None and self._valid(record, pos):
-            kind = record.kind
+            kind, pos = record.kind, record.n_tokens
         elif record is None and self.block_edges and pos % BLOCK == 0:
             kind = "block"  # KV chunks alone hold the state of an attention-only model
         else:
+            return None
+        if pos <= min_pos:  # taken early (`save(at=...)`): no better than what the caller has
             return None
         kv_ready = kv_ready and kind != "block"
         chunk_keys = [] if kv_ready else [keys.chunk_key(c) for c in range(pos // BLOCK)]
@@ -517,10 +540,13 @@ class StateCache:
             self.stats["touch_dropped"] += 1
 
     def _valid(self, record: Record, pos: int) -> bool:
+        """The record of the prefix of `pos` tokens is this model's, in this format, and holds
+        the state after those tokens or after at most 63 fewer (`save(at=...)`)."""
         return (
             record.fingerprint == self.fp
             and record.version == FORMAT_VERSION
-            and record.n_tokens == pos
+            and pos - MAX_EARLY <= record.n_tokens <= pos
+            and record.n_tokens > 0
         )
 
     def _fill(
