@@ -18,6 +18,7 @@ import torch
 
 from agentrt.config import EngineConfig
 from agentrt.engine import Engine, SamplingParams
+from agentrt.errors import AgentrtError
 from agentrt.models import copy_model, torch_dtype
 from agentrt.models.registry import open_model
 
@@ -362,6 +363,11 @@ def _statecache_run(
     t_lmdb, hit_lmdb = _lmdb_restores(reps, device, open_cache, state, ids)
     _restore(cache, state, ids)
     held = state.num_tokens  # the checkpoint's state: `target`, or up to 63 tokens before it
+    if held == 0:  # not stored (the writer dropped it, counted in `dropped_many` / stats)
+        raise AgentrtError(
+            f"bench statecache: the checkpoint at {target} tokens was not stored (see the "
+            "state cache's drop and error counts)"
+        )
     restored = engine.prefill(state, ids[held:])
     engine.prefill(_reset(state), ids[:held])  # the same prefix recomputed, then the same suffix
     recomputed = engine.prefill(state, ids[held:])

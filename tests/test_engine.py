@@ -3,6 +3,9 @@ snapshot export/import reproduces logits; MoE dispatch paths agree; sampling."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 from util import open_engine, random_ids
@@ -48,6 +51,26 @@ def test_captured_states_equal_prefix_prefill(ckpt, chunk):
         separate = eng.new_state()
         eng.prefill(separate, ids[:pos])
         _assert_snapshots_close(state.export(pos), separate.export())
+
+
+@pytest.mark.parametrize("chunk", [100, 4096])
+def test_captures_on_the_grid_equal_prefix_prefill(ckpt, chunk):
+    """`capture_grid=64`: a capture inside an eager piece is the state after the last chunk
+    start (64 tokens from the piece's start) at or before it; positions may be numpy ints."""
+    ids = random_ids(N, seed=12)
+    eng = open_engine(ckpt, chunk=chunk)
+    eng.config = replace(eng.config, capture_grid=64)
+    state = eng.new_state()
+    asked = [1, 64, 100, 137, 180, 200, N]  # moved with chunk 100: 180; with 4096: 100-200
+    eng.prefill(state, ids, capture=[np.int64(p) for p in asked])
+    hybrid = eng.cfg.is_hybrid
+    assert bool(state.moved) == hybrid  # attention-only models take captures where asked
+    for pos in asked:
+        at = state.capture_position(pos)
+        assert pos - 64 < at <= pos and (at == pos or (at % chunk) % 64 == 0)
+        separate = eng.new_state()
+        eng.prefill(separate, ids[:at])
+        _assert_snapshots_close(state.export(at), separate.export())
 
 
 def test_snapshot_import_then_suffix_reproduces_logits(ckpt):

@@ -172,7 +172,9 @@ class Engine:
         all_logits: bool = False,
         should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """Append `token_ids` to `state`; record linear states at absolute positions in `capture`.
+        """Append `token_ids` to `state`; record linear states at absolute positions in `capture`
+        (eager pieces may take one up to 63 tokens earlier, see `capture_grid`: the position
+        taken is `state.capture_position(pos)`).
 
         Returns fp32 logits of the last token `[V]` (or of every token `[T, V]` with `all_logits`).
         `should_stop` is polled between chunks; when it answers True, `Cancelled` is raised.
@@ -183,7 +185,7 @@ class Engine:
         self.check_fits(start + len(token_ids))
         self._check_ids(token_ids)
         state.clear_captures()
-        wanted = sorted({p for p in capture if start < p <= start + len(token_ids)})
+        wanted = sorted({int(p) for p in capture if start < p <= start + len(token_ids)})
         graphs = self.prefill_graphs
         if (
             graphs is not None
@@ -224,9 +226,11 @@ class Engine:
         than without (`scripts/profile_capture.py 8192 40 2000`). A checkpoint taken up to 63
         tokens early is as valid (`StateCache.save(at=...)`): a later turn prefills those
         tokens again. Default: 64 with fla, 0 with torch's kernels (CPU: the oracle path)."""
+        if not self.cfg.is_hybrid:  # KV alone: any position is as cheap
+            return 0
         grid = self.config.capture_grid
         if grid is None:
-            grid = CHUNK if self.cfg.is_hybrid and self.linear_backend == "fla" else 0
+            grid = CHUNK if self.linear_backend == "fla" else 0
         return grid
 
     def _on_grid(self, state: SequenceState, begin: int, cuts: list[int], length: int) -> list[int]:

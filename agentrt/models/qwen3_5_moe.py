@@ -84,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         """One pass of the delta rule; the states at the capture offsets inside the chunk come
         from the same pass (`kernels.gated_delta_rule_states`), the one at its end is the final."""
         seq_len, width = q.shape[0], self.kernel - 1
-        cuts = sorted({c for c in captures if 0 < c < seq_len})
+        cuts = sorted({int(c) for c in captures if 0 < c < seq_len})
         if cuts:
             # cuts on the 64-token chunk grid (`Engine.capture_grid`) are chunk starts the pass
             # computes anyway; others advance a window from the chunk start before them
