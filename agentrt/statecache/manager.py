@@ -84,6 +84,8 @@ class _Job:
     event: torch.cuda.Event | None
     region: tuple[int, int] | None = None  # pinned staging region holding kv/conv/rec
     new_chunks: list[bytes] = field(default_factory=list)
+    # conv and rec stacked over the layers (conv / rec are its slices): one copy each
+    stacked: list[torch.Tensor] = field(default_factory=list)
 
 
 # how many tokens before its prefix's end a checkpoint's state may be (the delta rule's chunk:
@@ -128,6 +130,14 @@ class _RamTier:
             item = self.items.pop(key, None)
             if item is not None:
                 self.bytes -= item[1]
+
+
+def _layers(stacked: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer conv and recurrent states from their two stacked tensors (none: no layers)."""
+    if not stacked:
+        return [], []
+    conv, rec = stacked
+    return list(conv.unbind(0)), list(rec.unbind(0))
 
 
 def _nbytes(tensors) -> int:
@@ -317,8 +327,10 @@ class StateCache:
                 event.record(torch.cuda.current_stream(self.device))
         n_kv = 2 * len(kv_caches)
         kv = list(zip(hosts[0:n_kv:2], hosts[1:n_kv:2], strict=True))
-        conv_host, rec_host = (list(t.unbind(0)) for t in hosts[n_kv:]) if stacked else ([], [])
-        return _Job(key, pos, kind, chunk_keys, lo, kv, conv_host, rec_host, event, region)
+        conv_host, rec_host = _layers(hosts[n_kv:])
+        job = _Job(key, pos, kind, chunk_keys, lo, kv, conv_host, rec_host, event, region)
+        job.stacked = hosts[n_kv:]
+        return job
 
     # ------------------------------------------------------------------ writer thread
 
@@ -355,7 +367,9 @@ class StateCache:
             if job.region is not None:  # keep staged data only as long as needed
                 job.event.synchronize()
                 job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
-                job.conv, job.rec = [c.clone() for c in job.conv], [r.clone() for r in job.rec]
+                # two copies, not two per layer (fewer GIL-held steps beside a request)
+                job.stacked = [t.clone() for t in job.stacked]
+                job.conv, job.rec = _layers(job.stacked)
         finally:
             self._release(job)
         self._commit(job)
