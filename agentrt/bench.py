@@ -453,8 +453,7 @@ def _key(cache, ids, pos):
 def _prefill_capture(engine, cache, state, ids, positions):
     engine.prefill(state, ids, capture=positions)
     for pos in positions:
-        at = state.capture_position(pos)  # eager fla prefill: on the 64-token grid
-        conv, rec = state.linear_at(at)
+        at, conv, rec = state.capture_for(pos)  # eager fla prefill: on the 64-token grid
         cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec, at=at)
 
 

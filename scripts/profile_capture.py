@@ -93,8 +93,7 @@ def main() -> None:
         begin = event()
         t0 = time.perf_counter()
         for pos in positions:
-            at = state.capture_position(pos)
-            conv, rec = state.linear_at(at)
+            at, conv, rec = state.capture_for(pos)
             cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec, at=at)
         loop["host"].append(time.perf_counter() - t0)
         end = event()

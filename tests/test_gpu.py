@@ -127,7 +127,7 @@ def test_fla_head_norms_tune_once_per_size_class():
         scale = torch.rand(256, generator=g, device="cuda") + 0.5
         plain = torch.nn.functional.rms_norm(x, (256,), None, 1e-6) * scale
         torch.testing.assert_close(kernels.fla_rms_norm(x, scale, 1e-6), plain)
-        gated = kernels.fla_rms_norm_gated(x, gate, scale, 1e-6)
+        gated = kernels.fla_rms_norm(x, scale, 1e-6, gate)
         torch.testing.assert_close(gated, plain * torch.nn.functional.silu(gate))
     for tile in tiles:
         assert len([k for k in tile.cache if k[0] == 256]) <= 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -52,6 +52,11 @@ class Timings:
     def as_dict(self) -> dict[str, float]:
         """The public `timings` of a result (DESIGN §2: exactly these three)."""
         return {"ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+    def parts(self) -> dict[str, float]:
+        """The other fields: where the time to the first token went (reuse, capture, ...)."""
+        public = self.as_dict()
+        return {k: v for k, v in asdict(self).items() if k not in public}
 
 
 @dataclass

@@ -138,8 +138,7 @@ class SemanticReuse(PrefixReuse):
         self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
     ) -> None:
         for pos, kind in positions.items():
-            at = state.capture_position(pos)  # the prefill may have taken it a little earlier
-            conv, rec = state.linear_at(at)
+            at, conv, rec = state.capture_for(pos)  # the prefill may have taken it earlier
             self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec, at=at)
 
     def after_token(self, state: SequenceState) -> None:

@@ -90,6 +90,12 @@ class SequenceState:
         63 tokens before it on the last eager prefill's chunk grid."""
         return self.moved.get(pos, pos)
 
+    def capture_for(self, pos: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """(where, conv states, recurrent states) of the capture asked at `pos` (see
+        `capture_position`; what `StateCache.save(..., conv, rec, at=where)` takes)."""
+        at = self.capture_position(pos)
+        return (at, *self.linear_at(at))
+
     def record_capture(self, pos: int) -> None:
         """Record the current linear states as the capture at `pos` (the current length)."""
         for cache in self.linear_caches():

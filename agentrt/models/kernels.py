@@ -219,13 +219,6 @@ def fla_rms_norm(
     return y.view(x.shape)
 
 
-def fla_rms_norm_gated(
-    x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """`rmsnorm(x) * scale * silu(gate)` in one fla kernel (fp32 inside)."""
-    return fla_rms_norm(x, scale, eps, gate)
-
-
 FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
 
 

@@ -390,13 +390,7 @@ class Runtime:
             },
             checkpoint=gen.checkpoint,
             restore_source=gen.restore_source,
-            reuse_s={
-                "restore_s": gen.timings.restore_s,
-                "capture_s": gen.timings.capture_s,
-                "capture_gpu_s": gen.timings.capture_gpu_s,
-                "prepare_s": gen.timings.prepare_s,
-                "restore_wait_s": gen.timings.restore_wait_s,
-            },
+            reuse_s=gen.timings.parts(),
             timings=gen.timings.as_dict(),
         )
 

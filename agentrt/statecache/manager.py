@@ -79,13 +79,15 @@ class _Job:
     chunk_keys: list[bytes]
     lo: int  # first token held in `kv`
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # host copies of tokens [lo, pos)
-    conv: list[torch.Tensor]
-    rec: list[torch.Tensor]
+    # host copies of the conv and recurrent states stacked over the layers ([] without any)
+    stacked: list[torch.Tensor]
     event: torch.cuda.Event | None
-    region: tuple[int, int] | None = None  # pinned staging region holding kv/conv/rec
+    region: tuple[int, int] | None = None  # pinned staging region holding kv/stacked
     new_chunks: list[bytes] = field(default_factory=list)
-    # conv and rec stacked over the layers (conv / rec are its slices): one copy each
-    stacked: list[torch.Tensor] = field(default_factory=list)
+
+    def linear(self) -> list[torch.Tensor]:
+        """Per layer, the conv states, then the recurrent ones (views of `stacked`)."""
+        return [t for group in self.stacked for t in group.unbind(0)]
 
 
 # how many tokens before its prefix's end a checkpoint's state may be (the delta rule's chunk:
@@ -130,14 +132,6 @@ class _RamTier:
             item = self.items.pop(key, None)
             if item is not None:
                 self.bytes -= item[1]
-
-
-def _layers(stacked: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer conv and recurrent states from their two stacked tensors (none: no layers)."""
-    if not stacked:
-        return [], []
-    conv, rec = stacked
-    return list(conv.unbind(0)), list(rec.unbind(0))
 
 
 def _nbytes(tensors) -> int:
@@ -327,10 +321,7 @@ class StateCache:
                 event.record(torch.cuda.current_stream(self.device))
         n_kv = 2 * len(kv_caches)
         kv = list(zip(hosts[0:n_kv:2], hosts[1:n_kv:2], strict=True))
-        conv_host, rec_host = _layers(hosts[n_kv:])
-        job = _Job(key, pos, kind, chunk_keys, lo, kv, conv_host, rec_host, event, region)
-        job.stacked = hosts[n_kv:]
-        return job
+        return _Job(key, pos, kind, chunk_keys, lo, kv, hosts[n_kv:], event, region)
 
     # ------------------------------------------------------------------ writer thread
 
@@ -369,7 +360,6 @@ class StateCache:
                 job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
                 # two copies, not two per layer (fewer GIL-held steps beside a request)
                 job.stacked = [t.clone() for t in job.stacked]
-                job.conv, job.rec = _layers(job.stacked)
         finally:
             self._release(job)
         self._commit(job)
@@ -378,7 +368,7 @@ class StateCache:
     def _commit(self, job: _Job) -> None:
         tail = job.pos % BLOCK
         tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
-        blob = tail_kv + job.conv + job.rec
+        blob = tail_kv + job.linear()
         self.ram.put(job.key, (job.kind, blob, job.pos), _nbytes(blob))
         chunks = {}
         for ck in self.store.missing_chunks(job.chunk_keys):
