@@ -8,6 +8,9 @@ hit rate, experts copied and CPU-computed per token, PCIe bytes per token, peak 
 (allocator statistics) against the budget, and the DESIGN §8 bound
 `1 / (t_gpu + misses_per_token * S / B_miss)` with t_gpu from the all-resident run (`none`) and
 B_miss from the calibration profile (copies: B_P; split: B_P' + B_H'; static/layer: B_H).
+With `repeat` > 1 the settings run that many rounds, interleaved (all settings, then all again),
+and each setting reports the round of median tok/s with every round's tok/s beside it; `layer`
+runs once, last (it moves layers to the host for good).
 """
 
 from __future__ import annotations
@@ -33,16 +36,18 @@ from agentrt.offload.store import ExpertStore
 WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
 
 
-def settings(offloads, splits, policies) -> list[dict[str, Any]]:
-    """Every combination; split and policy only vary for `auto`. `none` first (it gives t_gpu),
-    `layer` last (it moves layers to the host for good)."""
+def settings(offloads, splits, policies, prefetches=(True,)) -> list[dict[str, Any]]:
+    """Every combination; split, policy and prefetch only vary for `auto`. `none` first (it
+    gives t_gpu), `layer` last (it moves layers to the host for good)."""
     order = {"none": 0, "auto": 1, "static": 2, "layer": 3}
     out: list[dict[str, Any]] = []
     for mode in sorted(dict.fromkeys(offloads), key=order.__getitem__):
         if mode == "auto":
             out += [
-                {"offload": mode, "split": s, "policy": p}
-                for s, p in itertools.product(dict.fromkeys(splits), dict.fromkeys(policies))
+                {"offload": mode, "split": s, "policy": p, "prefetch": f}
+                for f, s, p in itertools.product(
+                    dict.fromkeys(prefetches), dict.fromkeys(splits), dict.fromkeys(policies)
+                )
             ]
         else:
             out.append({"offload": mode})
@@ -52,7 +57,8 @@ def settings(offloads, splits, policies) -> list[dict[str, Any]]:
 def label(setting: dict[str, Any]) -> str:
     if setting["offload"] != "auto":
         return setting["offload"]
-    return f"auto/{'split' if setting['split'] else 'copy-only'}/{setting['policy']}"
+    name = f"auto/{'split' if setting['split'] else 'copy-only'}/{setting['policy']}"
+    return name if setting.get("prefetch", True) else name + "/no-prefetch"
 
 
 def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None) -> list[int]:
@@ -86,6 +92,7 @@ def offload_decode(
     text: str | None = None,
     tokenizer_dir: str | None = None,
     kv_reserve_tokens: int = 32768,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     from agentrt.bench import machine
 
@@ -103,13 +110,16 @@ def offload_decode(
     ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens, text, tokenizer_dir)
     profile = profile_for(store, torch.device(device))
     budget_bytes = parse_bytes(budget) if budget else None
-    results = []
-    for setting in runs:
+    rounds: dict[str, list[dict]] = {}
+    order = [s for _ in range(repeat) for s in runs if s["offload"] != "layer"]
+    order += [s for s in runs if s["offload"] == "layer"]
+    for setting in order:
         print(f"agentrt: bench decode {label(setting)} ...", file=sys.stderr)
         config = OffloadConfig(
             mode=setting["offload"] if setting["offload"] != "none" else "auto",
             split=setting.get("split", True),
             policy=setting.get("policy", "lru"),
+            prefetch=setting.get("prefetch", True),
             vram_budget=budget_bytes,
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured
         )
@@ -119,7 +129,8 @@ def offload_decode(
             if budget_bytes is None or run["peak_gpu_bytes"] is None or setting["offload"] == "none"
             else run["peak_gpu_bytes"] <= budget_bytes
         )
-        results.append(run)
+        rounds.setdefault(run["label"], []).append(run)
+    results = [_median_round(r) for r in rounds.values()]
     _add_bounds(results, profile, store.expert_bytes)
     report = {
         "bench": "decode-offload",
@@ -130,6 +141,7 @@ def offload_decode(
         "prompt_tokens": prompt_len,
         "tokens": tokens,
         "warmup_steps": WARMUP_STEPS,
+        "repeat": repeat,
         "decode_inputs": "teacher-forced real text" + (" (tokenizer)" if tokenizer_dir else ""),
         "expert_bytes": store.expert_bytes,
         "pinned_store": store.pinned,
@@ -193,6 +205,12 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     return run
 
 
+def _median_round(runs: list[dict]) -> dict:
+    """The round of median tok/s (the upper middle of an even count), with every round's tok/s."""
+    middle = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+    return {**middle, "tok_s_rounds": [r["tok_s"] for r in runs]}
+
+
 def _gb(bw) -> dict[str, float]:
     """The bandwidths q* used at the end of the run (adapted to what decode measured)."""
     return {"copy": bw.copy / 1e9, "cpu": bw.cpu / 1e9}
@@ -207,13 +225,14 @@ def _free(device: str) -> None:
 
 def _counters(experts) -> dict[str, int]:
     names = ("hits", "misses", "copied", "cpu", "bytes", "copy_s", "copy_b", "cpu_s", "cpu_b")
-    names += ("host_n", "host_s", "plan_s")
+    names += ("host_n", "host_s", "plan_s", "prefetched", "prefetch_hits")
     if experts is None:
         return dict.fromkeys(names, 0)
     stats, t = experts.cache.stats.values(), experts.totals
     values = (sum(s.hits for s in stats), sum(s.misses for s in stats), t.copied, t.cpu)
     values += (t.bytes_copied, t.copy_seconds, t.copy_timed_bytes, t.cpu_seconds)
     values += (t.cpu_timed_bytes, t.host_steps, t.host_seconds, t.plan_seconds)
+    values += (t.prefetched, t.prefetch_hits)
     return dict(zip(names, values, strict=True))
 
 
@@ -231,6 +250,11 @@ def _per_token(
         "cpu_experts_per_token": d["cpu"] / tokens,
         "pcie_bytes_per_token": d["bytes"] / tokens,
         "cpu_expert_bytes_per_token": d["cpu"] * expert_bytes / tokens,
+        # copied ahead on the previous layer's prediction (in pcie_bytes_per_token; those the
+        # layer then routed to count as hits)
+        "prefetched_per_token": d["prefetched"] / tokens,
+        "prefetch_hits_per_token": d["prefetch_hits"] / tokens,
+        "prefetch_accuracy": d["prefetch_hits"] / d["prefetched"] if d["prefetched"] else None,
         # bandwidths as decode saw them (copies: CUDA events; CPU experts: wall time)
         "measured_copy_gb_s": d["copy_b"] / d["copy_s"] / 1e9 if d["copy_s"] else None,
         "measured_cpu_gb_s": d["cpu_b"] / d["cpu_s"] / 1e9 if d["cpu_s"] else None,
@@ -252,7 +276,9 @@ def _add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:
             b_miss = (
                 profile.copy_overlapped + profile.cpu_overlapped if run["split"] else profile.copy
             )
-            slow = run["misses_per_token"] * expert_bytes
+            # the experts missing when their layer came, whether they missed or a prefetch
+            # brought them (a prefetch hides its copy behind compute; the bound does not)
+            slow = (run["misses_per_token"] + run["prefetch_hits_per_token"]) * expert_bytes
         else:
             b_miss = profile.cpu
             slow = run["cpu_expert_bytes_per_token"]
@@ -290,11 +316,13 @@ def ratios(runs: list[dict]) -> dict[str, float]:
             out[f"{name}_vs_copy-only"] = by[name] / by[name.replace("/split/", "/copy-only/")]
         if name.endswith("/lfu") and name[:-4] + "/lru" in by:
             out[f"{name}_vs_lru"] = by[name] / by[name[:-4] + "/lru"]
+        if name + "/no-prefetch" in by:
+            out[f"{name}_vs_no-prefetch"] = by[name] / by[name + "/no-prefetch"]
     return out
 
 
 def summary_table(runs: list[dict]) -> str:
-    head = f"{'setting':<24}{'tok/s':>8}{'hit':>7}{'copied':>8}{'cpu':>7}{'MB/tok':>8}"
+    head = f"{'setting':<30}{'tok/s':>8}{'hit':>7}{'copied':>8}{'cpu':>7}{'ahead':>7}{'MB/tok':>8}"
     head += f"{'bound':>8}{'meas/bd':>9}{'peak GiB':>10}"
     lines = [head]
     for r in runs:
@@ -303,8 +331,9 @@ def summary_table(runs: list[dict]) -> str:
         ratio = "-" if r["measured_over_bound"] is None else f"{r['measured_over_bound']:.2f}"
         peak = "-" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
         lines.append(
-            f"{r['label']:<24}{r['tok_s']:>8.2f}{hit:>7}{r['copied_per_token']:>8.1f}"
-            f"{r['cpu_experts_per_token']:>7.1f}{r['pcie_bytes_per_token'] / 1e6:>8.1f}"
+            f"{r['label']:<30}{r['tok_s']:>8.2f}{hit:>7}{r['copied_per_token']:>8.1f}"
+            f"{r['cpu_experts_per_token']:>7.1f}{r['prefetched_per_token']:>7.1f}"
+            f"{r['pcie_bytes_per_token'] / 1e6:>8.1f}"
             f"{bound:>8}{ratio:>9}{peak:>10}"
         )
     return "\n".join(lines)

@@ -224,6 +224,14 @@ def offload_options() -> list:
             help="off: every miss is copied (no CPU compute).",
         ),
         click.option(
+            "--prefetch",
+            type=click.Choice(["on", "off"]),
+            default="on",
+            show_default=True,
+            help="For --offload auto: while a layer computes, copy ahead the experts "
+            "the next layer's router predicts from its input.",
+        ),
+        click.option(
             "--cpu-moe-layers",
             type=click.IntRange(min=0),
             default=None,
@@ -274,6 +282,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         vram_budget=opts["vram_budget"],
         expert_cache_slots=opts["expert_cache_slots"],
         split=opts["split"] == "on",
+        prefetch=opts["prefetch"] == "on",
         cpu_moe_layers=opts["cpu_moe_layers"],
         cpu_layers=opts["cpu_layers"],
         expert_policy=opts["expert_policy"],
@@ -534,6 +543,12 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     "lru",
     "For --offload auto: comma-separated cache policies.",
 )
+@_csv_option(
+    "--prefetch",
+    ("on", "off"),
+    "on",
+    "For --offload auto: comma-separated next-layer prefetch settings, on and/or off.",
+)
 @click.option("--vram-budget", default=None, help="Device-memory budget, e.g. 16GiB.")
 @click.option(
     "--text",
@@ -542,6 +557,13 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     help="Real text (file or directory) the offload benchmark feeds; default: agentrt's sources.",
 )
 @click.option("--tokenizer", default=None, help="Tokenizer directory for --text.")
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --offload: rounds of all settings, interleaved; each reports its median round.",
+)
 def bench_decode(
     model,
     device,
@@ -556,9 +578,11 @@ def bench_decode(
     offload,
     split,
     expert_policy,
+    prefetch,
     vram_budget,
     text,
     tokenizer,
+    repeat,
 ) -> None:
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
     --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
@@ -567,7 +591,9 @@ def bench_decode(
         prepare_cpu_threads(device, offload)
         from agentrt import bench_offload as bo
 
-        runs = bo.settings(offload, [v == "on" for v in split], expert_policy)
+        runs = bo.settings(
+            offload, [v == "on" for v in split], expert_policy, [v == "on" for v in prefetch]
+        )
         report = bo.offload_decode(
             model,
             resolve_device(device),
@@ -580,6 +606,7 @@ def bench_decode(
             graphs=modes[0] == "on",
             text=text,
             tokenizer_dir=tokenizer,
+            repeat=repeat,
         )
         _report(report, json_out)
         return

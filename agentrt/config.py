@@ -413,6 +413,8 @@ class OffloadConfig:
     mode: str = "none"
     split: bool = True
     policy: str = "lru"
+    # decode: copy ahead the experts the next layer's router predicts from this layer's input
+    prefetch: bool = True
     expert_cache_slots: int | None = None
     vram_budget: int | None = None  # bytes
     cpu_moe_layers: int | None = None

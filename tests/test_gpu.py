@@ -341,6 +341,7 @@ def test_state_cache_restore_on_cuda(tmp_path):
 OFFLOAD_GPU = {
     "split": dict(mode="auto", expert_cache_slots=12),
     "copy-only": dict(mode="auto", expert_cache_slots=12, split=False),
+    "split-no-prefetch": dict(mode="auto", expert_cache_slots=12, prefetch=False),
     "static": dict(mode="static", cpu_moe_layers=2),
     "layer": dict(mode="layer", cpu_layers=2),
 }
@@ -379,7 +380,26 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     assert (a - b).abs().max().item() < 1e-3
     rt.engine.offload.cache.check()
     totals = rt.engine.offload.totals
-    assert totals.copied > 0 if name in ("split", "copy-only") else totals.cpu > 0
+    assert totals.copied > 0 if name.startswith(("split", "copy-only")) else totals.cpu > 0
+    # graph decode copied experts ahead on the next layer's predicted routing
+    assert (totals.prefetched > 0) == (name in ("split", "copy-only"))
+
+
+def test_fast_offload_copies_match_torch():
+    """Copies issued through cudaMemcpyAsync land where torch's would, on the given stream."""
+    from agentrt.offload.copies import FastCopies
+
+    src = torch.randn(4, 1000).pin_memory()
+    fast = FastCopies.open("cuda", src[0])
+    if fast is None:
+        pytest.skip("no CUDA runtime library loaded by torch")
+    dst = torch.zeros(4, 1000, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fast.copy([dst[1], dst[2]], [src[2], src[0]], side)
+    side.synchronize()
+    assert torch.equal(dst[1].cpu(), src[2]) and torch.equal(dst[2].cpu(), src[0])
+    assert dst[0].abs().sum().item() == 0 and dst[3].abs().sum().item() == 0
 
 
 def test_semantic_reuse_on_cuda_is_transparent(tmp_path):

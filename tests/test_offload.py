@@ -45,6 +45,9 @@ CONFIGS = {
     "lfu": OffloadConfig(
         mode="auto", expert_cache_slots=24, policy="lfu", copy_bandwidth=2.0, cpu_bandwidth=1.0
     ),
+    "no-prefetch": OffloadConfig(
+        mode="auto", expert_cache_slots=10, prefetch=False, copy_bandwidth=2.0, cpu_bandwidth=1.0
+    ),
     "static": OffloadConfig(mode="static", cpu_moe_layers=2),
     "layer": OffloadConfig(mode="layer", cpu_layers=2),
 }
@@ -75,6 +78,9 @@ def test_offloaded_equals_dense(model_spec, reference, name):
         assert hosted[:2] == [True, True] and not any(hosted[2:])
     if name not in ("static", "layer"):
         assert t.streamed > 0  # the long prompt went through the prefill path
+    # decode copied ahead the experts the next layer's router predicted (not for the baselines)
+    assert (t.prefetched > 0) == (name not in ("static", "layer", "no-prefetch"))
+    assert 0 <= t.prefetch_hits <= t.prefetched
 
 
 @pytest.mark.parametrize("name", ["split", "cpu-only", "copy-only"])
@@ -283,21 +289,28 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     out = tmp_path / "decode.json"
     args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "32"]
     args += ["--tokens", "4", "--offload", "layer,auto,none,static", "--split", "on,off"]
-    args += ["--vram-budget", "1066MiB", "--json", str(out)]
+    args += ["--prefetch", "on,off", "--repeat", "2", "--vram-budget", "1066MiB"]
+    args += ["--json", str(out)]
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     labels = [r["label"] for r in report["runs"]]
-    assert labels == ["none", "auto/split/lru", "auto/copy-only/lru", "static", "layer"]
-    split, static = report["runs"][1], report["runs"][3]
+    autos = ["auto/split/lru", "auto/copy-only/lru"]
+    assert labels == ["none", *autos, *(a + "/no-prefetch" for a in autos), "static", "layer"]
+    split, static, alone = report["runs"][1], report["runs"][5], report["runs"][3]
     assert split["copied_per_token"] > 0 and split["cpu_experts_per_token"] > 0
     assert 0 <= split["hit_rate"] < 1 and split["bound_tok_s"] > 0
-    assert split["pcie_bytes_per_token"] == split["copied_per_token"] * report["expert_bytes"]
+    assert split["prefetched_per_token"] > 0 and alone["prefetched_per_token"] == 0
+    moved = split["copied_per_token"] + split["prefetched_per_token"]
+    assert split["pcie_bytes_per_token"] == moved * report["expert_bytes"]
     assert static["cpu_layers"] and static["hit_rate"] < 1
+    assert len(split["tok_s_rounds"]) == 2 and len(report["runs"][-1]["tok_s_rounds"]) == 1
+    assert split["tok_s"] == sorted(split["tok_s_rounds"])[1]  # the median round's figures
     assert split["host_steps_per_token"] == 0  # no CUDA graph on the CPU: no host steps
     assert split["host_cpu_experts_ms_per_token"] > 0  # CPU experts are timed either way
     assert "auto/split/lru_vs_static" in report["ratios"]
     assert "auto/split/lru_vs_copy-only" in report["ratios"]
+    assert "auto/split/lru_vs_no-prefetch" in report["ratios"]
     assert "setting" in result.stderr  # the summary table
 
 
@@ -358,3 +371,61 @@ def test_graph_host_step_fills_what_the_next_piece_needs(split):
     assert experts.totals.host_steps == 30
     assert sum(s.copied for s in stats) > 0
     assert (sum(s.cpu for s in stats) > 0) == split
+
+
+def test_host_step_prefetches_the_next_layers_predicted_experts():
+    """A graph host step copies ahead, into free or victim slots, the experts predicted for the
+    next MoE layer (never evicting this layer's experts or the prediction); the next layer's step
+    finds them as hits, counts how many it used, and its output still equals the dense sum."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
+
+    torch.manual_seed(0)
+    store = _store(layers=2, experts=8)
+    for layer in store.layers:
+        store.flat[layer].normal_()
+    cache = ExpertCache(store, 6, "cpu", "lru")
+    routers = {layer: torch.randn(8, 4) for layer in store.layers}
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), split=False, routers=routers)
+    ios = {
+        layer: _LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu") for layer in (0, 1)
+    }
+    x, w = torch.randn(1, 4), torch.rand(4)
+    for layer, ids, predicted in ((0, [0, 1, 2, 3], [4, 5, 6, 7]), (1, [5, 4, 0, 1], [0, 1, 2, 3])):
+        io = ios[layer]
+        io.ids_h.copy_(torch.tensor(ids))
+        io.pred_h.copy_(torch.tensor(predicted))
+        io.w_h.copy_(w)
+        io.x_h.copy_(x[0])
+        experts._host_step(layer, io)
+        gate_up, down = store.gate_up(layer), store.down(layer)
+        dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
+        on_device = sum(
+            io.gw_h[j] * expert_ffn(x, cache.gate_up(int(s)), cache.down(int(s)))[0]
+            for j, s in enumerate(io.slot_h.tolist())
+        )
+        torch.testing.assert_close(on_device + io.cpu_h, dense)
+        cache.check()
+        if layer == 0:  # 4 slots hold layer 0's copies: 2 free ones take the best predictions
+            assert [cache.slot_of[1][e] >= 0 for e in predicted] == [True, True, False, False]
+            assert all(cache.slot_of[0][e] >= 0 for e in ids)
+    assert cache.stats[1].prefetched == 2 and cache.stats[1].prefetch_hits == 2
+    assert cache.stats[1].hits == 2 and experts.totals.prefetched == 2
+    assert 1 not in experts.next_layer and not experts._prefetched.get(0)  # last layer: none
+
+
+def test_prefetch_count_follows_the_gap_between_host_steps():
+    """Per layer, as many experts as the copy bandwidth moves in the measured gap, at least one."""
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+
+    store = _store(layers=2, experts=8)
+    experts = OffloadedExperts(store, ExpertCache(store, 4, "cpu", "lru"), Bandwidths(1.0, 1.0))
+    assert experts._prefetch_cap() == 8  # on the CPU, before any gap: every prediction
+    experts._host_end = (0, 10.0)
+    experts._measure_gap(1, 10.002)
+    experts.bw.copy = 3.5 * store.expert_bytes / 0.002
+    assert experts._prefetch_cap() == 3
+    experts._measure_gap(1, 10.0)  # (a later step; the average moves a tenth of the way)
+    assert experts._gap == pytest.approx(0.0018) and experts._prefetch_cap() == 3
+    experts.bw.copy = 1.0
+    assert experts._prefetch_cap() == 1

@@ -11,7 +11,7 @@ import torch
 
 from agentrt.config import OffloadConfig, home_dir
 from agentrt.errors import InvalidArgumentError
-from agentrt.models.layers import CausalLM
+from agentrt.models.layers import CausalLM, MoEBlock
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.calibrate import (
     Profile,
@@ -95,7 +95,10 @@ def install(
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
         bw = bandwidths(store, device, config, recalibrate)
         given = config.copy_bandwidth is not None or config.cpu_bandwidth is not None
-        experts = OffloadedExperts(store, cache, bw, split=config.split, adaptive=not given)
+        routers = _routers(model) if config.prefetch else None
+        experts = OffloadedExperts(
+            store, cache, bw, split=config.split, adaptive=not given, routers=routers
+        )
         if config.vram_budget is not None and config.expert_cache_slots is None:
             experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)
     else:
@@ -109,6 +112,11 @@ def install(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return experts
+
+
+def _routers(model: CausalLM) -> dict[int, torch.Tensor]:
+    """Each MoE layer's router weights `[E, H]` (prefetch predicts with the next layer's)."""
+    return {m.layer: m.gate.weight for m in model.modules() if isinstance(m, MoEBlock)}
 
 
 def _cpu_expert_layers(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> frozenset:

@@ -19,6 +19,8 @@ class LayerStats:
     copied: int = 0
     cpu: int = 0
     evictions: int = 0
+    prefetched: int = 0  # copied ahead on the previous layer's prediction
+    prefetch_hits: int = 0  # of which this layer then routed to
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

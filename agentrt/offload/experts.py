@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import expert_ffn
 from agentrt.offload.cache import ExpertCache
+from agentrt.offload.copies import FastCopies
 from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
 
@@ -77,7 +78,9 @@ class Totals:
     cpu_timed_bytes: int = 0
     host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
     host_seconds: float = 0.0  # their wall time, all of it
-    plan_seconds: float = 0.0  # of which planning and issuing the copies
+    plan_seconds: float = 0.0  # of which planning and issuing the copies (prefetches included)
+    prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch`)
+    prefetch_hits: int = 0  # of which the next layer did route to
 
 
 class OffloadedExperts:
@@ -89,12 +92,25 @@ class OffloadedExperts:
         split: bool = True,
         cpu_layers: frozenset[int] = frozenset(),
         adaptive: bool = True,
+        routers: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        sample = store.expert_views(store.layers[0])[0][0] if store.layers else None
+        self.fast = FastCopies.open(self.device, sample) if sample is not None else None
+        # prefetch (decode): each layer's router weights, to predict the next MoE layer's experts
+        # from this layer's hidden state; none for the static baseline (nothing is missing)
+        self.routers = routers if routers and not cpu_layers else None
+        layers = store.layers
+        self.next_layer = dict(zip(layers, layers[1:], strict=False))
+        self._pending: dict[int, torch.cuda.Event] = {}  # layer -> its prefetches' end
+        self._done_events: dict[int, torch.cuda.Event] = {}
+        self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
+        self._gap: float | None = None  # seconds between consecutive host steps (EMA)
+        self._host_end: tuple[int, float] | None = None  # (layer, time) the last host step ended
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, _LayerIO] = {}
@@ -124,6 +140,7 @@ class OffloadedExperts:
                 self._io[layer] = _LayerIO(top_k, x.shape[1], x.dtype, self.device)
             if self.recorder is not None:
                 return self._captured(layer, x, ids, weights)
+        self._await_prefetch(layer)  # (a graph step's prefetches are awaited within it)
         flat = ids.reshape(-1).tolist()
         pairs = self._pairs(flat, top_k)  # expert -> rows of the flattened pairs
         if layer in self.cpu_layers:
@@ -133,6 +150,8 @@ class OffloadedExperts:
         else:
             self._read_copy_timing()  # `tolist` synchronised: earlier copies are done
             plan_gpu, plan_cpu, streamed = self._plan_decode(layer, pairs)
+            if num_tokens == 1 and not self.on_cuda:  # (on a GPU, graph decode prefetches)
+                self._prefetch_after(layer, self._predict(layer, x, top_k).tolist(), pairs)
         out = torch.empty(len(flat), x.shape[1], dtype=x.dtype, device=x.device)
         rows, x_host = self._cpu_inputs(x, pairs, plan_cpu, top_k)
         self._run_slots(layer, x, pairs, plan_gpu, top_k, out)  # queued on the GPU ...
@@ -159,6 +178,11 @@ class OffloadedExperts:
         lookup = self.cache.slot_of[layer]
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
+        ahead = self._prefetched.pop(layer, None)
+        if ahead:
+            right = len(ahead.intersection(pairs))
+            self.cache.stats[layer].prefetch_hits += right
+            self.totals.prefetch_hits += right
         q = q_star(len(misses), self.bw.copy, self.bw.cpu) if self.split else len(misses)
         if self.adaptive and q == len(misses) >= 2:
             self._copy_only_decisions += 1
@@ -208,15 +232,10 @@ class OffloadedExperts:
         which the next graph piece runs on (no stream switch and no waits, which cost host time
         before the CPU experts can start). One call issues them all (`torch._foreach_copy_`)
         where a `copy_` per expert cost ~15 us of host time each on the H200 machine."""
-        rows, slots = self.store.expert_views(layer)[0], self.cache.slot_rows
-        done, targets = [], []
-        for expert in experts:
-            slot = self.cache.admit(layer, expert, exclude)
-            if slot is not None:
-                done.append(expert)
-                targets.append(slots[slot])
+        done, targets = self._admit(layer, experts, exclude)
         if not done:
             return done
+        rows = self.store.expert_views(layer)[0]
         side = self.copy_stream if not synced else None
         # (the slots' device's current stream, not the current device's: they may differ)
         current = torch.cuda.current_stream(self.device) if self.on_cuda else None
@@ -225,7 +244,7 @@ class OffloadedExperts:
             side.wait_stream(current)
         with torch.cuda.stream(side) if side is not None else nullcontext():
             start = self._events.record(stream) if self.on_cuda else None
-            torch._foreach_copy_(targets, [rows[e] for e in done], non_blocking=self.on_cuda)
+            self._issue(targets, [rows[e] for e in done], stream)
             if start is not None:
                 nbytes = len(done) * self.store.expert_bytes
                 self._copy_timing = (start, self._events.record(stream), nbytes)
@@ -234,6 +253,87 @@ class OffloadedExperts:
         self.totals.copied += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
         return done
+
+    def _admit(self, layer: int, experts: list[int], exclude: set) -> tuple[list[int], list]:
+        """Slots for `experts` (those that got one, and the slots' views)."""
+        slots, done, targets = self.cache.slot_rows, [], []
+        for expert in experts:
+            slot = self.cache.admit(layer, expert, exclude)
+            if slot is not None:
+                done.append(expert)
+                targets.append(slots[slot])
+        return done, targets
+
+    def _issue(self, targets: list, sources: list, stream) -> None:
+        """Queue the copies `sources -> targets` on `stream` (the current one: a CUDA stream, or
+        None on the CPU, where they run now)."""
+        if self.fast is not None:
+            self.fast.copy(targets, sources, stream)
+        else:
+            torch._foreach_copy_(targets, sources, non_blocking=self.on_cuda)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def _predict(self, layer: int, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The next MoE layer's `k` likeliest experts, best first: its router applied to this
+        layer's MoE input `x [1, H]` (the residual stream changes little from one layer to the
+        next); empty without routers or a next layer."""
+        nxt = self.next_layer.get(layer)
+        if self.routers is None or nxt is None:
+            return x.new_empty(0, dtype=torch.long)
+        return torch.topk(F.linear(x[:1], self.routers[nxt]), k, dim=-1).indices[0]
+
+    def _prefetch_after(self, layer: int, predicted: list[int], busy) -> None:
+        """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
+        first, at most what the measured gap between host steps lets PCIe carry, see
+        `_prefetch_cap`), into victim slots outside `busy` (this layer's experts) and the
+        prediction. On a GPU they go on the copy stream after this layer's own copies, so they
+        run while this layer's GPU experts and the next layer's attention compute; the next
+        layer's host step makes its stream wait for them before anything reads or refills those
+        slots (every prefetch of a step is awaited within it: the last layer has no next)."""
+        nxt = self.next_layer.get(layer)
+        if nxt is None or not predicted:
+            return
+        lookup = self.cache.slot_of[nxt]
+        want = [e for e in dict.fromkeys(predicted) if lookup[e] < 0][: self._prefetch_cap()]
+        if not want:
+            return
+        exclude = {(layer, e) for e in busy} | {(nxt, e) for e in predicted}
+        done, targets = self._admit(nxt, want, exclude)
+        if not done:
+            return
+        rows = self.store.expert_views(nxt)[0]
+        sources = [rows[e] for e in done]
+        if self.on_cuda:
+            side = self.copy_stream
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._issue(targets, sources, side)
+            event = self._done_events.get(nxt)
+            if event is None:
+                event = self._done_events[nxt] = torch.cuda.Event()
+            event.record(side)
+            self._pending[nxt] = event
+        else:
+            self._issue(targets, sources, None)
+        self._prefetched[nxt] = set(done)
+        self.cache.stats[nxt].prefetched += len(done)
+        self.totals.prefetched += len(done)
+        self.totals.bytes_copied += len(done) * self.store.expert_bytes
+
+    def _prefetch_cap(self) -> int:
+        """Experts to prefetch per layer: what PCIe carries in the measured gap between two host
+        steps (the GPU piece between them, when the copy engine is otherwise idle), at least
+        one; unbounded before any gap is measured on the CPU (tests), one on a GPU."""
+        if self._gap is None:
+            return 1 if self.on_cuda else self.store.num_experts
+        return max(1, int(self._gap * self.bw.copy / self.store.expert_bytes))
+
+    def _await_prefetch(self, layer: int) -> None:
+        """The current stream waits for the copies prefetched into `layer`'s slots."""
+        event = self._pending.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     # ------------------------------------------------------------------ compute
 
@@ -325,6 +425,8 @@ class OffloadedExperts:
         io.ids_h.copy_(ids[0], non_blocking=True)
         io.w_h.copy_(weights[0].float(), non_blocking=True)
         io.x_h.copy_(x[0], non_blocking=True)
+        if self.routers is not None and layer in self.next_layer:
+            io.pred_h.copy_(self._predict(layer, x, io.pred_h.numel()), non_blocking=True)
         self.recorder.cut(lambda _pos: self._host_step(layer, io))
         io.cpu_d.copy_(io.cpu_h, non_blocking=True)
         if layer in self.cpu_layers:
@@ -347,12 +449,16 @@ class OffloadedExperts:
         """Between graph pieces: plan and issue the copies, compute the CPU experts while they
         run, then fill the next piece's inputs and make it wait for the copies."""
         t_begin = time.perf_counter()
+        self._measure_gap(layer, t_begin)
+        self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids = io.ids_np.tolist()
         if layer in self.cpu_layers:
             gpu, cpu = [], ids
         else:
             gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
+            if self.routers is not None:
+                self._prefetch_after(layer, io.pred_np.tolist(), ids)
         self.totals.plan_seconds += time.perf_counter() - t_begin
         self.totals.cpu += len(cpu)
         w = io.w_np.tolist()
@@ -368,7 +474,16 @@ class OffloadedExperts:
         # (the copies went on the current stream: the next piece, which reads the slots they
         # fill, runs after them)
         self.totals.host_steps += 1
-        self.totals.host_seconds += time.perf_counter() - t_begin
+        t_end = time.perf_counter()
+        self.totals.host_seconds += t_end - t_begin
+        self._host_end = (layer, t_end)
+
+    def _measure_gap(self, layer: int, now: float) -> None:
+        """Follow the time from the previous MoE layer's host step to this one's (the GPU piece
+        between them), which sizes the prefetches."""
+        if self._host_end is not None and self.next_layer.get(self._host_end[0]) == layer:
+            gap = now - self._host_end[1]
+            self._gap = gap if self._gap is None else 0.9 * self._gap + 0.1 * gap
 
     def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
         """The token's CPU experts, weighted and summed into the pinned fp32 buffer."""
@@ -439,6 +554,7 @@ class _LayerIO:
     def __init__(self, top_k: int, hidden: int, dtype: torch.dtype, device) -> None:
         pin = torch.device(device).type == "cuda"
         self.ids_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
+        self.pred_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)  # next layer's guess
         self.w_h = torch.zeros(top_k, dtype=torch.float32, pin_memory=pin)
         self.x_h = torch.zeros(hidden, dtype=dtype, pin_memory=pin)
         self.slot_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
@@ -446,7 +562,11 @@ class _LayerIO:
         self.cpu_h = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
         # numpy views of the same memory: the host step reads and writes single elements, which
         # cost microseconds each through tensor indexing and tens of nanoseconds through numpy
-        self.ids_np, self.w_np = self.ids_h.numpy(), self.w_h.numpy()
+        self.ids_np, self.w_np, self.pred_np = (
+            self.ids_h.numpy(),
+            self.w_h.numpy(),
+            self.pred_h.numpy(),
+        )
         self.slot_np, self.gw_np, self.cpu_np = (
             self.slot_h.numpy(),
             self.gw_h.numpy(),

@@ -76,7 +76,14 @@ def _check_cache(cache: str) -> None:
 
 
 def _offload_config(
-    offload, vram_budget, expert_cache_slots, split, policy, cpu_moe_layers, cpu_layers=None
+    offload,
+    vram_budget,
+    expert_cache_slots,
+    split,
+    policy,
+    cpu_moe_layers,
+    cpu_layers=None,
+    prefetch: bool = True,
 ) -> OffloadConfig:
     """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
     or a slot count is given, else `none`."""
@@ -92,6 +99,7 @@ def _offload_config(
         vram_budget=budget,
         cpu_moe_layers=cpu_moe_layers,
         cpu_layers=cpu_layers,
+        prefetch=prefetch,
     )
 
 
@@ -177,6 +185,7 @@ class Runtime:
         cpu_moe_layers: int | None = None,
         recalibrate: bool = False,
         cpu_layers: int | None = None,
+        prefetch: bool = True,
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -196,6 +205,7 @@ class Runtime:
             expert_policy,
             cpu_moe_layers,
             cpu_layers,
+            prefetch,
         )
         config = EngineConfig(
             device=device,
