@@ -104,6 +104,14 @@ def test_short_prefill_shares_few_token_experts_with_the_cpu(model_spec, referen
         assert t.cpu > 0 and t.streamed > 0
 
 
+def test_q_star_counts_copies_already_queued():
+    """Prefetches still on the copy engine make the copy side start late: fewer copies."""
+    assert q_star(6, 2.0, 1.0) == 4 and q_star(6, 2.0, 1.0, queued=0.0) == 4
+    assert q_star(6, 2.0, 1.0, queued=3.0) == 3  # max((3+3)/2, 3/1) = 3
+    assert q_star(6, 2.0, 1.0, queued=20.0) == 0  # everything on the CPU
+    assert q_star(6, 1.0, 0.0, queued=5.0) == 6  # no CPU side: copies regardless
+
+
 def test_q_star_rounding():
     assert q_star(0, 1, 1) == 0
     assert q_star(8, 1, 1) == 4
@@ -414,18 +422,20 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
     assert 1 not in experts.next_layer and not experts._prefetched.get(0)  # last layer: none
 
 
-def test_prefetch_count_follows_the_gap_between_host_steps():
-    """Per layer, as many experts as the copy bandwidth moves in the measured gap, at least one."""
+def test_prefetch_count_fills_pcie_over_a_layers_time():
+    """Per layer, as many experts as the copy bandwidth moves in the measured period between
+    host steps, less the layer's own copies, at least one."""
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
 
     store = _store(layers=2, experts=8)
     experts = OffloadedExperts(store, ExpertCache(store, 4, "cpu", "lru"), Bandwidths(1.0, 1.0))
-    assert experts._prefetch_cap() == 8  # on the CPU, before any gap: every prediction
-    experts._host_end = (0, 10.0)
-    experts._measure_gap(1, 10.002)
-    experts.bw.copy = 3.5 * store.expert_bytes / 0.002
-    assert experts._prefetch_cap() == 3
-    experts._measure_gap(1, 10.0)  # (a later step; the average moves a tenth of the way)
-    assert experts._gap == pytest.approx(0.0018) and experts._prefetch_cap() == 3
-    experts.bw.copy = 1.0
-    assert experts._prefetch_cap() == 1
+    assert experts._prefetch_cap() == 8  # on the CPU, before any period: every prediction
+    experts._measure_period(0, 10.0)
+    experts._measure_period(1, 10.002)
+    experts.bw.copy = 5.5 * store.expert_bytes / 0.002
+    assert experts._prefetch_cap() == 5 and experts._prefetch_cap(own=2) == 3
+    experts._measure_period(0, 11.0)  # a new token (no period from layer 1 to layer 0)
+    experts._measure_period(1, 11.0)  # the average moves a tenth of the way
+    assert experts._period == pytest.approx(0.0018) and experts._prefetch_cap() == 4
+    assert experts._prefetch_cap(own=9) == 1
+    assert experts._queued() == 0  # (no copy engine on the CPU)

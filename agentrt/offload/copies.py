@@ -1,13 +1,15 @@
-"""Host -> device expert copies issued straight through the CUDA runtime (`cudaMemcpyAsync`
-through ctypes), one call per expert, where torch's `copy_` from pinned memory costs several
-times more host time per copy (dispatch, checks, and an event recorded for its pinned-memory
-allocator, which the expert store's blocks, alive as long as the engine, do not need). An
-offloaded decode issues ~5 such copies per MoE layer, 40 layers per token, each before the
-layer's CPU experts can start.
+"""The few CUDA runtime calls an offloaded decode's host step makes per MoE layer, issued straight
+through `libcudart` (ctypes) on raw stream and event handles: expert copies host -> device
+(`cudaMemcpyAsync`), event records and stream waits. Through torch they cost several times more
+host time (measured on the H200 machine by `scripts/host_step_costs.py`: a pinned 6 MiB copy
+28.5 us in a stream context, 4.7 us direct; `current_stream` 8.9 us; a stream context 15.9 us;
+`wait_stream` 6.3 us), and a host step spends it before the layer's CPU experts start, 40 times
+per token. torch's `copy_` also records an event for its pinned-memory allocator, which the
+expert store's blocks, alive as long as the engine, do not need.
 
-`FastCopies.open(device, sample)` checks the path once (a copy of a real expert compared with
+`CudaCalls.open(device, sample)` checks the path once (a copy of a real expert compared with
 torch's) and returns None where the runtime library cannot be found or the check fails: callers
-then use `torch._foreach_copy_`.
+then use torch's calls.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import sys
 import torch
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 
 def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process loaded (torch's), if any."""
+    """The CUDA runtime library this process loaded (torch's), with argument types set."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -29,28 +32,33 @@ def _cudart() -> ctypes.CDLL | None:
             paths = sorted({line.split()[-1] for line in maps if "libcudart" in line})
     except OSError:
         return None
+    ptr, size = ctypes.c_void_p, ctypes.c_size_t
     for path in paths:
         try:
             lib = ctypes.CDLL(path)
-            fn = lib.cudaMemcpyAsync
+            signatures = {
+                lib.cudaMemcpyAsync: [ptr, ptr, size, ctypes.c_int, ptr],
+                lib.cudaEventCreateWithFlags: [ctypes.POINTER(ptr), ctypes.c_uint],
+                lib.cudaEventRecord: [ptr, ptr],
+                lib.cudaStreamWaitEvent: [ptr, ptr, ctypes.c_uint],
+            }
         except (OSError, AttributeError):
             continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.argtypes += [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
+        for fn, args in signatures.items():
+            fn.argtypes, fn.restype = args, ctypes.c_int
         return lib
     return None
 
 
-class FastCopies:
-    """Issues pinned-host -> device copies of whole contiguous tensors on a given stream."""
+class CudaCalls:
+    """Copies, events and waits on raw handles (`torch.cuda.Stream.cuda_stream` ints)."""
 
-    def __init__(self, lib: ctypes.CDLL, device: torch.device) -> None:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
         self._memcpy = lib.cudaMemcpyAsync
-        self.device = device
 
     @classmethod
-    def open(cls, device, sample: torch.Tensor) -> FastCopies | None:
+    def open(cls, device, sample: torch.Tensor) -> CudaCalls | None:
         """A checked instance for copies of tensors like `sample` (pinned, contiguous) to
         `device`, or None (no CUDA device, pageable memory, no runtime library, a failed check)."""
         device = torch.device(device)
@@ -59,22 +67,41 @@ class FastCopies:
         lib = _cudart()
         if lib is None:
             return None
-        fast = cls(lib, device)
+        calls = cls(lib)
         target = torch.empty_like(sample, device=device)
         try:
-            fast.copy([target], [sample], torch.cuda.current_stream(device))
+            stream = torch.cuda.current_stream(device).cuda_stream
+            event = calls.new_event()
+            calls.copy([target], [sample], stream)
+            calls.record(event, stream)
+            calls.wait(stream, event)
             torch.cuda.synchronize(device)
         except RuntimeError:
             return None
-        return fast if torch.equal(target.cpu(), sample) else None
+        return calls if torch.equal(target.cpu(), sample) else None
 
-    def copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor], stream) -> None:
+    def copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor], stream: int) -> None:
         """Queue `sources[i] -> targets[i]` (same sizes, contiguous) on `stream`."""
-        handle = stream.cuda_stream
         for target, source in zip(targets, sources, strict=True):
             nbytes = source.numel() * source.element_size()
-            err = self._memcpy(
-                target.data_ptr(), source.data_ptr(), nbytes, _HOST_TO_DEVICE, handle
+            self._check(
+                self._memcpy(target.data_ptr(), source.data_ptr(), nbytes, _HOST_TO_DEVICE, stream)
             )
-            if err:
-                raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}")
+
+    def new_event(self) -> int:
+        """A new event without timing (never destroyed: a few per engine)."""
+        handle = ctypes.c_void_p()
+        self._check(self._lib.cudaEventCreateWithFlags(ctypes.byref(handle), _DISABLE_TIMING))
+        return handle.value
+
+    def record(self, event: int, stream: int) -> None:
+        self._check(self._lib.cudaEventRecord(event, stream))
+
+    def wait(self, stream: int, event: int) -> None:
+        """Work queued on `stream` from now on waits for `event`'s last record."""
+        self._check(self._lib.cudaStreamWaitEvent(stream, event, 0))
+
+    @staticmethod
+    def _check(err: int) -> None:
+        if err:
+            raise RuntimeError(f"CUDA runtime call failed with error {err}")

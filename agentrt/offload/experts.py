@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import expert_ffn
 from agentrt.offload.cache import ExpertCache
-from agentrt.offload.copies import FastCopies
+from agentrt.offload.copies import CudaCalls
 from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
 
@@ -100,17 +100,22 @@ class OffloadedExperts:
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         sample = store.expert_views(store.layers[0])[0][0] if store.layers else None
-        self.fast = FastCopies.open(self.device, sample) if sample is not None else None
+        # raw CUDA runtime calls for a host step's copies, events and waits (None: torch's)
+        self.fast = CudaCalls.open(self.device, sample) if sample is not None else None
+        self._stream_now: torch.cuda.Stream | None = None  # the current stream, once per token
         # prefetch (decode): each layer's router weights, to predict the next MoE layer's experts
         # from this layer's hidden state; none for the static baseline (nothing is missing)
         self.routers = routers if routers and not cpu_layers else None
         layers = store.layers
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
-        self._pending: dict[int, torch.cuda.Event] = {}  # layer -> its prefetches' end
-        self._done_events: dict[int, torch.cuda.Event] = {}
+        self._pending: dict[int, object] = {}  # layer -> event of its prefetches' end
+        self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
+        self._mark = self.fast.new_event() if self.fast is not None else None
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
-        self._gap: float | None = None  # seconds between consecutive host steps (EMA)
-        self._host_end: tuple[int, float] | None = None  # (layer, time) the last host step ended
+        self._period: float | None = None  # seconds from one host step's start to the next's
+        self._host_start: tuple[int, float] | None = None  # (layer, time) of the last one
+        self._copies_done_at = 0.0  # when the copy engine runs dry (host clock, a model)
+        self._token_stream: torch.cuda.Stream | None = None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, _LayerIO] = {}
@@ -183,7 +188,8 @@ class OffloadedExperts:
             right = len(ahead.intersection(pairs))
             self.cache.stats[layer].prefetch_hits += right
             self.totals.prefetch_hits += right
-        q = q_star(len(misses), self.bw.copy, self.bw.cpu) if self.split else len(misses)
+        queued = self._queued() if synced else 0.0
+        q = q_star(len(misses), self.bw.copy, self.bw.cpu, queued) if self.split else len(misses)
         if self.adaptive and q == len(misses) >= 2:
             self._copy_only_decisions += 1
             if self._copy_only_decisions % PROBE_EVERY == 0:
@@ -238,7 +244,9 @@ class OffloadedExperts:
         rows = self.store.expert_views(layer)[0]
         side = self.copy_stream if not synced else None
         # (the slots' device's current stream, not the current device's: they may differ)
-        current = torch.cuda.current_stream(self.device) if self.on_cuda else None
+        current = None
+        if self.on_cuda:
+            current = self._current() if synced else torch.cuda.current_stream(self.device)
         stream = side if side is not None else current  # the one the copies go on
         if side is not None:
             side.wait_stream(current)
@@ -250,9 +258,31 @@ class OffloadedExperts:
                 self._copy_timing = (start, self._events.record(stream), nbytes)
         if side is not None:
             current.wait_stream(side)
+        self._copies_queued(len(done))
         self.totals.copied += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
         return done
+
+    def _current(self) -> torch.cuda.Stream:
+        """The slots' device's current stream; in graph decode's host steps, the one looked up
+        at the token's first (the call costs ~9 us of host time)."""
+        if self._stream_now is not None:
+            return self._stream_now
+        return torch.cuda.current_stream(self.device)
+
+    def _copies_queued(self, count: int) -> None:
+        """Follow when the copy engine will have carried what was just queued on it."""
+        now = time.perf_counter()
+        per = self.store.expert_bytes / self.bw.copy if self.bw.copy > 0 else 0.0
+        self._copies_done_at = max(now, self._copies_done_at) + count * per
+
+    def _queued(self) -> float:
+        """Experts' worth of copies still ahead of new ones on the copy engine (prefetches into
+        this layer still running, by the model of `_copies_queued`)."""
+        if not self.on_cuda or self.bw.copy <= 0:
+            return 0.0
+        ahead = self._copies_done_at - time.perf_counter()
+        return max(0.0, ahead) * self.bw.copy / self.store.expert_bytes
 
     def _admit(self, layer: int, experts: list[int], exclude: set) -> tuple[list[int], list]:
         """Slots for `experts` (those that got one, and the slots' views)."""
@@ -268,7 +298,7 @@ class OffloadedExperts:
         """Queue the copies `sources -> targets` on `stream` (the current one: a CUDA stream, or
         None on the CPU, where they run now)."""
         if self.fast is not None:
-            self.fast.copy(targets, sources, stream)
+            self.fast.copy(targets, sources, stream.cuda_stream)
         else:
             torch._foreach_copy_(targets, sources, non_blocking=self.on_cuda)
 
@@ -283,10 +313,10 @@ class OffloadedExperts:
             return x.new_empty(0, dtype=torch.long)
         return torch.topk(F.linear(x[:1], self.routers[nxt]), k, dim=-1).indices[0]
 
-    def _prefetch_after(self, layer: int, predicted: list[int], busy) -> None:
+    def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> None:
         """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
-        first, at most what the measured gap between host steps lets PCIe carry, see
-        `_prefetch_cap`), into victim slots outside `busy` (this layer's experts) and the
+        first, at most what PCIe carries in a layer's time besides this layer's `own` copies,
+        see `_prefetch_cap`), into victim slots outside `busy` (this layer's experts) and the
         prediction. On a GPU they go on the copy stream after this layer's own copies, so they
         run while this layer's GPU experts and the next layer's attention compute; the next
         layer's host step makes its stream wait for them before anything reads or refills those
@@ -295,7 +325,7 @@ class OffloadedExperts:
         if nxt is None or not predicted:
             return
         lookup = self.cache.slot_of[nxt]
-        want = [e for e in dict.fromkeys(predicted) if lookup[e] < 0][: self._prefetch_cap()]
+        want = [e for e in dict.fromkeys(predicted) if lookup[e] < 0][: self._prefetch_cap(own)]
         if not want:
             return
         exclude = {(layer, e) for e in busy} | {(nxt, e) for e in predicted}
@@ -305,15 +335,8 @@ class OffloadedExperts:
         rows = self.store.expert_views(nxt)[0]
         sources = [rows[e] for e in done]
         if self.on_cuda:
-            side = self.copy_stream
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._issue(targets, sources, side)
-            event = self._done_events.get(nxt)
-            if event is None:
-                event = self._done_events[nxt] = torch.cuda.Event()
-            event.record(side)
-            self._pending[nxt] = event
+            self._pending[nxt] = self._issue_ahead(nxt, targets, sources)
+            self._copies_queued(len(done))
         else:
             self._issue(targets, sources, None)
         self._prefetched[nxt] = set(done)
@@ -321,19 +344,43 @@ class OffloadedExperts:
         self.totals.prefetched += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
 
-    def _prefetch_cap(self) -> int:
-        """Experts to prefetch per layer: what PCIe carries in the measured gap between two host
-        steps (the GPU piece between them, when the copy engine is otherwise idle), at least
-        one; unbounded before any gap is measured on the CPU (tests), one on a GPU."""
-        if self._gap is None:
+    def _issue_ahead(self, layer: int, targets: list, sources: list):
+        """Queue prefetch copies on the copy stream behind what the current stream has queued
+        (this layer's own copies); returns the event of their end (a raw handle with `fast`)."""
+        side, current = self.copy_stream, self._current()
+        event = self._done_events.get(layer)
+        if self.fast is None:
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                self._issue(targets, sources, side)
+            event = self._done_events.setdefault(layer, event or torch.cuda.Event())
+            event.record(side)
+            return event
+        if event is None:
+            event = self._done_events[layer] = self.fast.new_event()
+        self.fast.record(self._mark, current.cuda_stream)
+        self.fast.wait(side.cuda_stream, self._mark)
+        self.fast.copy(targets, sources, side.cuda_stream)
+        self.fast.record(event, side.cuda_stream)
+        return event
+
+    def _prefetch_cap(self, own: int = 0) -> int:
+        """Experts to prefetch for the next layer: what PCIe carries in one layer's time (the
+        measured period between host steps) besides this layer's `own` copies, at least one;
+        unbounded on the CPU before any period is measured (tests), one on a GPU."""
+        if self._period is None:
             return 1 if self.on_cuda else self.store.num_experts
-        return max(1, int(self._gap * self.bw.copy / self.store.expert_bytes))
+        return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
 
     def _await_prefetch(self, layer: int) -> None:
         """The current stream waits for the copies prefetched into `layer`'s slots."""
         event = self._pending.pop(layer, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        if event is None:
+            return
+        if self.fast is not None:
+            self.fast.wait(self._current().cuda_stream, event)
+        else:
+            self._current().wait_event(event)
 
     # ------------------------------------------------------------------ compute
 
@@ -449,16 +496,24 @@ class OffloadedExperts:
         """Between graph pieces: plan and issue the copies, compute the CPU experts while they
         run, then fill the next piece's inputs and make it wait for the copies."""
         t_begin = time.perf_counter()
-        self._measure_gap(layer, t_begin)
+        self._measure_period(layer, t_begin)
+        try:
+            self._host_work(layer, io, t_begin)
+        finally:
+            self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
+
+    def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
         self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids = io.ids_np.tolist()
+        copied_before = self.cache.stats[layer].copied
         if layer in self.cpu_layers:
             gpu, cpu = [], ids
         else:
             gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
             if self.routers is not None:
-                self._prefetch_after(layer, io.pred_np.tolist(), ids)
+                own = self.cache.stats[layer].copied - copied_before
+                self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
         self.totals.plan_seconds += time.perf_counter() - t_begin
         self.totals.cpu += len(cpu)
         w = io.w_np.tolist()
@@ -474,16 +529,19 @@ class OffloadedExperts:
         # (the copies went on the current stream: the next piece, which reads the slots they
         # fill, runs after them)
         self.totals.host_steps += 1
-        t_end = time.perf_counter()
-        self.totals.host_seconds += t_end - t_begin
-        self._host_end = (layer, t_end)
+        self.totals.host_seconds += time.perf_counter() - t_begin
 
-    def _measure_gap(self, layer: int, now: float) -> None:
-        """Follow the time from the previous MoE layer's host step to this one's (the GPU piece
-        between them), which sizes the prefetches."""
-        if self._host_end is not None and self.next_layer.get(self._host_end[0]) == layer:
-            gap = now - self._host_end[1]
-            self._gap = gap if self._gap is None else 0.9 * self._gap + 0.1 * gap
+    def _measure_period(self, layer: int, now: float) -> None:
+        """Follow the time from the previous MoE layer's host step to this one's (a layer's
+        time), which sizes the prefetches; look up the current stream at a token's first."""
+        last, self._host_start = self._host_start, (layer, now)
+        if last is not None and self.next_layer.get(last[0]) == layer:
+            period = now - last[1]
+            self._period = period if self._period is None else 0.9 * self._period + 0.1 * period
+            self._stream_now = self._token_stream
+        elif self.on_cuda:
+            self._token_stream = torch.cuda.current_stream(self.device)
+            self._stream_now = self._token_stream
 
     def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
         """The token's CPU experts, weighted and summed into the pinned fp32 buffer."""

@@ -7,17 +7,22 @@ from __future__ import annotations
 import math
 
 
-def q_star(misses: int, b_copy: float, b_cpu: float) -> int:
-    """How many of `misses` experts to copy, given copy and CPU-compute bandwidths (bytes/s)."""
+def q_star(misses: int, b_copy: float, b_cpu: float, queued: float = 0.0) -> int:
+    """How many of `misses` experts to copy, given copy and CPU-compute bandwidths (bytes/s) and
+    `queued` experts' worth of copies already ahead of them on the copy engine (prefetches):
+    the integer minimising max((queued + q) / B_P, (m - q) / B_H')."""
     if misses <= 0:
         return 0
     if b_cpu <= 0:
         return misses
     if b_copy <= 0:
         return 0
-    ideal = misses * b_copy / (b_copy + b_cpu)
+    ideal = (misses * b_copy - queued * b_cpu) / (b_copy + b_cpu)
     candidates = {max(0, min(misses, math.floor(ideal))), max(0, min(misses, math.ceil(ideal)))}
-    return min(sorted(candidates), key=lambda q: (max(q / b_copy, (misses - q) / b_cpu), -q))
+    return min(
+        sorted(candidates),
+        key=lambda q: (max((queued + q) / b_copy, (misses - q) / b_cpu), -q),
+    )
 
 
 def split_time(misses: int, q: int, expert_bytes: int, b_copy: float, b_cpu: float) -> float:
