@@ -21,6 +21,13 @@ import torch
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
+_SIGNATURES = {  # argument types of the calls used (all return a cudaError_t)
+    "cudaMemcpyAsync": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    + [ctypes.c_void_p],
+    "cudaEventCreateWithFlags": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+    "cudaEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
+    "cudaStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+}
 
 
 def _cudart() -> ctypes.CDLL | None:
@@ -32,20 +39,14 @@ def _cudart() -> ctypes.CDLL | None:
             paths = sorted({line.split()[-1] for line in maps if "libcudart" in line})
     except OSError:
         return None
-    ptr, size = ctypes.c_void_p, ctypes.c_size_t
     for path in paths:
         try:
             lib = ctypes.CDLL(path)
-            signatures = {
-                lib.cudaMemcpyAsync: [ptr, ptr, size, ctypes.c_int, ptr],
-                lib.cudaEventCreateWithFlags: [ctypes.POINTER(ptr), ctypes.c_uint],
-                lib.cudaEventRecord: [ptr, ptr],
-                lib.cudaStreamWaitEvent: [ptr, ptr, ctypes.c_uint],
-            }
+            for name, args in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, ctypes.c_int
         except (OSError, AttributeError):
             continue
-        for fn, args in signatures.items():
-            fn.argtypes, fn.restype = args, ctypes.c_int
         return lib
     return None
 
