@@ -387,17 +387,20 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
 
 def test_fast_offload_copies_match_torch():
     """Copies issued through cudaMemcpyAsync land where torch's would, on the given stream."""
-    from agentrt.offload.copies import FastCopies
+    from agentrt.offload.copies import CudaCalls
 
     src = torch.randn(4, 1000).pin_memory()
-    fast = FastCopies.open("cuda", src[0])
+    fast = CudaCalls.open("cuda", src[0])
     if fast is None:
         pytest.skip("no CUDA runtime library loaded by torch")
     dst = torch.zeros(4, 1000, device="cuda")
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        fast.copy([dst[1], dst[2]], [src[2], src[0]], side)
-    side.synchronize()
+    side.wait_stream(torch.cuda.current_stream())  # (dst's zeros are written)
+    fast.copy([dst[1], dst[2]], [src[2], src[0]], side.cuda_stream)
+    done = fast.new_event()
+    fast.record(done, side.cuda_stream)
+    fast.wait(torch.cuda.current_stream().cuda_stream, done)
+    torch.cuda.synchronize()
     assert torch.equal(dst[1].cpu(), src[2]) and torch.equal(dst[2].cpu(), src[0])
     assert dst[0].abs().sum().item() == 0 and dst[3].abs().sum().item() == 0
 

@@ -439,3 +439,5 @@ def test_prefetch_count_fills_pcie_over_a_layers_time():
     assert experts._period == pytest.approx(0.0018) and experts._prefetch_cap() == 4
     assert experts._prefetch_cap(own=9) == 1
     assert experts._queued() == 0  # (no copy engine on the CPU)
+    experts.split = False  # copy-only copies every miss: every predicted one, early
+    assert experts._prefetch_cap(own=9) == 8

@@ -365,9 +365,13 @@ class OffloadedExperts:
         return event
 
     def _prefetch_cap(self, own: int = 0) -> int:
-        """Experts to prefetch for the next layer: what PCIe carries in one layer's time (the
-        measured period between host steps) besides this layer's `own` copies, at least one;
-        unbounded on the CPU before any period is measured (tests), one on a GPU."""
+        """Experts to prefetch for the next layer. With the split: what PCIe carries in one
+        layer's time (the measured period between host steps) besides this layer's `own`
+        copies, at least one (the CPU takes the rest); unbounded on the CPU before any period is
+        measured (tests), one on a GPU. Copy-only copies every miss anyway (a right guess only
+        moves its copy earlier): every predicted miss."""
+        if not self.split:
+            return self.store.num_experts
         if self._period is None:
             return 1 if self.on_cuda else self.store.num_experts
         return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
