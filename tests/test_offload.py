@@ -424,7 +424,8 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
 
 def test_prefetch_count_fills_pcie_over_a_layers_time():
     """Per layer, as many experts as the copy bandwidth moves in the measured period between
-    host steps, less the layer's own copies, at least one."""
+    host steps, less the layer's own copies (with the split), or in the gap between them
+    (copy-only), at least one."""
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
 
     store = _store(layers=2, experts=8)
@@ -439,5 +440,9 @@ def test_prefetch_count_fills_pcie_over_a_layers_time():
     assert experts._period == pytest.approx(0.0018) and experts._prefetch_cap() == 4
     assert experts._prefetch_cap(own=9) == 1
     assert experts._queued() == 0  # (no copy engine on the CPU)
-    experts.split = False  # copy-only copies every miss: every predicted one, early
-    assert experts._prefetch_cap(own=9) == 8
+    experts.split = False  # copy-only: what PCIe carries in the gap between host steps
+    experts._gap, experts._last_end = None, 11.0005  # (no host step ran: reset)
+    experts._measure_period(0, 12.0)
+    experts._measure_period(1, 12.001)
+    assert experts._gap == pytest.approx(0.0005)  # (the first gap sample)
+    assert experts._prefetch_cap(own=9) == 1  # 0.0005 s x 5.5 experts / 0.002 s = 1.375

@@ -113,6 +113,8 @@ class OffloadedExperts:
         self._mark = self.fast.new_event() if self.fast is not None else None
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         self._period: float | None = None  # seconds from one host step's start to the next's
+        self._gap: float | None = None  # ... from one's end to the next's start (EMAs)
+        self._last_end = 0.0
         self._host_start: tuple[int, float] | None = None  # (layer, time) of the last one
         self._copies_done_at = 0.0  # when the copy engine runs dry (host clock, a model)
         self._token_stream: torch.cuda.Stream | None = None
@@ -365,16 +367,17 @@ class OffloadedExperts:
         return event
 
     def _prefetch_cap(self, own: int = 0) -> int:
-        """Experts to prefetch for the next layer. With the split: what PCIe carries in one
-        layer's time (the measured period between host steps) besides this layer's `own`
-        copies, at least one (the CPU takes the rest); unbounded on the CPU before any period is
-        measured (tests), one on a GPU. Copy-only copies every miss anyway (a right guess only
-        moves its copy earlier): every predicted miss."""
-        if not self.split:
-            return self.store.num_experts
-        if self._period is None:
+        """Experts to prefetch for the next layer, at least one. With the split: what PCIe
+        carries in one layer's time (the measured period between host steps) besides this
+        layer's `own` copies (the CPU takes the rest). Copy-only: what PCIe carries in the gap
+        between host steps (the GPU piece; its host steps end once the copies are queued).
+        Measured on the H200 (copy-only, random weights): the gap cap 118 prefetches per token
+        at 90% right, 28.9 tok/s; the period cap 39, 24.2 tok/s; every predicted miss 264 at
+        76%, 23.5 tok/s. Unbounded on the CPU before any measurement (tests), one on a GPU."""
+        window, mine = (self._period, own) if self.split else (self._gap, 0)
+        if window is None:
             return 1 if self.on_cuda else self.store.num_experts
-        return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
+        return max(1, int(window * self.bw.copy / self.store.expert_bytes) - mine)
 
     def _await_prefetch(self, layer: int) -> None:
         """The current stream waits for the copies prefetched into `layer`'s slots."""
@@ -505,6 +508,7 @@ class OffloadedExperts:
             self._host_work(layer, io, t_begin)
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
+            self._last_end = time.perf_counter()
 
     def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
         self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
@@ -540,8 +544,8 @@ class OffloadedExperts:
         time), which sizes the prefetches; look up the current stream at a token's first."""
         last, self._host_start = self._host_start, (layer, now)
         if last is not None and self.next_layer.get(last[0]) == layer:
-            period = now - last[1]
-            self._period = period if self._period is None else 0.9 * self._period + 0.1 * period
+            self._period = _average(self._period, now - last[1])
+            self._gap = _average(self._gap, now - self._last_end)
             self._stream_now = self._token_stream
         elif self.on_cuda:
             self._token_stream = torch.cuda.current_stream(self.device)
@@ -583,6 +587,11 @@ class OffloadedExperts:
 
     def close(self) -> None:
         """Nothing to release (kept for callers that close what they open)."""
+
+
+def _average(old: float | None, new: float) -> float:
+    """An exponential moving average moving a tenth of the way to each new sample."""
+    return new if old is None else 0.9 * old + 0.1 * new
 
 
 class _EventRing:
