@@ -441,8 +441,9 @@ def test_prefetch_count_fills_pcie_over_a_layers_time():
     assert experts._prefetch_cap(own=9) == 1
     assert experts._queued() == 0  # (no copy engine on the CPU)
     experts.split = False  # copy-only: what PCIe carries in the gap between host steps
-    experts._gap, experts._last_end = None, 11.0005  # (no host step ran: reset)
+    experts._gap = None  # (no host step ran between the calls above: start afresh)
     experts._measure_period(0, 12.0)
+    experts._last_end = 12.0005  # layer 0's host step ended
     experts._measure_period(1, 12.001)
     assert experts._gap == pytest.approx(0.0005)  # (the first gap sample)
     assert experts._prefetch_cap(own=9) == 1  # 0.0005 s x 5.5 experts / 0.002 s = 1.375
