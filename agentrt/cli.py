@@ -228,8 +228,9 @@ def offload_options() -> list:
             type=click.Choice(["on", "off"]),
             default="on",
             show_default=True,
-            help="For --offload auto: while a layer computes, copy ahead the experts "
-            "the next layer's router predicts from its input.",
+            help="For --offload auto: while a layer computes, copy ahead the experts the next "
+            "layer's router predicts from its input (CUDA-graph decode; eager decode on a GPU "
+            "does not prefetch).",
         ),
         click.option(
             "--cpu-moe-layers",

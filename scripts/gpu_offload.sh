@@ -20,8 +20,8 @@ if [ "${BW:-1}" = 1 ]; then
 fi
 python3 -m agentrt.cli bench decode --model $M --device cuda --vram-budget 16GiB \
   --offload none,auto,static,layer --split on,off --expert-policy "${POLICIES:-lru,lfu}" \
-  --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-1}" \
-  --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-48}" --json "$OUT/decode_offload.json" \
+  --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
+  --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" --json "$OUT/decode_offload.json" \
   > "$OUT/decode_offload.log" 2>&1
 grep -v '^ \|^{\|^}' "$OUT/decode_offload.log" | tail -20
 # the split and copy-only again with libgomp's default waiting (AGENTRT_OMP_SPIN=0: the CLI does

@@ -6,20 +6,29 @@ into victim slots on a copy stream, and the other m - q run on the CPU (hidden r
 results back) on the calling thread, with torch's intra-op thread pool, while the GPU works
 through what was queued before; every CPU expert of the process runs on that one thread (a
 second thread would bring a second OpenMP team to compete for the same cores). Every (token,
-expert) pair's output lands in the
-same place it would in the dense path, and the weighted sum over the k experts is the same, so
-the result equals the dense computation. Large batches (prefill) stream the missing experts
-through a scratch slot instead of admitting them, so prefill does not evict the decode working
-set; with the split, the missing experts that were routed only a few tokens run on the CPU
-meanwhile (as many as the q* rule leaves to it). `cpu_layers` (the static baseline) computes
-every expert of those layers on the CPU.
+expert) pair's output lands in the same place it would in the dense path, and the weighted sum
+over the k experts is the same, so the result equals the dense computation. Large batches
+(prefill) stream the missing experts through a scratch slot instead of admitting them, so
+prefill does not evict the decode working set; with the split, the missing experts that were
+routed only a few tokens run on the CPU meanwhile (as many as the q* rule leaves to it).
+`cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
 
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
 cuts the capture: the graph copies the token's routed ids, weights and hidden row to pinned host
 buffers; the host step plans hits/copies/CPU work, issues the copies, runs the CPU experts
 (torch's persistent intra-op thread pool) and writes slot indices, GPU weights and the CPU partial
 sum to pinned buffers; the next graph piece uploads them and runs the GPU experts from their
-slots as one gathered batched matmul.
+slots as one gathered batched matmul. The host step's copies, events and stream waits go
+straight to the CUDA runtime (`copies.CudaCalls`) where torch's calls cost several times more.
+
+Prefetch (decode, `routers` given): the graph side also applies the next MoE layer's router to
+this layer's MoE input (the residual stream changes little between layers) and hands its top-k
+to the host step, which copies the predicted experts the next layer lacks into victim slots on
+the copy stream, behind this layer's own copies: they travel while the GPU computes this
+layer's experts and the next layer's attention, when the copy engine would idle, and the next
+layer finds them as hits. How many: with the split, what PCIe carries in a layer's time besides
+the layer's own copies (the CPU takes the rest); copy-only, what it carries in the gap between
+host steps. q* counts copies still queued ahead. On the CPU (tests) eager decode prefetches too.
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ class Totals:
     host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
     host_seconds: float = 0.0  # their wall time, all of it
     plan_seconds: float = 0.0  # of which planning and issuing the copies (prefetches included)
-    prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch`)
+    prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch_after`)
     prefetch_hits: int = 0  # of which the next layer did route to
 
 
@@ -238,8 +247,9 @@ class OffloadedExperts:
         stream (a victim slot may still be read by it), and the current stream then waits for
         them. A graph host step (`synced`) has nothing in flight: they go on the current stream,
         which the next graph piece runs on (no stream switch and no waits, which cost host time
-        before the CPU experts can start). One call issues them all (`torch._foreach_copy_`)
-        where a `copy_` per expert cost ~15 us of host time each on the H200 machine."""
+        before the CPU experts can start). They go through the CUDA runtime directly (`fast`,
+        ~3-6 us each on the H200 machine) or else one `torch._foreach_copy_` call (a `copy_` per
+        expert cost ~15 us of host time each there)."""
         done, targets = self._admit(layer, experts, exclude)
         if not done:
             return done
@@ -317,12 +327,12 @@ class OffloadedExperts:
 
     def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> None:
         """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
-        first, at most what PCIe carries in a layer's time besides this layer's `own` copies,
-        see `_prefetch_cap`), into victim slots outside `busy` (this layer's experts) and the
-        prediction. On a GPU they go on the copy stream after this layer's own copies, so they
-        run while this layer's GPU experts and the next layer's attention compute; the next
-        layer's host step makes its stream wait for them before anything reads or refills those
-        slots (every prefetch of a step is awaited within it: the last layer has no next)."""
+        first, as many as `_prefetch_cap` allows given this layer's `own` copies), into victim
+        slots outside `busy` (this layer's experts) and the prediction. On a GPU they go on the
+        copy stream after this layer's own copies, so they run while this layer's GPU experts
+        and the next layer's attention compute; the next layer's host step makes its stream
+        wait for them before anything reads or refills those slots (every prefetch of a step is
+        awaited within it: the last layer has no next)."""
         nxt = self.next_layer.get(layer)
         if nxt is None or not predicted:
             return
@@ -511,6 +521,7 @@ class OffloadedExperts:
             self._last_end = time.perf_counter()
 
     def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
+        """The host step's work (see `_host_step`)."""
         self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids = io.ids_np.tolist()
