@@ -192,6 +192,13 @@ def model_options(fn=None, *, cache_list: bool = False):
     return fn
 
 
+def _on_off(name: str, help: str):
+    """An on|off option, on by default."""
+    return click.option(
+        name, type=click.Choice(["on", "off"]), default="on", show_default=True, help=help
+    )
+
+
 def offload_options() -> list:
     """Expert placement options (DESIGN §5)."""
     return [
@@ -216,19 +223,10 @@ def offload_options() -> list:
             default=None,
             help="Explicit expert-cache size (overrides --vram-budget).",
         ),
-        click.option(
-            "--split",
-            type=click.Choice(["on", "off"]),
-            default="on",
-            show_default=True,
-            help="off: every miss is copied (no CPU compute).",
-        ),
-        click.option(
+        _on_off("--split", "off: every miss is copied (no CPU compute)."),
+        _on_off(
             "--prefetch",
-            type=click.Choice(["on", "off"]),
-            default="on",
-            show_default=True,
-            help="For --offload auto: while a layer computes, copy ahead the experts the next "
+            "For --offload auto: while a layer computes, copy ahead the experts the next "
             "layer's router predicts from its input (CUDA-graph decode; eager decode on a GPU "
             "does not prefetch).",
         ),
