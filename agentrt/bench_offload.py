@@ -314,8 +314,8 @@ def ratios(runs: list[dict]) -> dict[str, float]:
                 out[f"{name}_vs_{base}"] = by[name] / by[base]
         if "/split/" in name and name.replace("/split/", "/copy-only/") in by:
             out[f"{name}_vs_copy-only"] = by[name] / by[name.replace("/split/", "/copy-only/")]
-        if name.endswith("/lfu") and name[:-4] + "/lru" in by:
-            out[f"{name}_vs_lru"] = by[name] / by[name[:-4] + "/lru"]
+        if "/lfu" in name and name.replace("/lfu", "/lru") in by:
+            out[f"{name}_vs_lru"] = by[name] / by[name.replace("/lfu", "/lru")]
         if name + "/no-prefetch" in by:
             out[f"{name}_vs_no-prefetch"] = by[name] / by[name + "/no-prefetch"]
     return out

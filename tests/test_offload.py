@@ -447,3 +447,24 @@ def test_prefetch_count_fills_pcie_over_a_layers_time():
     experts._measure_period(1, 12.001)
     assert experts._gap == pytest.approx(0.0005)  # (the first gap sample)
     assert experts._prefetch_cap(own=9) == 1  # 0.0005 s x 5.5 experts / 0.002 s = 1.375
+
+
+def test_a_copy_that_fails_leaves_no_expert_listed_as_resident(monkeypatch):
+    """Slots are admitted before the copies are issued: if issuing fails, the experts must not
+    stay listed as resident (later tokens would compute with another expert's weights)."""
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+
+    store = _store(layers=1, experts=8)
+    cache = ExpertCache(store, 4, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), split=False)
+    experts._plan_decode(0, {e: [i] for i, e in enumerate([0, 1, 2, 3])})  # fills the slots
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        experts._plan_decode(0, {4: [0], 5: [1]})
+    cache.check()
+    assert all(cache.slot_of[0][e] < 0 for e in (4, 5)) and len(cache.free) == 2
+    assert cache.stats[0].evictions == 2  # the victims (0 and 1) were replaced, not 4 and 5

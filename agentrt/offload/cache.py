@@ -82,6 +82,14 @@ class ExpertCache:
         self.policy.insert((layer, expert))
         return slot
 
+    def drop(self, layer: int, expert: int) -> None:
+        """Forget a just admitted expert whose copy could not be issued (its slot is free)."""
+        slot = self.slot_of[layer][expert]
+        if slot >= 0:
+            self._evict((layer, expert))
+            self.stats[layer].evictions -= 1  # (not a replacement)
+            self.free.append(slot)
+
     def _evict(self, key: Key) -> None:
         layer, expert = key
         slot = self.slot_of[layer][expert]

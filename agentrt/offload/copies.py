@@ -27,6 +27,7 @@ _SIGNATURES = {  # argument types of the calls used (all return a cudaError_t)
     "cudaEventCreateWithFlags": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
     "cudaEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
     "cudaStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cudaGetLastError": [],
 }
 
 
@@ -61,9 +62,13 @@ class CudaCalls:
     @classmethod
     def open(cls, device, sample: torch.Tensor) -> CudaCalls | None:
         """A checked instance for copies of tensors like `sample` (pinned, contiguous) to
-        `device`, or None (no CUDA device, pageable memory, no runtime library, a failed check)."""
+        `device`, or None (no CUDA device, pageable memory, no runtime library, a failed check,
+        or a device that is not the current one: events are created, and stream handle 0
+        means, the current device's)."""
         device = torch.device(device)
         if device.type != "cuda" or not sample.is_pinned() or not sample.is_contiguous():
+            return None
+        if device.index is not None and device.index != torch.cuda.current_device():
             return None
         lib = _cudart()
         if lib is None:
@@ -77,7 +82,7 @@ class CudaCalls:
             calls.record(event, stream)
             calls.wait(stream, event)
             torch.cuda.synchronize(device)
-        except RuntimeError:
+        except (RuntimeError, ctypes.ArgumentError):
             return None
         return calls if torch.equal(target.cpu(), sample) else None
 
@@ -102,7 +107,9 @@ class CudaCalls:
         """Work queued on `stream` from now on waits for `event`'s last record."""
         self._check(self._lib.cudaStreamWaitEvent(stream, event, 0))
 
-    @staticmethod
-    def _check(err: int) -> None:
+    def _check(self, err: int) -> None:
+        """Raise on a failed call, after clearing the thread's last CUDA error (torch's next
+        launch check would otherwise report it against an unrelated kernel)."""
         if err:
+            self._lib.cudaGetLastError()
             raise RuntimeError(f"CUDA runtime call failed with error {err}")

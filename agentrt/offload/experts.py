@@ -110,11 +110,15 @@ class OffloadedExperts:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         sample = store.expert_views(store.layers[0])[0][0] if store.layers else None
         # raw CUDA runtime calls for a host step's copies, events and waits (None: torch's)
-        self.fast = CudaCalls.open(self.device, sample) if sample is not None else None
+        self.fast = (
+            CudaCalls.open(self.device, sample) if sample is not None and store.pinned else None
+        )
         self._stream_now: torch.cuda.Stream | None = None  # the current stream, once per token
         # prefetch (decode): each layer's router weights, to predict the next MoE layer's experts
-        # from this layer's hidden state; none for the static baseline (nothing is missing)
-        self.routers = routers if routers and not cpu_layers else None
+        # from this layer's hidden state; none for the static baseline (nothing is missing) nor
+        # from pageable memory on a GPU (such a copy would hold up the host step)
+        usable = not cpu_layers and (store.pinned or not self.on_cuda)
+        self.routers = routers if routers and usable else None
         layers = store.layers
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
         self._pending: dict[int, object] = {}  # layer -> event of its prefetches' end
@@ -195,8 +199,8 @@ class OffloadedExperts:
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
         ahead = self._prefetched.pop(layer, None)
-        if ahead:
-            right = len(ahead.intersection(pairs))
+        if ahead:  # (still resident: a pool resize may have dropped them)
+            right = sum(1 for e in ahead if e in pairs and lookup[e] >= 0)
             self.cache.stats[layer].prefetch_hits += right
             self.totals.prefetch_hits += right
         queued = self._queued() if synced else 0.0
@@ -264,7 +268,7 @@ class OffloadedExperts:
             side.wait_stream(current)
         with torch.cuda.stream(side) if side is not None else nullcontext():
             start = self._events.record(stream) if self.on_cuda else None
-            self._issue(targets, [rows[e] for e in done], stream)
+            self._issue(targets, [rows[e] for e in done], stream, layer, done)
             if start is not None:
                 nbytes = len(done) * self.store.expert_bytes
                 self._copy_timing = (start, self._events.record(stream), nbytes)
@@ -306,13 +310,19 @@ class OffloadedExperts:
                 targets.append(slots[slot])
         return done, targets
 
-    def _issue(self, targets: list, sources: list, stream) -> None:
+    def _issue(self, targets: list, sources: list, stream, layer: int, experts: list) -> None:
         """Queue the copies `sources -> targets` on `stream` (the current one: a CUDA stream, or
-        None on the CPU, where they run now)."""
-        if self.fast is not None:
-            self.fast.copy(targets, sources, stream.cuda_stream)
-        else:
-            torch._foreach_copy_(targets, sources, non_blocking=self.on_cuda)
+        None on the CPU, where they run now) of `layer`'s `experts`, just admitted; if that
+        fails, their slots are given up (the cache must not list them as resident)."""
+        try:
+            if self.fast is not None:
+                self.fast.copy(targets, sources, stream.cuda_stream)
+            else:
+                torch._foreach_copy_(targets, sources, non_blocking=self.on_cuda)
+        except BaseException:
+            for expert in experts:
+                self.cache.drop(layer, expert)
+            raise
 
     # ------------------------------------------------------------------ prefetch
 
@@ -347,16 +357,16 @@ class OffloadedExperts:
         rows = self.store.expert_views(nxt)[0]
         sources = [rows[e] for e in done]
         if self.on_cuda:
-            self._pending[nxt] = self._issue_ahead(nxt, targets, sources)
+            self._pending[nxt] = self._issue_ahead(nxt, targets, sources, done)
             self._copies_queued(len(done))
         else:
-            self._issue(targets, sources, None)
+            self._issue(targets, sources, None, nxt, done)
         self._prefetched[nxt] = set(done)
         self.cache.stats[nxt].prefetched += len(done)
         self.totals.prefetched += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
 
-    def _issue_ahead(self, layer: int, targets: list, sources: list):
+    def _issue_ahead(self, layer: int, targets: list, sources: list, experts: list):
         """Queue prefetch copies on the copy stream behind what the current stream has queued
         (this layer's own copies); returns the event of their end (a raw handle with `fast`)."""
         side, current = self.copy_stream, self._current()
@@ -364,7 +374,7 @@ class OffloadedExperts:
         if self.fast is None:
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                self._issue(targets, sources, side)
+                self._issue(targets, sources, side, layer, experts)
             event = self._done_events.setdefault(layer, event or torch.cuda.Event())
             event.record(side)
             return event
@@ -372,7 +382,7 @@ class OffloadedExperts:
             event = self._done_events[layer] = self.fast.new_event()
         self.fast.record(self._mark, current.cuda_stream)
         self.fast.wait(side.cuda_stream, self._mark)
-        self.fast.copy(targets, sources, side.cuda_stream)
+        self._issue(targets, sources, side, layer, experts)
         self.fast.record(event, side.cuda_stream)
         return event
 
