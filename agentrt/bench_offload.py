@@ -93,6 +93,7 @@ def offload_decode(
     tokenizer_dir: str | None = None,
     kv_reserve_tokens: int = 32768,
     repeat: int = 1,
+    cpu_kernel: str = "torch",
 ) -> dict[str, Any]:
     from agentrt.bench import machine
 
@@ -120,6 +121,7 @@ def offload_decode(
             split=setting.get("split", True),
             policy=setting.get("policy", "lru"),
             prefetch=setting.get("prefetch", True),
+            cpu_kernel=cpu_kernel,
             vram_budget=budget_bytes,
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured
         )
@@ -142,6 +144,7 @@ def offload_decode(
         "tokens": tokens,
         "warmup_steps": WARMUP_STEPS,
         "repeat": repeat,
+        "cpu_kernel": cpu_kernel,
         "decode_inputs": "teacher-forced real text" + (" (tokenizer)" if tokenizer_dir else ""),
         "expert_bytes": store.expert_bytes,
         "pinned_store": store.pinned,

@@ -231,6 +231,14 @@ def offload_options() -> list:
             "does not prefetch).",
         ),
         click.option(
+            "--cpu-kernel",
+            type=click.Choice(["torch", "native"]),
+            default="torch",
+            show_default=True,
+            help="A decode token's CPU experts: torch's kernels, or agentrt's bf16 kernel built "
+            "with the system C compiler at first use (torch's without one).",
+        ),
+        click.option(
             "--cpu-moe-layers",
             type=click.IntRange(min=0),
             default=None,
@@ -282,6 +290,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         expert_cache_slots=opts["expert_cache_slots"],
         split=opts["split"] == "on",
         prefetch=opts["prefetch"] == "on",
+        cpu_kernel=opts["cpu_kernel"],
         cpu_moe_layers=opts["cpu_moe_layers"],
         cpu_layers=opts["cpu_layers"],
         expert_policy=opts["expert_policy"],
@@ -563,6 +572,14 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     show_default=True,
     help="With --offload: rounds of all settings, interleaved; each reports its median round.",
 )
+@click.option(
+    "--cpu-kernel",
+    type=click.Choice(["torch", "native"]),
+    default="torch",
+    show_default=True,
+    help="With --offload: the CPU expert kernel of every setting (torch's, or agentrt's bf16 "
+    "kernel built at first use).",
+)
 def bench_decode(
     model,
     device,
@@ -582,6 +599,7 @@ def bench_decode(
     text,
     tokenizer,
     repeat,
+    cpu_kernel,
 ) -> None:
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
     --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
@@ -606,6 +624,7 @@ def bench_decode(
             text=text,
             tokenizer_dir=tokenizer,
             repeat=repeat,
+            cpu_kernel=cpu_kernel,
         )
         _report(report, json_out)
         return

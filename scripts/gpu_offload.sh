@@ -6,7 +6,8 @@
 # Prepare on the dev machine first: bash scripts/gpu_ttft.sh prepare (copies the tokenizer to
 # .tok/), then run with carry .whl .tok. Writes into $OUT. Env: BW=0 / NOSPIN=0 skip the
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
-# POLICIES, PREFETCH (comma lists), TOKENS and REPEAT (rounds) shape the decode benchmark.
+# POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) and CPU_KERNEL (torch or native) shape
+# the decode benchmark.
 set -u
 source "$(dirname "$0")/device_env.sh"
 M=synthetic:qwen3.5-35b-a3b
@@ -14,13 +15,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -rs tests/test_gpu.py -k "offload or graph" 2>&1 | tee "$OUT/gpu_offload_tests.log" | tail -3
 fi
 python3 scripts/host_step_costs.py > "$OUT/host_step_costs.json" 2>&1; cat "$OUT/host_step_costs.json"
+python3 scripts/bench_cpu_kernel.py > "$OUT/cpu_kernel.json" 2>&1; cat "$OUT/cpu_kernel.json"
 if [ "${BW:-1}" = 1 ]; then
   python3 -m agentrt.cli bench bw --model $M --device cuda --json "$OUT/bw.json" > "$OUT/bw.log" 2>&1
   grep -A6 gb_per_s "$OUT/bw.json"
 fi
 python3 -m agentrt.cli bench decode --model $M --device cuda --vram-budget 16GiB \
   --offload none,auto,static,layer --split on,off --expert-policy "${POLICIES:-lru,lfu}" \
-  --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
+  --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" --cpu-kernel "${CPU_KERNEL:-torch}" \
   --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" --json "$OUT/decode_offload.json" \
   > "$OUT/decode_offload.log" 2>&1
 grep -v '^ \|^{\|^}' "$OUT/decode_offload.log" | tail -20

@@ -468,3 +468,79 @@ def test_a_copy_that_fails_leaves_no_expert_listed_as_resident(monkeypatch):
     cache.check()
     assert all(cache.slot_of[0][e] < 0 for e in (4, 5)) and len(cache.free) == 2
     assert cache.stats[0].evictions == 2  # the victims (0 and 1) were replaced, not 4 and 5
+
+
+def _native_or_skip():
+    from agentrt.offload.cpu_kernel import native_experts
+
+    kernel = native_experts()
+    if kernel is None:
+        pytest.skip("no C compiler (or the native kernel did not build)")
+    return kernel
+
+
+def test_native_cpu_kernel_matches_the_fp32_experts():
+    """The native bf16 kernel's weighted expert sum against fp32 math on the same bf16 values
+    (odd sizes exercise the tail loops), fresh and accumulated into the output."""
+    kernel = _native_or_skip()
+    torch.manual_seed(0)
+    hidden, inter = 200, 72
+    gate_up = (torch.randn(3, 2 * inter, hidden) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(3, hidden, inter) * 0.1).to(torch.bfloat16)
+    x = torch.randn(hidden).to(torch.bfloat16)
+
+    def expert(e):
+        g, u = (gate_up[e].float() @ x.float()).chunk(2)
+        return down[e].float() @ (torch.nn.functional.silu(g) * u)
+
+    want = 0.5 * expert(0) + 0.3 * expert(2) + 0.2 * expert(1)
+    out = torch.full((hidden,), float("nan"))
+    kernel.run(
+        [gate_up[0], gate_up[2], gate_up[1]], [down[0], down[2], down[1]], [0.5, 0.3, 0.2], x, out
+    )
+    torch.testing.assert_close(out, want, rtol=0, atol=2e-2 * want.abs().max().item())
+    kernel.run([gate_up[1]], [down[1]], [1.0], x, out, accumulate=True)
+    torch.testing.assert_close(out, want + expert(1), rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_host_step_with_the_native_kernel_equals_the_dense_sum():
+    """A graph host step whose CPU experts go through the native kernel (bf16 store): device
+    slots plus the kernel's sum give the token's weighted expert sum."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
+
+    kernel = _native_or_skip()
+    torch.manual_seed(0)
+    store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
+    for layer in store.layers:
+        store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
+    cache = ExpertCache(store, 3, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel)
+    io = _LayerIO(top_k=4, hidden=64, dtype=torch.bfloat16, device="cpu")
+    rng = random.Random(0)
+    for step in range(12):
+        layer, ids = step % 2, rng.sample(range(8), 4)
+        w, x = torch.rand(4), torch.randn(1, 64).to(torch.bfloat16)
+        io.ids_h.copy_(torch.tensor(ids))
+        io.w_h.copy_(w)
+        io.x_h.copy_(x[0])
+        experts._host_step(layer, io)
+        slots = io.slot_h.tolist()
+        on_device = sum(
+            io.gw_h[j] * expert_ffn(x.float(), cache.gate_up(s).float(), cache.down(s).float())[0]
+            for j, s in enumerate(slots)
+        )
+        gate_up, down = store.gate_up(layer).float(), store.down(layer).float()
+        dense = sum(w[j] * expert_ffn(x.float(), gate_up[e], down[e])[0] for j, e in enumerate(ids))
+        torch.testing.assert_close(
+            on_device + io.cpu_h, dense, rtol=0, atol=3e-2 * dense.abs().max().item()
+        )
+    assert experts.totals.cpu > 0  # (3 slots for 4 experts a token: some always run on the CPU)
+
+
+def test_offload_config_checks_the_cpu_kernel():
+    from agentrt.errors import InvalidArgumentError
+
+    assert OffloadConfig(mode="auto", cpu_kernel="native").cpu_kernel == "native"
+    with pytest.raises(InvalidArgumentError, match="cpu kernel"):
+        OffloadConfig(mode="auto", cpu_kernel="fast")

@@ -20,6 +20,7 @@ from agentrt.offload.calibrate import (
     profile_path,
     save_profile,
 )
+from agentrt.offload.cpu_kernel import native_experts
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.store import ExpertStore
@@ -97,7 +98,13 @@ def install(
         given = config.copy_bandwidth is not None or config.cpu_bandwidth is not None
         routers = _routers(model) if config.prefetch else None
         experts = OffloadedExperts(
-            store, cache, bw, split=config.split, adaptive=not given, routers=routers
+            store,
+            cache,
+            bw,
+            split=config.split,
+            adaptive=not given,
+            routers=routers,
+            cpu_kernel=_cpu_kernel(config),
         )
         if config.vram_budget is not None and config.expert_cache_slots is None:
             experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)
@@ -107,11 +114,22 @@ def install(
         cache = ExpertCache(store, max(len(resident) * store.num_experts, 1), device, config.policy)
         _preload(cache, store, resident)
         # nothing is ever missing outside the CPU layers
-        experts = OffloadedExperts(store, cache, Bandwidths(0.0, 1.0), cpu_layers=cpu_layers)
+        experts = OffloadedExperts(
+            store,
+            cache,
+            Bandwidths(0.0, 1.0),
+            cpu_layers=cpu_layers,
+            cpu_kernel=_cpu_kernel(config),
+        )
     model.set_experts(experts)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return experts
+
+
+def _cpu_kernel(config: OffloadConfig):
+    """The native CPU expert kernel when asked for and buildable, else None (torch's)."""
+    return native_experts() if config.cpu_kernel == "native" else None
 
 
 def _routers(model: CausalLM) -> dict[int, torch.Tensor]:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from agentrt.models.moe import expert_ffn
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.copies import CudaCalls
+from agentrt.offload.cpu_kernel import NativeExperts
 from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
 
@@ -102,6 +103,7 @@ class OffloadedExperts:
         cpu_layers: frozenset[int] = frozenset(),
         adaptive: bool = True,
         routers: dict[int, torch.Tensor] | None = None,
+        cpu_kernel: NativeExperts | None = None,
     ) -> None:
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
@@ -131,6 +133,8 @@ class OffloadedExperts:
         self._host_start: tuple[int, float] | None = None  # (layer, time) of the last one
         self._copies_done_at = 0.0  # when the copy engine runs dry (host clock, a model)
         self._token_stream: torch.cuda.Stream | None = None
+        # a decode token's CPU experts through the native bf16 kernel (None: torch's kernels)
+        self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 else None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, _LayerIO] = {}
@@ -573,11 +577,17 @@ class OffloadedExperts:
             self._stream_now = self._token_stream
 
     def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
-        """The token's CPU experts, weighted and summed into the pinned fp32 buffer."""
+        """The token's CPU experts, weighted and summed into the pinned fp32 buffer (by the
+        native kernel when there is one, in one call)."""
         t0 = time.perf_counter()
         _, gate_up, down = self.store.expert_views(layer)
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
         weight = dict(zip(ids, w, strict=True))
+        if self.cpu_kernel is not None:
+            ups, downs = [gate_up[e] for e in cpu], [down[e] for e in cpu]
+            self.cpu_kernel.run(ups, downs, [weight[e] for e in cpu], io.x_h, acc)
+            self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
+            return
         with torch.inference_mode():
             for i, expert in enumerate(cpu):
                 y = expert_ffn(x, gate_up[expert], down[expert])[0].float()

@@ -84,6 +84,7 @@ def _offload_config(
     cpu_moe_layers,
     cpu_layers=None,
     prefetch: bool = True,
+    cpu_kernel: str = "torch",
 ) -> OffloadConfig:
     """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
     or a slot count is given, else `none`."""
@@ -100,6 +101,7 @@ def _offload_config(
         cpu_moe_layers=cpu_moe_layers,
         cpu_layers=cpu_layers,
         prefetch=prefetch,
+        cpu_kernel=cpu_kernel,
     )
 
 
@@ -186,6 +188,7 @@ class Runtime:
         recalibrate: bool = False,
         cpu_layers: int | None = None,
         prefetch: bool = True,
+        cpu_kernel: str = "torch",
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -206,6 +209,7 @@ class Runtime:
             cpu_moe_layers,
             cpu_layers,
             prefetch,
+            cpu_kernel,
         )
         config = EngineConfig(
             device=device,
