@@ -538,8 +538,11 @@ def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- bandwidths
 
 
-def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str, Any]:
-    """Measure and save the copy / CPU-expert bandwidth profile for `spec`'s expert shape."""
+def bandwidth(
+    spec: str, device: str, dtype: str | None, count: int, cpu_kernel: str = "torch"
+) -> dict[str, Any]:
+    """Measure and save the copy / CPU-expert bandwidth profile for `spec`'s expert shape, the
+    CPU side through torch's kernels or the native one (`cpu_kernel`)."""
     from dataclasses import asdict
 
     from agentrt.config import home_dir
@@ -550,8 +553,12 @@ def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str
         profile_path,
         save_profile,
     )
+    from agentrt.offload.cpu_kernel import native_experts
     from agentrt.offload.store import ExpertStore
 
+    kernel = native_experts() if cpu_kernel == "native" else None
+    if cpu_kernel == "native" and kernel is None:
+        raise AgentrtError("the native CPU expert kernel could not be built (see above)")
     dtype = dtype or EngineConfig.default_dtype(device)
     cfg = config_of(spec)
     store = ExpertStore(
@@ -563,10 +570,12 @@ def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str
         pin=device.startswith("cuda"),
     )
     torch.nn.init.uniform_(store.flat[store.layers[0]], -0.02, 0.02)
-    profile = calibrate(store, torch.device(device), count)
+    if kernel is not None and store.dtype != torch.bfloat16:
+        raise AgentrtError("the native CPU expert kernel takes bfloat16 experts")
+    profile = calibrate(store, torch.device(device), count, kernel)
     dram = dram_read_bandwidth()
     path = profile_path(
-        home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes
+        home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes, cpu_kernel
     )
     save_profile(profile, path)
     gb = {k: round(v / 1e9, 2) for k, v in asdict(profile).items() if isinstance(v, float)}
@@ -578,6 +587,7 @@ def bandwidth(spec: str, device: str, dtype: str | None, count: int) -> dict[str
         "profile": asdict(profile),
         "gb_per_s": gb,
         "dram_read_gb_s": round(dram / 1e9, 2),
+        "cpu_kernel": cpu_kernel,
         "cpu_kernel_fraction_of_dram_read": profile.cpu / dram,
         "saved_to": str(path),
         "machine": machine(),

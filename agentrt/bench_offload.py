@@ -31,6 +31,7 @@ from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
 from agentrt.offload.calibrate import Profile
+from agentrt.offload.cpu_kernel import native_experts
 from agentrt.offload.store import ExpertStore
 
 WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
@@ -109,7 +110,8 @@ def offload_decode(
     )
     model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
     ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens, text, tokenizer_dir)
-    profile = profile_for(store, torch.device(device))
+    kernel = native_experts() if cpu_kernel == "native" else None
+    profile = profile_for(store, torch.device(device), kernel=kernel)
     budget_bytes = parse_bytes(budget) if budget else None
     rounds: dict[str, list[dict]] = {}
     order = [s for _ in range(repeat) for s in runs if s["offload"] != "layer"]

@@ -1072,13 +1072,20 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
     show_default=True,
     help="Experts per measurement.",
 )
+@click.option(
+    "--cpu-kernel",
+    type=click.Choice(["torch", "native"]),
+    default="torch",
+    show_default=True,
+    help="The CPU expert kernel measured (and whose profile is saved).",
+)
 @json_option
-def bench_bw(model, device, dtype, count, json_out) -> None:
+def bench_bw(model, device, dtype, count, cpu_kernel, json_out) -> None:
     """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""
     prepare_cpu_threads(device, ["auto"])  # the CPU side as offloaded decode runs it
     from agentrt import bench as b
 
-    _report(b.bandwidth(model, resolve_device(device), dtype, count), json_out)
+    _report(b.bandwidth(model, resolve_device(device), dtype, count, cpu_kernel), json_out)
 
 
 # ----------------------------------------------------------------------------- cache

@@ -544,3 +544,40 @@ def test_offload_config_checks_the_cpu_kernel():
     assert OffloadConfig(mode="auto", cpu_kernel="native").cpu_kernel == "native"
     with pytest.raises(InvalidArgumentError, match="cpu kernel"):
         OffloadConfig(mode="auto", cpu_kernel="fast")
+
+
+def test_cpu_layers_and_calibration_use_the_native_kernel(tmp_path):
+    """Decode in CPU layers (static / layer baselines, eager path) computes each token's experts
+    with the native kernel like the host step does, and calibration measures that kernel into a
+    profile of its own."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.calibrate import calibrate, profile_path
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+
+    kernel = _native_or_skip()
+    torch.manual_seed(0)
+    store = ExpertStore(range(1), 4, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
+    store.flat[0].copy_(torch.randn_like(store.flat[0], dtype=torch.float32) * 0.2)
+    experts = OffloadedExperts(
+        store,
+        ExpertCache(store, 1, "cpu", "lru"),
+        Bandwidths(0.0, 1.0),
+        cpu_layers=frozenset({0}),
+        cpu_kernel=kernel,
+    )
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    ids, w = torch.tensor([[2, 0, 3]]), torch.tensor([[0.5, 0.3, 0.2]]).to(torch.bfloat16)
+    got = experts(0, x, ids, w).float()
+    gate_up, down = store.gate_up(0).float(), store.down(0).float()
+    want = sum(
+        w[0, j].float() * expert_ffn(x.float(), gate_up[e], down[e])
+        for j, e in enumerate([2, 0, 3])
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2 * want.abs().max().item())
+    profile = calibrate(store, torch.device("cpu"), count=8, kernel=kernel)
+    assert profile.cpu > 0 and profile.cpu_overlapped > 0
+    torch_path = profile_path(tmp_path, torch.device("cpu"), store.dtype, store.expert_bytes)
+    native_path = profile_path(
+        tmp_path, torch.device("cpu"), store.dtype, store.expert_bytes, "native"
+    )
+    assert native_path != torch_path and native_path.name.endswith("__native.json")

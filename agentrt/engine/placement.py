@@ -59,16 +59,20 @@ def slots_for_budget(
     return int(slots)
 
 
-def profile_for(store: ExpertStore, device: torch.device, recalibrate: bool = False) -> Profile:
-    """The saved calibration profile for this GPU / CPU / expert shape, else a few seconds of
-    measurement (saved for the next start)."""
-    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes)
+def profile_for(
+    store: ExpertStore, device: torch.device, recalibrate: bool = False, kernel=None
+) -> Profile:
+    """The saved calibration profile for this GPU / CPU / expert shape / CPU kernel (`kernel`:
+    a `NativeExperts`, else torch's), else a few seconds of measurement (saved for the next
+    start)."""
+    name = "torch" if kernel is None else "native"
+    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, name)
     profile = None if recalibrate else load_profile(path)
     if profile is None:
         print(
             "agentrt: calibrating expert copy / CPU bandwidths (a few seconds) ...", file=sys.stderr
         )
-        profile = calibrate(store, device)
+        profile = calibrate(store, device, kernel=kernel)
         save_profile(profile, path)
     return profile
 
@@ -79,7 +83,7 @@ def bandwidths(
     """Configured overrides, else the saved profile, else a few seconds of measurement."""
     if config.copy_bandwidth and config.cpu_bandwidth:
         return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
-    profile = profile_for(store, device, recalibrate)
+    profile = profile_for(store, device, recalibrate, _cpu_kernel(config))
     return Bandwidths(
         config.copy_bandwidth or profile.copy_overlapped,
         config.cpu_bandwidth or profile.cpu_overlapped,

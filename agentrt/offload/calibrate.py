@@ -1,7 +1,8 @@
 """Calibration of the bandwidths the q* rule needs (`agentrt bench bw`): B_P (expert-sized
 host->device copies), B_H (the CPU expert kernel, one token per expert, in bytes of weights
-read per second), and both again while running at the same time (B_H', B_P'). Profiles are
-saved per GPU / CPU / dtype / expert size and loaded at engine start."""
+read per second; torch's kernels or the native one of `cpu_kernel.py`), and both again while
+running at the same time (B_H', B_P'). Profiles are saved per GPU / CPU / dtype / expert size /
+CPU kernel and loaded at engine start."""
 
 from __future__ import annotations
 
@@ -46,10 +47,16 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def profile_path(root: Path, device: torch.device, dtype: torch.dtype, expert_bytes: int) -> Path:
+def profile_path(
+    root: Path, device: torch.device, dtype: torch.dtype, expert_bytes: int, kernel: str = "torch"
+) -> Path:
+    """Where the profile of this GPU / CPU / dtype / expert size (/ CPU kernel, when not
+    torch's: the name torch's profiles always had) is saved."""
     key = (
         f"{device_name(device)}__{cpu_model()}__{str(dtype).removeprefix('torch.')}__{expert_bytes}"
     )
+    if kernel != "torch":
+        key += f"__{kernel}"
     return root / (key.replace(" ", "_").replace("/", "_") + ".json")
 
 
@@ -77,9 +84,17 @@ def _time_copies(store: ExpertStore, layer: int, dest: torch.Tensor, count: int)
     return count * store.expert_bytes / (time.perf_counter() - t0)
 
 
-def _time_cpu(store: ExpertStore, layer: int, count: int) -> float:
+def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
+    """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`) or torch's."""
     x = torch.randn(1, store.hidden).to(store.dtype)
     gate_up, down = store.gate_up(layer), store.down(layer)
+    if kernel is not None:
+        out = torch.empty(store.hidden, dtype=torch.float32)
+        t0 = time.perf_counter()
+        for i in range(count):
+            e = i % store.num_experts
+            kernel.run([gate_up[e]], [down[e]], [1.0], x[0], out)
+        return count * store.expert_bytes / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(count):
@@ -101,14 +116,15 @@ def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 3) -> float:
     return repeat * num_bytes / (time.perf_counter() - t0)
 
 
-def calibrate(store: ExpertStore, device: torch.device, count: int = 64) -> Profile:
-    """Measure in a few seconds (for a 6 MB expert, 64 copies and 64 CPU expert passes each)."""
+def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=None) -> Profile:
+    """Measure in a few seconds (for a 6 MB expert, 64 copies and 64 CPU expert passes each);
+    the CPU side through `kernel` (a `NativeExperts`) when given, else torch's kernels."""
     layer = store.layers[0]
     dest = torch.empty(min(count, 16), store.expert_numel, dtype=store.dtype, device=device)
     _time_copies(store, layer, dest, 4)  # warm-up
-    _time_cpu(store, layer, 4)
+    _time_cpu(store, layer, 4, kernel)
     copy_alone = _time_copies(store, layer, dest, count)
-    cpu_alone = _time_cpu(store, layer, count)
+    cpu_alone = _time_cpu(store, layer, count, kernel)
     # copies from a helper thread, CPU experts on this one: the thread that computes experts in
     # decode (a second thread running torch CPU kernels would bring a second OpenMP team)
     result: dict[str, float] = {}
@@ -116,7 +132,7 @@ def calibrate(store: ExpertStore, device: torch.device, count: int = 64) -> Prof
         target=lambda: result.__setitem__("copy", _time_copies(store, layer, dest, count))
     )
     thread.start()
-    cpu_both = _time_cpu(store, layer, count)
+    cpu_both = _time_cpu(store, layer, count, kernel)
     thread.join()
     return Profile(
         copy_alone,

@@ -484,9 +484,17 @@ class OffloadedExperts:
         out, begin = torch.empty_like(x_host), 0
         _, gate_up, down = self.store.expert_views(layer)
         t0 = time.perf_counter()
+        one_row = self.cpu_kernel is not None and all(count == 1 for _, count in segments)
+        result = torch.empty(x_host.shape[1], dtype=torch.float32) if one_row else None
         with torch.inference_mode():
             for expert, count in segments:
                 end = begin + count
+                if one_row:  # (a decode token in a CPU layer: the native kernel)
+                    x_row = x_host[begin].contiguous()
+                    self.cpu_kernel.run([gate_up[expert]], [down[expert]], [1.0], x_row, result)
+                    out[begin] = result
+                    begin = end
+                    continue
                 h = F.linear(x_host[begin:end], gate_up[expert])
                 gate, up = h.chunk(2, dim=-1)
                 out[begin:end] = F.linear(F.silu(gate) * up, down[expert])
