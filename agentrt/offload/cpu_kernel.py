@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -98,7 +99,8 @@ _P = ctypes.c_void_p
 
 
 class NativeExperts:
-    """The built kernel, with scratch buffers per expert shape."""
+    """The built kernel, with scratch buffers per expert shape (shared by every caller of the
+    process, so calls take turns)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.experts_bf16
@@ -106,6 +108,7 @@ class NativeExperts:
         self._fn.argtypes += [ctypes.c_int, _P, _P]
         self._fn.restype = None
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
 
     def run(
         self,
@@ -120,6 +123,10 @@ class NativeExperts:
         contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`."""
         n = len(gate_up)
         hidden, inter = down[0].shape
+        with self._lock:
+            self._call(gate_up, down, weights, x, out, accumulate, n, hidden, inter)
+
+    def _call(self, gate_up, down, weights, x, out, accumulate, n, hidden, inter) -> None:
         h, act = self._buffers(hidden, inter, n)
         self._fn(
             (_P * n)(*[t.data_ptr() for t in gate_up]),
