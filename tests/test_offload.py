@@ -581,3 +581,25 @@ def test_cpu_layers_and_calibration_use_the_native_kernel(tmp_path):
         tmp_path, torch.device("cpu"), store.dtype, store.expert_bytes, "native"
     )
     assert native_path != torch_path and native_path.name.endswith("__native.json")
+
+
+def test_a_failed_cuda_runtime_call_clears_the_last_error_and_raises():
+    """`CudaCalls` (raw CUDA runtime calls; exercised here with a stand-in library): a non-zero
+    return raises, after `cudaGetLastError` cleared the error torch's next launch would report."""
+    from types import SimpleNamespace
+
+    from agentrt.offload.copies import CudaCalls
+
+    cleared = []
+    lib = SimpleNamespace(
+        cudaMemcpyAsync=lambda *args: 1,  # cudaErrorInvalidValue
+        cudaEventRecord=lambda *args: 0,
+        cudaGetLastError=lambda: cleared.append(True) or 0,
+    )
+    calls = CudaCalls(lib)
+    calls.record(1, 0)  # success: nothing cleared
+    assert cleared == []
+    with pytest.raises(RuntimeError, match="error 1"):
+        calls.copy([torch.zeros(4)], [torch.ones(4)], 0)
+    assert cleared == [True]
+    assert CudaCalls.open("cpu", torch.zeros(4)) is None  # not a CUDA device: torch's calls
