@@ -199,6 +199,17 @@ def _on_off(name: str, help: str):
     )
 
 
+def _cpu_kernel_option(help: str):
+    """--cpu-kernel torch|native (torch by default)."""
+    return click.option(
+        "--cpu-kernel",
+        type=click.Choice(["torch", "native"]),
+        default="torch",
+        show_default=True,
+        help=help,
+    )
+
+
 def offload_options() -> list:
     """Expert placement options (DESIGN §5)."""
     return [
@@ -230,13 +241,9 @@ def offload_options() -> list:
             "layer's router predicts from its input (CUDA-graph decode; eager decode on a GPU "
             "does not prefetch).",
         ),
-        click.option(
-            "--cpu-kernel",
-            type=click.Choice(["torch", "native"]),
-            default="torch",
-            show_default=True,
-            help="A decode token's CPU experts: torch's kernels, or agentrt's bf16 kernel built "
-            "with the system C compiler at first use (torch's without one).",
+        _cpu_kernel_option(
+            "A decode token's CPU experts: torch's kernels, or agentrt's bf16 kernel built "
+            "with the system C compiler at first use (torch's without one)."
         ),
         click.option(
             "--cpu-moe-layers",
@@ -572,13 +579,9 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     show_default=True,
     help="With --offload: rounds of all settings, interleaved; each reports its median round.",
 )
-@click.option(
-    "--cpu-kernel",
-    type=click.Choice(["torch", "native"]),
-    default="torch",
-    show_default=True,
-    help="With --offload: the CPU expert kernel of every setting (torch's, or agentrt's bf16 "
-    "kernel built at first use).",
+@_cpu_kernel_option(
+    "With --offload: the CPU expert kernel of every setting (torch's, or agentrt's bf16 "
+    "kernel built at first use)."
 )
 def bench_decode(
     model,
@@ -1072,13 +1075,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
     show_default=True,
     help="Experts per measurement.",
 )
-@click.option(
-    "--cpu-kernel",
-    type=click.Choice(["torch", "native"]),
-    default="torch",
-    show_default=True,
-    help="The CPU expert kernel measured (and whose profile is saved).",
-)
+@_cpu_kernel_option("The CPU expert kernel measured (and whose profile is saved).")
 @json_option
 def bench_bw(model, device, dtype, count, cpu_kernel, json_out) -> None:
     """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""

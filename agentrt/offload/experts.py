@@ -375,15 +375,15 @@ class OffloadedExperts:
         (this layer's own copies); returns the event of their end (a raw handle with `fast`)."""
         side, current = self.copy_stream, self._current()
         event = self._done_events.get(layer)
+        if event is None:  # one per layer, recorded again each token
+            event = self.fast.new_event() if self.fast is not None else torch.cuda.Event()
+            self._done_events[layer] = event
         if self.fast is None:
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 self._issue(targets, sources, side, layer, experts)
-            event = self._done_events.setdefault(layer, event or torch.cuda.Event())
             event.record(side)
             return event
-        if event is None:
-            event = self._done_events[layer] = self.fast.new_event()
         self.fast.record(self._mark, current.cuda_stream)
         self.fast.wait(side.cuda_stream, self._mark)
         self._issue(targets, sources, side, layer, experts)
