@@ -15,8 +15,11 @@ runs once, last (it moves layers to the host for good).
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import itertools
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -35,6 +38,7 @@ from agentrt.offload.cpu_kernel import native_experts
 from agentrt.offload.store import ExpertStore
 
 WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
+PROFILE_STEPS = 16  # with `py_profile`: decode steps profiled after the timed ones
 
 
 def settings(offloads, splits, policies, prefetches=(True,)) -> list[dict[str, Any]]:
@@ -95,7 +99,11 @@ def offload_decode(
     kv_reserve_tokens: int = 32768,
     repeat: int = 1,
     cpu_kernel: str = "torch",
+    py_profile: str | None = None,
 ) -> dict[str, Any]:
+    """The report of `bench decode --offload` (see the module docstring). `py_profile`: a text
+    file that gets, per setting and round, the costliest Python functions of `PROFILE_STEPS`
+    more decode steps run under cProfile after the timed ones (not timed)."""
     from agentrt.bench import machine
 
     dtype = dtype or EngineConfig.default_dtype(device)
@@ -109,7 +117,10 @@ def offload_decode(
         pin=device.startswith("cuda"),
     )
     model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
-    ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens, text, tokenizer_dir)
+    extra = PROFILE_STEPS if py_profile else 0
+    ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens + extra, text, tokenizer_dir)
+    if py_profile:
+        Path(py_profile).write_text("")
     kernel = native_experts() if cpu_kernel == "native" else None
     profile = profile_for(store, torch.device(device), kernel=kernel)
     budget_bytes = parse_bytes(budget) if budget else None
@@ -128,6 +139,8 @@ def offload_decode(
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured
         )
         run = _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs)
+        if py_profile:
+            _append_profile(py_profile, run.pop("_py_profile"), run["label"])
         run["within_budget"] = (
             None
             if budget_bytes is None or run["peak_gpu_bytes"] is None or setting["offload"] == "none"
@@ -163,6 +176,8 @@ def offload_decode(
 
 
 def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs) -> dict:
+    """One setting's timed decode of `tokens` steps (then, if `ids` holds more, those steps
+    under cProfile, into the run's `_py_profile`)."""
     _free(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -189,6 +204,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     engine.synchronize()
     elapsed = time.perf_counter() - t0
     after = _counters(experts)
+    profiled = _profiled_steps(engine, state, ids[prompt_len + WARMUP_STEPS + tokens :])
     run = {
         "label": label(setting),
         **setting,
@@ -202,12 +218,40 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
     }
     run["peak_gpu_gib"] = run["peak_gpu_bytes"] / 2**30 if run["peak_gpu_bytes"] else None
+    if profiled is not None:
+        run["_py_profile"] = profiled
     engine.decode_graph = None
     if experts is not None:
         experts.close()
     model.set_experts(store.as_routed())  # drop the device cache / resident copy
     del engine, state, experts
     return run
+
+
+def _profiled_steps(engine, state, ids: list[int]) -> cProfile.Profile | None:
+    """Decode `ids` under Python's profiler (None when there are none)."""
+    if not ids:
+        return None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for token in ids:
+            engine.decode_step(state, token)
+        engine.synchronize()
+    finally:
+        profiler.disable()
+    return profiler
+
+
+def _append_profile(path: str, profiler: cProfile.Profile, name: str, top: int = 30) -> None:
+    """Append the `top` functions by own time (then by cumulative time) of one run to `path`."""
+    text = io.StringIO()
+    text.write(f"=== {name}: {PROFILE_STEPS} decode steps under cProfile\n")
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text.getvalue())
 
 
 def _median_round(runs: list[dict]) -> dict:

@@ -583,6 +583,13 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     "With --offload: the CPU expert kernel of every setting (torch's, or agentrt's bf16 "
     "kernel built at first use)."
 )
+@click.option(
+    "--py-profile",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="With --offload: after each setting's timed tokens, decode 16 more under Python's "
+    "cProfile (not timed) and write its costliest functions to this text file.",
+)
 def bench_decode(
     model,
     device,
@@ -603,6 +610,7 @@ def bench_decode(
     tokenizer,
     repeat,
     cpu_kernel,
+    py_profile,
 ) -> None:
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
     --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
@@ -628,6 +636,7 @@ def bench_decode(
             tokenizer_dir=tokenizer,
             repeat=repeat,
             cpu_kernel=cpu_kernel,
+            py_profile=py_profile,
         )
         _report(report, json_out)
         return

@@ -298,11 +298,14 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "32"]
     args += ["--tokens", "4", "--offload", "layer,auto,none,static", "--split", "on,off"]
     args += ["--prefetch", "on,off", "--repeat", "2", "--vram-budget", "1066MiB"]
-    args += ["--json", str(out)]
+    args += ["--json", str(out), "--py-profile", str(tmp_path / "prof.txt")]
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     labels = [r["label"] for r in report["runs"]]
+    profiles = (tmp_path / "prof.txt").read_text()
+    assert profiles.count("=== auto/split/lru: 16 decode steps") == 2  # one per round
+    assert "decode_step" in profiles and "_py_profile" not in report["runs"][0]
     autos = ["auto/split/lru", "auto/copy-only/lru"]
     assert labels == ["none", *autos, *(a + "/no-prefetch" for a in autos), "static", "layer"]
     split, static, alone = report["runs"][1], report["runs"][5], report["runs"][3]
