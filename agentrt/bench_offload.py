@@ -199,7 +199,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     engine.synchronize()
     before = _counters(experts)
     t0 = time.perf_counter()
-    for token in ids[prompt_len + WARMUP_STEPS :]:
+    for token in ids[prompt_len + WARMUP_STEPS : prompt_len + WARMUP_STEPS + tokens]:
         engine.decode_step(state, token)
     engine.synchronize()
     elapsed = time.perf_counter() - t0

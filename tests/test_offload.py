@@ -11,6 +11,7 @@ import torch
 
 from agentrt import Runtime
 from agentrt.config import OffloadConfig
+from agentrt.models.registry import config_of
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.policy import LFU, LRU
 from agentrt.offload.split import q_star, split_time
@@ -315,6 +316,8 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     moved = split["copied_per_token"] + split["prefetched_per_token"]
     assert split["pcie_bytes_per_token"] == moved * report["expert_bytes"]
     assert static["cpu_layers"] and static["hit_rate"] < 1
+    top_k = config_of("tiny").num_experts_per_tok  # each timed token: top_k experts per CPU layer
+    assert static["cpu_experts_per_token"] == len(static["cpu_layers"]) * top_k
     assert len(split["tok_s_rounds"]) == 2 and len(report["runs"][-1]["tok_s_rounds"]) == 1
     assert split["tok_s"] == sorted(split["tok_s_rounds"])[1]  # the median round's figures
     assert split["host_steps_per_token"] == 0  # no CUDA graph on the CPU: no host steps
