@@ -385,6 +385,43 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     assert (totals.prefetched > 0) == (name in ("split", "copy-only"))
 
 
+def test_native_cpu_kernel_in_bf16_graph_decode():
+    """bf16 graph decode with CPU misses (the split) through the native CPU kernel stays as close
+    to the resident model as it does through torch's kernels (bf16 rounding differs between the
+    two, so they are compared by their error; a wrong expert or stale buffer would stand out)."""
+    from agentrt import Runtime
+    from agentrt.config import OffloadConfig
+    from agentrt.offload.cpu_kernel import native_experts
+
+    if native_experts() is None:
+        pytest.skip("no C compiler (or the native kernel did not build)")
+    ids = list(range(10, 200))
+    opts = dict(device="cuda", dtype="bfloat16", cache="off", linear_attn="torch")
+    resident = Runtime.open("tiny", eager=True, **opts)
+    state = resident.engine.new_state()
+    resident.engine.prefill(state, ids)
+    want = [resident.engine.decode_step(state, tok).float() for tok in range(300, 320)]
+    errors = {}
+    for kernel in ("torch", "native"):
+        config = OffloadConfig(
+            mode="auto",
+            expert_cache_slots=12,
+            copy_bandwidth=1.0,
+            cpu_bandwidth=1.0,
+            cpu_kernel=kernel,
+        )
+        rt = Runtime.open("tiny", offload=config, **opts)
+        assert (rt.engine.offload.cpu_kernel is not None) == (kernel == "native")
+        state = rt.engine.new_state()
+        rt.engine.prefill(state, ids)
+        got = [rt.engine.decode_step(state, tok).float() for tok in range(300, 320)]
+        errors[kernel] = max(
+            ((a - b).abs().max() / a.abs().max()).item() for a, b in zip(want, got, strict=True)
+        )
+        assert rt.engine.decode_graph.enabled and rt.engine.offload.totals.cpu > 0
+    assert errors["native"] <= 1.5 * errors["torch"] + 0.02, errors
+
+
 def test_fast_offload_copies_match_torch():
     """Copies issued through cudaMemcpyAsync land where torch's would, on the given stream."""
     from agentrt.offload.copies import CudaCalls
