@@ -14,9 +14,7 @@ a token routed to decides what to copy and what to compute on the CPU. Such modu
 capture (`Pieces.cut`): the step becomes a chain of graphs sharing one memory pool, with a host
 function between consecutive graphs. A cut's graph side copies what the host needs into pinned
 buffers and, in the next piece, copies the host's results back, so each replay is
-`graph, host, graph, host, ..., graph`. A host function may hand back work that needs no result
-of the next graph (offloaded experts: prefetch copies): it runs right after that graph's launch,
-while the GPU works, instead of holding the launch up.
+`graph, host, graph, host, ..., graph`.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ from agentrt.engine.state import SequenceState
 from agentrt.models.cache import KVCache
 from agentrt.models.layers import CausalLM, Span
 
-# called with the position being decoded; may return work for the host to do while the next
-# piece runs (after its launch, before the host waits for it)
-HostStep = Callable[[int], Callable[[], None] | None]
+HostStep = Callable[[int], None]  # called with the position being decoded
 
 
 @dataclass
@@ -69,16 +65,11 @@ class Pieces:
 
     def replay(self, position: int) -> None:
         stream = torch.cuda.current_stream(self.device)
-        meanwhile = None
         for graph, host in zip(self.graphs, self.hosts, strict=False):
             graph.replay()
-            if meanwhile is not None:
-                meanwhile()
             stream.synchronize()  # the host step reads what the graph wrote to pinned buffers
-            meanwhile = host(position)
+            host(position)
         self.graphs[-1].replay()
-        if meanwhile is not None:
-            meanwhile()
 
 
 @dataclass

@@ -26,11 +26,9 @@ this layer's MoE input (the residual stream changes little between layers) and h
 to the host step, which copies the predicted experts the next layer lacks into victim slots on
 the copy stream, behind this layer's own copies: they travel while the GPU computes this
 layer's experts and the next layer's attention, when the copy engine would idle, and the next
-layer finds them as hits. The host step hands that prefetch back to the graph runner, which
-issues it once the next piece is launched, so its planning does not hold the GPU up. How many:
-with the split, what PCIe carries in a layer's time besides the layer's own copies (the CPU
-takes the rest); copy-only, what it carries in the gap between host steps. q* counts copies
-still queued ahead. On the CPU (tests) eager decode prefetches too.
+layer finds them as hits. How many: with the split, what PCIe carries in a layer's time besides
+the layer's own copies (the CPU takes the rest); copy-only, what it carries in the gap between
+host steps. q* counts copies still queued ahead. On the CPU (tests) eager decode prefetches too.
 """
 
 from __future__ import annotations
@@ -127,10 +125,7 @@ class OffloadedExperts:
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
         self._pending: dict[int, object] = {}  # layer -> event of its prefetches' end
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
-        # marks the end of a host step's own copies (for the prefetch issued after it)
         self._mark = self.fast.new_event() if self.fast is not None else None
-        if self._mark is None and self.on_cuda:
-            self._mark = torch.cuda.Event()
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         self._period: float | None = None  # seconds from one host step's start to the next's
         self._gap: float | None = None  # ... from one's end to the next's start (EMAs)
@@ -344,18 +339,14 @@ class OffloadedExperts:
             return x.new_empty(0, dtype=torch.long)
         return torch.topk(F.linear(x[:1], self.routers[nxt]), k, dim=-1).indices[0]
 
-    def _prefetch_after(
-        self, layer: int, predicted: list[int], busy, own: int = 0, after=None
-    ) -> None:
+    def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> None:
         """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
         first, as many as `_prefetch_cap` allows given this layer's `own` copies), into victim
         slots outside `busy` (this layer's experts) and the prediction. On a GPU they go on the
         copy stream after this layer's own copies, so they run while this layer's GPU experts
         and the next layer's attention compute; the next layer's host step makes its stream
         wait for them before anything reads or refills those slots (every prefetch of a step is
-        awaited within it: the last layer has no next). `after`: the event the copy stream
-        waits for first (a graph host step's mark after its own copies; None: whatever the
-        current stream has queued)."""
+        awaited within it: the last layer has no next)."""
         nxt = self.next_layer.get(layer)
         if nxt is None or not predicted:
             return
@@ -370,7 +361,7 @@ class OffloadedExperts:
         rows = self.store.expert_views(nxt)[0]
         sources = [rows[e] for e in done]
         if self.on_cuda:
-            self._pending[nxt] = self._issue_ahead(nxt, targets, sources, done, after)
+            self._pending[nxt] = self._issue_ahead(nxt, targets, sources, done)
             self._copies_queued(len(done))
         else:
             self._issue(targets, sources, None, nxt, done)
@@ -379,23 +370,22 @@ class OffloadedExperts:
         self.totals.prefetched += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
 
-    def _issue_ahead(self, layer: int, targets: list, sources: list, experts: list, after=None):
-        """Queue prefetch copies on the copy stream behind `after` (an event; None: what the
-        current stream has queued, this layer's own copies); returns the event of their end (a
-        raw handle with `fast`)."""
-        side = self.copy_stream
+    def _issue_ahead(self, layer: int, targets: list, sources: list, experts: list):
+        """Queue prefetch copies on the copy stream behind what the current stream has queued
+        (this layer's own copies); returns the event of their end (a raw handle with `fast`)."""
+        side, current = self.copy_stream, self._current()
         event = self._done_events.get(layer)
         if event is None:  # one per layer, recorded again each token
             event = self.fast.new_event() if self.fast is not None else torch.cuda.Event()
             self._done_events[layer] = event
-        after = self._mark_now() if after is None else after
         if self.fast is None:
-            side.wait_event(after)
+            side.wait_stream(current)
             with torch.cuda.stream(side):
                 self._issue(targets, sources, side, layer, experts)
             event.record(side)
             return event
-        self.fast.wait(side.cuda_stream, after)
+        self.fast.record(self._mark, current.cuda_stream)
+        self.fast.wait(side.cuda_stream, self._mark)
         self._issue(targets, sources, side, layer, experts)
         self.fast.record(event, side.cuda_stream)
         return event
@@ -541,33 +531,30 @@ class OffloadedExperts:
         out = torch.where(gw != 0, ys.float() * gw, 0.0).sum(0) + io.cpu_d
         return out.to(x.dtype).unsqueeze(0)
 
-    def _host_step(self, layer: int, io: _LayerIO) -> Callable[[], None] | None:
+    def _host_step(self, layer: int, io: _LayerIO) -> None:
         """Between graph pieces: plan and issue the copies, compute the CPU experts while they
-        run, then fill the next piece's inputs and make it wait for the copies. Returns the
-        prefetch for the next layer, which the graph runner calls once the next piece is
-        launched (it needs nothing from that piece, so it does not hold the launch up)."""
+        run, then fill the next piece's inputs and make it wait for the copies."""
         t_begin = time.perf_counter()
         self._measure_period(layer, t_begin)
         try:
-            return self._host_work(layer, io, t_begin)
+            self._host_work(layer, io, t_begin)
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
             self._last_end = time.perf_counter()
 
-    def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> Callable[[], None] | None:
+    def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
         """The host step's work (see `_host_step`)."""
         self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids = io.ids_np.tolist()
         copied_before = self.cache.stats[layer].copied
-        prefetch = None
         if layer in self.cpu_layers:
             gpu, cpu = [], ids
         else:
             gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
-            if self.routers is not None and layer in self.next_layer:
+            if self.routers is not None:
                 own = self.cache.stats[layer].copied - copied_before
-                prefetch = self._later_prefetch(layer, io.pred_np.tolist(), ids, own)
+                self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
         self.totals.plan_seconds += time.perf_counter() - t_begin
         self.totals.cpu += len(cpu)
         w = io.w_np.tolist()
@@ -584,25 +571,6 @@ class OffloadedExperts:
         # fill, runs after them)
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
-        return prefetch
-
-    def _later_prefetch(self, layer: int, predicted: list[int], busy: list[int], own: int):
-        """The prefetch after `layer`, to run once the next graph piece is launched: its copies
-        wait (on the copy stream) only for this layer's own copies, marked now on the current
-        stream, not for the piece launched meanwhile."""
-        after = self._mark_now()
-        return lambda: self._prefetch_after(layer, predicted, busy, own, after)
-
-    def _mark_now(self):
-        """An event recorded now on the current stream (a raw handle with `fast`; one reused;
-        None on the CPU, where copies run at once)."""
-        if not self.on_cuda:
-            return None
-        if self.fast is not None:
-            self.fast.record(self._mark, self._current().cuda_stream)
-        else:
-            self._mark.record(self._current())
-        return self._mark
 
     def _measure_period(self, layer: int, now: float) -> None:
         """Follow the time from the previous MoE layer's host step to this one's (a layer's
