@@ -8,6 +8,7 @@
 # .tok/), then run with carry .whl .tok. Writes into $OUT: summary.log (tests, costs, bw, the
 # tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 / NOSPIN=0 skip the
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
+# PROBES=0 skips host_step_costs.py and bench_cpu_kernel.py;
 # POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) shape the decode benchmark, and
 # CPU_KERNEL (a comma list of torch and native) runs it once per kernel, in that order; LIMIT
 # (seconds, default 580) caps the whole script: a decode run that would pass it is cut short.
@@ -18,10 +19,12 @@ LOG="$OUT/summary.log"
 LIMIT=${LIMIT:-580}
 left() { local n=$((LIMIT - SECONDS)); echo $((n > 1 ? n : 1)); }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -rs tests/test_gpu.py -k offload 2>&1 | tail -8 | tee -a "$LOG"
+  python3 -m pytest -q -rs tests/test_gpu.py -k "offload or native" 2>&1 | tail -8 | tee -a "$LOG"
 fi
-python3 scripts/host_step_costs.py 2>&1 | tee -a "$LOG"
-python3 scripts/bench_cpu_kernel.py 2>&1 | tee -a "$LOG"
+if [ "${PROBES:-1}" = 1 ]; then
+  python3 scripts/host_step_costs.py 2>&1 | tee -a "$LOG"
+  python3 scripts/bench_cpu_kernel.py 2>&1 | tee -a "$LOG"
+fi
 for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
   echo "=== cpu kernel $K ($(left) s left)" | tee -a "$LOG"
   if [ "${BW:-1}" = 1 ]; then

@@ -507,11 +507,19 @@ def test_native_cpu_kernel_matches_the_fp32_experts():
     torch.testing.assert_close(out, want, rtol=0, atol=2e-2 * want.abs().max().item())
     kernel.run([gate_up[1]], [down[1]], [1.0], x, out, accumulate=True)
     torch.testing.assert_close(out, want + expert(1), rtol=0, atol=2e-2 * want.abs().max().item())
+    # the same call on the kernel's own thread (start, then finish) gives the same bits
+    again = torch.full((hidden,), float("nan"))
+    kernel.start([gate_up[2], gate_up[0]], [down[2], down[0]], [0.3, 0.5], x, again)
+    assert kernel.finish() > 0
+    kernel.run([gate_up[2], gate_up[0]], [down[2], down[0]], [0.3, 0.5], x, out)
+    assert torch.equal(again, out)
 
 
-def test_host_step_with_the_native_kernel_equals_the_dense_sum():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch):
     """A graph host step whose CPU experts go through the native kernel (bf16 store): device
-    slots plus the kernel's sum give the token's weighted expert sum."""
+    slots plus the kernel's sum give the token's weighted expert sum. With prefetch, the kernel
+    runs on its own thread while the host step prefetches into other slots."""
     from agentrt.models.moe import expert_ffn
     from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
 
@@ -521,12 +529,16 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum():
     for layer in store.layers:
         store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
     cache = ExpertCache(store, 3, "cpu", "lru")
-    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel)
+    routers = {layer: torch.randn(8, 64) for layer in store.layers} if prefetch else None
+    experts = OffloadedExperts(
+        store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel, routers=routers
+    )
     io = _LayerIO(top_k=4, hidden=64, dtype=torch.bfloat16, device="cpu")
     rng = random.Random(0)
     for step in range(12):
         layer, ids = step % 2, rng.sample(range(8), 4)
         w, x = torch.rand(4), torch.randn(1, 64).to(torch.bfloat16)
+        io.pred_h.copy_(torch.tensor(rng.sample(range(8), 4)))
         io.ids_h.copy_(torch.tensor(ids))
         io.w_h.copy_(w)
         io.x_h.copy_(x[0])
@@ -542,6 +554,7 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum():
             on_device + io.cpu_h, dense, rtol=0, atol=3e-2 * dense.abs().max().item()
         )
     assert experts.totals.cpu > 0  # (3 slots for 4 experts a token: some always run on the CPU)
+    assert (experts.totals.prefetched > 0) == prefetch
 
 
 def test_offload_config_checks_the_cpu_kernel():

@@ -39,6 +39,9 @@ SOURCE = r"""
 #include <math.h>
 #include <string.h>
 #include <immintrin.h>
+#include <pthread.h>
+#include <omp.h>
+#include <time.h>
 
 static inline float bf2f(uint16_t v) {
     uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
@@ -93,22 +96,106 @@ void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* 
         }
     }
 }
+
+/* The same on the library's own thread (its OpenMP team is the only one these calls use):
+   experts_start posts a call and returns, experts_wait waits for it and returns its seconds.
+   Its OpenMP team leaves one core to the caller, which works meanwhile (and spins when it
+   waits). Both sides spin briefly (a host step is shorter than a sleep and wake-up) before
+   sleeping on a condition variable. One call at a time (the caller serialises). */
+typedef struct {
+    const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
+    const uint16_t* x; float* out; int hidden, inter, accumulate; float* h; uint16_t* act;
+} job_t;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static job_t job;
+static int phase = 0;  /* 0 idle, 1 posted, 2 done (atomic) */
+static int started = 0;
+static double seconds = 0.0;
+
+static double now(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+static void await_phase(int want) {
+    double t0 = now();
+    for (int i = 1; __atomic_load_n(&phase, __ATOMIC_ACQUIRE) != want; i++) {
+        _mm_pause();
+        if ((i & 1023) == 0 && now() - t0 > 0.002) {
+            pthread_mutex_lock(&mu);
+            while (__atomic_load_n(&phase, __ATOMIC_ACQUIRE) != want) pthread_cond_wait(&cv, &mu);
+            pthread_mutex_unlock(&mu);
+            return;
+        }
+    }
+}
+static void set_phase(int value) {
+    __atomic_store_n(&phase, value, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&mu);
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+static void* worker(void* arg) {
+    (void)arg;
+    int all = omp_get_max_threads();
+    omp_set_num_threads(all > 1 ? all - 1 : 1);  /* a core for the caller */
+    for (;;) {
+        await_phase(1);
+        job_t j = job;
+        double t0 = now();
+        experts_bf16(j.gate_up, j.down, j.weights, j.n, j.x, j.out, j.hidden, j.inter,
+                     j.accumulate, j.h, j.act);
+        seconds = now() - t0;
+        set_phase(2);
+    }
+    return NULL;
+}
+static void forked_child(void) {  /* the thread does not survive a fork */
+    started = 0; phase = 0;
+    pthread_mutex_init(&mu, NULL); pthread_cond_init(&cv, NULL);
+}
+int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
+                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
+                  float* h, uint16_t* act) {
+    if (!started) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, worker, NULL) != 0) return -1;
+        pthread_detach(thread);
+        pthread_atfork(NULL, NULL, forked_child);
+        started = 1;
+    }
+    job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, h, act};
+    job = j;
+    set_phase(1);
+    return 0;
+}
+double experts_wait(void) {
+    await_phase(2);
+    __atomic_store_n(&phase, 0, __ATOMIC_RELEASE);
+    return seconds;
+}
 """
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 _P = ctypes.c_void_p
 
 
 class NativeExperts:
     """The built kernel, with scratch buffers per expert shape (shared by every caller of the
-    process, so calls take turns)."""
+    process, so calls take turns). `run` computes on the calling thread; `start` posts the same
+    call to the library's own thread and returns (the caller works meanwhile), `finish` waits
+    for it."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._start = lib.experts_start
+        self._start.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int]
+        self._start.argtypes += [ctypes.c_int, _P, _P]
         self._fn = lib.experts_bf16
-        self._fn.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int]
-        self._fn.argtypes += [ctypes.c_int, _P, _P]
-        self._fn.restype = None
+        self._fn.argtypes, self._fn.restype = self._start.argtypes, None
+        self._start.restype = ctypes.c_int
+        self._wait = lib.experts_wait
+        self._wait.argtypes, self._wait.restype = [], ctypes.c_double
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._args: tuple | None = None  # what the running call reads (kept alive until finish)
 
     def run(
         self,
@@ -120,15 +207,39 @@ class NativeExperts:
         accumulate: bool = False,
     ) -> None:
         """`out` (fp32 `[H]`) = sum_e weights[e] * expert_e(x) (plus `out` if `accumulate`), for
-        contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`."""
+        contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`, on the
+        calling thread (its OpenMP team uses every core)."""
+        with self._lock:
+            self._fn(*self._args_of(gate_up, down, weights, x, out, accumulate))
+
+    def start(self, gate_up, down, weights, x, out, accumulate: bool = False) -> None:
+        """Post the call `run` makes to the library's thread (whose team has one core fewer)
+        and return at once; `finish` must follow (until then the tensors must stay unchanged,
+        and other callers wait)."""
+        self._lock.acquire()
+        try:
+            args = self._args_of(gate_up, down, weights, x, out, accumulate)
+            if self._start(*args) != 0:
+                raise OSError("the native CPU expert kernel could not start its thread")
+            self._args = (args, gate_up, down, x, out)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def finish(self) -> float:
+        """Wait for the posted call; returns its seconds (the kernel's own clock)."""
+        try:
+            return self._wait()
+        finally:
+            self._args = None
+            self._lock.release()
+
+    def _args_of(self, gate_up, down, weights, x, out, accumulate: bool) -> tuple:
+        """The C call's arguments (pointers; the scratch buffers of this shape)."""
         n = len(gate_up)
         hidden, inter = down[0].shape
-        with self._lock:
-            self._call(gate_up, down, weights, x, out, accumulate, n, hidden, inter)
-
-    def _call(self, gate_up, down, weights, x, out, accumulate, n, hidden, inter) -> None:
         h, act = self._buffers(hidden, inter, n)
-        self._fn(
+        return (
             (_P * n)(*[t.data_ptr() for t in gate_up]),
             (_P * n)(*[t.data_ptr() for t in down]),
             (ctypes.c_float * n)(*weights),

@@ -28,7 +28,10 @@ the copy stream, behind this layer's own copies: they travel while the GPU compu
 layer's experts and the next layer's attention, when the copy engine would idle, and the next
 layer finds them as hits. How many: with the split, what PCIe carries in a layer's time besides
 the layer's own copies (the CPU takes the rest); copy-only, what it carries in the gap between
-host steps. q* counts copies still queued ahead. On the CPU (tests) eager decode prefetches too.
+host steps. q* counts copies still queued ahead. With the native CPU kernel the host step posts
+its CPU experts to the kernel's own thread first and plans and issues the prefetch meanwhile
+(with torch's kernels, or without prefetch, they run on the host step's thread). On the CPU
+(tests) eager decode prefetches too.
 """
 
 from __future__ import annotations
@@ -543,7 +546,9 @@ class OffloadedExperts:
             self._last_end = time.perf_counter()
 
     def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
-        """The host step's work (see `_host_step`)."""
+        """The host step's work (see `_host_step`). With the native kernel, the CPU experts run
+        on its thread while this one plans and issues the next layer's prefetch and fills the
+        next piece's inputs."""
         self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids = io.ids_np.tolist()
@@ -552,25 +557,42 @@ class OffloadedExperts:
             gpu, cpu = [], ids
         else:
             gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
-            if self.routers is not None:
+        w = io.w_np.tolist()
+        prefetch = self.routers is not None and layer in self.next_layer
+        # (with nothing to do meanwhile, the kernel runs on this thread, all cores in its team)
+        running = bool(cpu) and self.cpu_kernel is not None and prefetch
+        if running:
+            self._start_native(layer, io, dict(zip(ids, w, strict=True)), cpu)
+        try:
+            if prefetch:
                 own = self.cache.stats[layer].copied - copied_before
                 self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
-        self.totals.plan_seconds += time.perf_counter() - t_begin
+            slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
+            io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
+            io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
+            self.totals.plan_seconds += time.perf_counter() - t_begin
+        finally:  # (the kernel writes the buffer until it is waited for)
+            seconds = self.cpu_kernel.finish() if running else 0.0
         self.totals.cpu += len(cpu)
-        w = io.w_np.tolist()
-        if cpu:
+        if running:
+            self._observe_cpu(len(cpu) * self.store.expert_bytes, seconds)
+        elif cpu:
             self._host_cpu_experts(layer, io, ids, w, cpu)
         else:
             io.cpu_np.fill(0.0)
-        slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
-        io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
-        io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
         if pending is not None:
             self._read_copy_timing(pending)
         # (the copies went on the current stream: the next piece, which reads the slots they
         # fill, runs after them)
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
+
+    def _start_native(self, layer: int, io, weight: dict[int, float], cpu) -> None:
+        """Post the token's CPU experts to the native kernel's thread (weighted and summed into
+        the pinned fp32 buffer)."""
+        _, gate_up, down = self.store.expert_views(layer)
+        ups, downs = [gate_up[e] for e in cpu], [down[e] for e in cpu]
+        self.cpu_kernel.start(ups, downs, [weight[e] for e in cpu], io.x_h, io.cpu_h)
 
     def _measure_period(self, layer: int, now: float) -> None:
         """Follow the time from the previous MoE layer's host step to this one's (a layer's
@@ -585,8 +607,8 @@ class OffloadedExperts:
             self._stream_now = self._token_stream
 
     def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
-        """The token's CPU experts, weighted and summed into the pinned fp32 buffer (by the
-        native kernel when there is one, in one call)."""
+        """The token's CPU experts on this thread, weighted and summed into the pinned fp32
+        buffer (by the native kernel when there is one, in one call)."""
         t0 = time.perf_counter()
         _, gate_up, down = self.store.expert_views(layer)
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
