@@ -539,10 +539,10 @@ def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
 
 
 def bandwidth(
-    spec: str, device: str, dtype: str | None, count: int, cpu_kernel: str = "torch"
+    spec: str, device: str, dtype: str | None, count: int, cpu_kernel: str = "auto"
 ) -> dict[str, Any]:
     """Measure and save the copy / CPU-expert bandwidth profile for `spec`'s expert shape, the
-    CPU side through torch's kernels or the native one (`cpu_kernel`)."""
+    CPU side through the kernel `cpu_kernel` selects (auto, torch or native)."""
     from dataclasses import asdict
 
     from agentrt.config import home_dir
@@ -553,13 +553,16 @@ def bandwidth(
         profile_path,
         save_profile,
     )
-    from agentrt.offload.cpu_kernel import native_experts
+    from agentrt.offload.cpu_kernel import kernel_for, kernel_name
     from agentrt.offload.store import ExpertStore
 
-    kernel = native_experts() if cpu_kernel == "native" else None
+    dtype = dtype or EngineConfig.default_dtype(device)
+    if cpu_kernel == "native" and torch_dtype(dtype) != torch.bfloat16:
+        raise AgentrtError("the native CPU expert kernel takes bfloat16 experts")
+    kernel = kernel_for(cpu_kernel, torch_dtype(dtype))
     if cpu_kernel == "native" and kernel is None:
         raise AgentrtError("the native CPU expert kernel could not be built (see above)")
-    dtype = dtype or EngineConfig.default_dtype(device)
+    cpu_kernel = kernel_name(kernel)
     cfg = config_of(spec)
     store = ExpertStore(
         cfg.moe_layers[:1],
@@ -570,8 +573,6 @@ def bandwidth(
         pin=device.startswith("cuda"),
     )
     torch.nn.init.uniform_(store.flat[store.layers[0]], -0.02, 0.02)
-    if kernel is not None and store.dtype != torch.bfloat16:
-        raise AgentrtError("the native CPU expert kernel takes bfloat16 experts")
     profile = calibrate(store, torch.device(device), count, kernel)
     dram = dram_read_bandwidth()
     path = profile_path(

@@ -34,7 +34,7 @@ from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
 from agentrt.offload.calibrate import Profile
-from agentrt.offload.cpu_kernel import native_experts
+from agentrt.offload.cpu_kernel import kernel_for, kernel_name
 from agentrt.offload.store import ExpertStore
 
 WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
@@ -98,7 +98,7 @@ def offload_decode(
     tokenizer_dir: str | None = None,
     kv_reserve_tokens: int = 32768,
     repeat: int = 1,
-    cpu_kernel: str = "torch",
+    cpu_kernel: str = "auto",
     py_profile: str | None = None,
 ) -> dict[str, Any]:
     """The report of `bench decode --offload` (see the module docstring). `py_profile`: a text
@@ -121,7 +121,8 @@ def offload_decode(
     ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens + extra, text, tokenizer_dir)
     if py_profile:
         Path(py_profile).write_text("")
-    kernel = native_experts() if cpu_kernel == "native" else None
+    kernel = kernel_for(cpu_kernel, store.dtype)
+    cpu_kernel = kernel_name(kernel)  # (what runs: auto resolved, native unbuildable -> torch)
     profile = profile_for(store, torch.device(device), kernel=kernel)
     budget_bytes = parse_bytes(budget) if budget else None
     rounds: dict[str, list[dict]] = {}

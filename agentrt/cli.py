@@ -200,11 +200,11 @@ def _on_off(name: str, help: str):
 
 
 def _cpu_kernel_option(help: str):
-    """--cpu-kernel torch|native (torch by default)."""
+    """--cpu-kernel auto|torch|native (auto by default)."""
     return click.option(
         "--cpu-kernel",
-        type=click.Choice(["torch", "native"]),
-        default="torch",
+        type=click.Choice(["auto", "torch", "native"]),
+        default="auto",
         show_default=True,
         help=help,
     )
@@ -242,8 +242,9 @@ def offload_options() -> list:
             "does not prefetch).",
         ),
         _cpu_kernel_option(
-            "A decode token's CPU experts: torch's kernels, or agentrt's bf16 kernel built "
-            "with the system C compiler at first use (torch's without one)."
+            "A decode token's CPU experts: torch's kernels, agentrt's bf16 kernel (native, built "
+            "with the system C compiler at first use; torch's without one), or auto: native "
+            "where the CPU has AVX512-BF16."
         ),
         click.option(
             "--cpu-moe-layers",
@@ -580,8 +581,8 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     help="With --offload: rounds of all settings, interleaved; each reports its median round.",
 )
 @_cpu_kernel_option(
-    "With --offload: the CPU expert kernel of every setting (torch's, or agentrt's bf16 "
-    "kernel built at first use)."
+    "With --offload: the CPU expert kernel of every setting, static's included (torch's, "
+    "agentrt's bf16 kernel built at first use, or auto: native where the CPU has AVX512-BF16)."
 )
 @click.option(
     "--py-profile",
@@ -1084,7 +1085,10 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
     show_default=True,
     help="Experts per measurement.",
 )
-@_cpu_kernel_option("The CPU expert kernel measured (and whose profile is saved).")
+@_cpu_kernel_option(
+    "The CPU expert kernel measured (and whose profile is saved): torch, native, or auto (what "
+    "offloaded decode would use here)."
+)
 @json_option
 def bench_bw(model, device, dtype, count, cpu_kernel, json_out) -> None:
     """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""

@@ -415,9 +415,10 @@ class OffloadConfig:
     policy: str = "lru"
     # decode: copy ahead the experts the next layer's router predicts from this layer's input
     prefetch: bool = True
-    # a decode token's CPU experts: torch's kernels, or the native bf16 kernel built at first
-    # use (offload/cpu_kernel.py; falls back to torch's without a C compiler)
-    cpu_kernel: str = "torch"
+    # a decode token's CPU experts: torch's kernels, the native bf16 kernel built at first use
+    # (offload/cpu_kernel.py; falls back to torch's without a C compiler), or auto: native where
+    # the CPU has AVX512-BF16
+    cpu_kernel: str = "auto"
     expert_cache_slots: int | None = None
     vram_budget: int | None = None  # bytes
     cpu_moe_layers: int | None = None
@@ -436,9 +437,9 @@ class OffloadConfig:
             raise InvalidArgumentError(
                 f"expert cache policy must be lru or lfu, got {self.policy!r}"
             )
-        if self.cpu_kernel not in ("torch", "native"):
+        if self.cpu_kernel not in ("auto", "torch", "native"):
             raise InvalidArgumentError(
-                f"cpu kernel must be torch or native, got {self.cpu_kernel!r}"
+                f"cpu kernel must be auto, torch or native, got {self.cpu_kernel!r}"
             )
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise InvalidArgumentError("expert_cache_slots must be >= 1")

@@ -560,9 +560,22 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch):
 def test_offload_config_checks_the_cpu_kernel():
     from agentrt.errors import InvalidArgumentError
 
+    assert OffloadConfig(mode="auto").cpu_kernel == "auto"
     assert OffloadConfig(mode="auto", cpu_kernel="native").cpu_kernel == "native"
     with pytest.raises(InvalidArgumentError, match="cpu kernel"):
         OffloadConfig(mode="auto", cpu_kernel="fast")
+
+
+def test_the_cpu_kernel_auto_picks_native_where_the_cpu_has_bf16_dot_products():
+    """auto = native only with AVX512-BF16 (elsewhere the kernel's plain loop loses to torch);
+    torch, and any experts that are not bfloat16, use torch's kernels."""
+    from agentrt.offload.cpu_kernel import has_bf16_dot, kernel_for, kernel_name, native_experts
+
+    assert kernel_for("torch") is None and kernel_for("native", torch.float32) is None
+    assert kernel_for("auto", torch.float32) is None
+    want = native_experts() if has_bf16_dot() else None
+    assert kernel_for("auto") is want
+    assert kernel_name(kernel_for("auto")) == ("native" if want is not None else "torch")
 
 
 def test_cpu_layers_and_calibration_use_the_native_kernel(tmp_path):

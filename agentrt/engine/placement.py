@@ -20,7 +20,7 @@ from agentrt.offload.calibrate import (
     profile_path,
     save_profile,
 )
-from agentrt.offload.cpu_kernel import native_experts
+from agentrt.offload.cpu_kernel import kernel_for, kernel_name
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.store import ExpertStore
@@ -65,7 +65,7 @@ def profile_for(
     """The saved calibration profile for this GPU / CPU / expert shape / CPU kernel (`kernel`:
     a `NativeExperts`, else torch's), else a few seconds of measurement (saved for the next
     start)."""
-    name = "torch" if kernel is None else "native"
+    name = kernel_name(kernel)
     path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, name)
     profile = None if recalibrate else load_profile(path)
     if profile is None:
@@ -83,7 +83,7 @@ def bandwidths(
     """Configured overrides, else the saved profile, else a few seconds of measurement."""
     if config.copy_bandwidth and config.cpu_bandwidth:
         return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
-    profile = profile_for(store, device, recalibrate, _cpu_kernel(config))
+    profile = profile_for(store, device, recalibrate, kernel_for(config.cpu_kernel, store.dtype))
     return Bandwidths(
         config.copy_bandwidth or profile.copy_overlapped,
         config.cpu_bandwidth or profile.cpu_overlapped,
@@ -108,7 +108,7 @@ def install(
             split=config.split,
             adaptive=not given,
             routers=routers,
-            cpu_kernel=_cpu_kernel(config),
+            cpu_kernel=kernel_for(config.cpu_kernel, store.dtype),
         )
         if config.vram_budget is not None and config.expert_cache_slots is None:
             experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)
@@ -123,17 +123,12 @@ def install(
             cache,
             Bandwidths(0.0, 1.0),
             cpu_layers=cpu_layers,
-            cpu_kernel=_cpu_kernel(config),
+            cpu_kernel=kernel_for(config.cpu_kernel, store.dtype),
         )
     model.set_experts(experts)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return experts
-
-
-def _cpu_kernel(config: OffloadConfig):
-    """The native CPU expert kernel when asked for and buildable, else None (torch's)."""
-    return native_experts() if config.cpu_kernel == "native" else None
 
 
 def _routers(model: CausalLM) -> dict[int, torch.Tensor]:

@@ -84,7 +84,7 @@ def _offload_config(
     cpu_moe_layers,
     cpu_layers=None,
     prefetch: bool = True,
-    cpu_kernel: str = "torch",
+    cpu_kernel: str = "auto",
 ) -> OffloadConfig:
     """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
     or a slot count is given, else `none`."""
@@ -188,7 +188,7 @@ class Runtime:
         recalibrate: bool = False,
         cpu_layers: int | None = None,
         prefetch: bool = True,
-        cpu_kernel: str = "torch",
+        cpu_kernel: str = "auto",
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
