@@ -18,19 +18,14 @@ import os
 import sys
 from collections.abc import Callable
 
+from agentrt.libs import loaded_libraries
+
 
 @functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
     """`omp_set_num_threads` of the OpenMP runtime torch loaded (libgomp or Intel's), if any."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = [line.split()[-1] for line in maps if "/lib" in line]
-    except OSError:
-        return None
     # torch's own copy first (a process may also have loaded another, e.g. through numpy)
-    for path in sorted(set(paths), key=lambda path: "/torch/" not in path):
+    for path in sorted(loaded_libraries("/lib"), key=lambda path: "/torch/" not in path):
         name = path.rsplit("/", 1)[-1]
         if name.startswith(("libgomp", "libiomp5")):
             try:

@@ -79,3 +79,14 @@ def test_spinning_workers_are_chosen_before_torch_loads_and_never_override_the_u
     cli = "from agentrt.cli import prepare_cpu_threads as p; "
     assert _spin_env(cli + "p('cpu', ['auto']); p('cuda', ['none'])") == {}
     assert _spin_env(cli + "p('cuda', ['auto'])") == SPIN_ENV
+
+
+def test_loaded_libraries_lists_what_this_process_mapped():
+    """`loaded_libraries` finds torch's own shared library among this process's mappings (the
+    way agentrt finds the OpenMP and CUDA runtimes torch loaded), and nothing for a name no
+    library has."""
+    from agentrt.libs import loaded_libraries
+
+    found = loaded_libraries("libtorch")
+    assert found and all("libtorch" in path for path in found) and found == sorted(found)
+    assert loaded_libraries("no-such-library-name") == []

@@ -15,9 +15,10 @@ then use torch's calls.
 from __future__ import annotations
 
 import ctypes
-import sys
 
 import torch
+
+from agentrt.libs import loaded_libraries
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
@@ -33,14 +34,7 @@ _SIGNATURES = {  # argument types of the calls used (all return a cudaError_t)
 
 def _cudart() -> ctypes.CDLL | None:
     """The CUDA runtime library this process loaded (torch's), with argument types set."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line})
-    except OSError:
-        return None
-    for path in paths:
+    for path in loaded_libraries("libcudart"):
         try:
             lib = ctypes.CDLL(path)
             for name, args in _SIGNATURES.items():
