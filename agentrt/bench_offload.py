@@ -30,6 +30,7 @@ import torch
 from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
 from agentrt.engine.placement import install, profile_for
+from agentrt.errors import AgentrtError
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
@@ -122,6 +123,8 @@ def offload_decode(
     if py_profile:
         Path(py_profile).write_text("")
     kernel = kernel_for(cpu_kernel, store.dtype)
+    if cpu_kernel == "native" and kernel is None:
+        raise AgentrtError("the native CPU expert kernel is not available here (see above)")
     cpu_kernel = kernel_name(kernel)  # (what runs: auto resolved, native unbuildable -> torch)
     profile = profile_for(store, torch.device(device), kernel=kernel)
     budget_bytes = parse_bytes(budget) if budget else None
@@ -205,6 +208,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     engine.synchronize()
     elapsed = time.perf_counter() - t0
     after = _counters(experts)
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     profiled = _profiled_steps(engine, state, ids[prompt_len + WARMUP_STEPS + tokens :])
     run = {
         "label": label(setting),
@@ -216,7 +220,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "expert_cache_slots": experts.cache.num_slots if experts else None,
         "q_star_bandwidths_gb_s": _gb(experts.bw) if experts else None,
         "cpu_layers": sorted(experts.cpu_layers) if experts else [],
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
+        "peak_gpu_bytes": peak,  # (of the timed steps and those before them)
     }
     run["peak_gpu_gib"] = run["peak_gpu_bytes"] / 2**30 if run["peak_gpu_bytes"] else None
     if profiled is not None:

@@ -616,6 +616,8 @@ def bench_decode(
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
     --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
     modes = ["off"] if eager else graphs
+    if py_profile and not offload:
+        raise click.BadParameter("only with --offload", param_hint="--py-profile")
     if offload:
         prepare_cpu_threads(device, offload)
         from agentrt import bench_offload as bo

@@ -10,7 +10,8 @@
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
 # PROBES=0 skips host_step_costs.py and bench_cpu_kernel.py;
 # POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) shape the decode benchmark, and
-# CPU_KERNEL (a comma list of torch and native) runs it once per kernel, in that order; LIMIT
+# CPU_KERNEL (a comma list of torch, native and native-nopool: AGENTRT_CPU_POOL=0) runs it once
+# per kernel, in that order; LIMIT
 # (seconds, default 580) caps the whole script: a decode run that would pass it is cut short.
 set -u
 source "$(dirname "$0")/device_env.sh"
@@ -27,15 +28,17 @@ if [ "${PROBES:-1}" = 1 ]; then
 fi
 for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
   echo "=== cpu kernel $K ($(left) s left)" | tee -a "$LOG"
+  # native-nopool: the native kernel on the host step's own thread (no pool, no overlap)
+  if [ "$K" = native-nopool ]; then export AGENTRT_CPU_POOL=0; else unset AGENTRT_CPU_POOL; fi
   if [ "${BW:-1}" = 1 ]; then
-    timeout "$(left)" python3 -m agentrt.cli bench bw --model $M --device cuda --cpu-kernel "$K" \
+    timeout "$(left)" python3 -m agentrt.cli bench bw --model $M --device cuda --cpu-kernel "${K%-nopool}" \
       --json "$OUT/bw.json" 2>&1 | tail -3 >> "$LOG"
     cat "$OUT/bw.json" >> "$LOG" && rm -f "$OUT/bw.json"
   fi
   timeout "$(left)" python3 -m agentrt.cli bench decode --model $M --device cuda \
     --vram-budget 16GiB --offload none,auto,static,layer --split on,off \
     --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
-    --cpu-kernel "$K" --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" \
+    --cpu-kernel "${K%-nopool}" --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" \
     --json "$OUT/decode_offload_$K.json" --py-profile "$OUT/py_profile_$K.txt" \
     2>&1 | grep -v '^ \|^{\|^}' | tee -a "$LOG" | tail -12
 done

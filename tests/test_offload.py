@@ -515,15 +515,16 @@ def test_native_cpu_kernel_matches_the_fp32_experts():
     assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch):
+@pytest.mark.parametrize("prefetch,pooled", [(False, False), (True, False), (True, True)])
+def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled, monkeypatch):
     """A graph host step whose CPU experts go through the native kernel (bf16 store): device
-    slots plus the kernel's sum give the token's weighted expert sum. With prefetch, the kernel
-    runs on its own thread while the host step prefetches into other slots."""
+    slots plus the kernel's sum give the token's weighted expert sum. `pooled`: the kernel runs
+    on its thread pool while the host step prefetches into other slots and fills the inputs."""
     from agentrt.models.moe import expert_ffn
     from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
 
     kernel = _native_or_skip()
+    monkeypatch.setattr(kernel, "pooled", pooled)
     torch.manual_seed(0)
     store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
     for layer in store.layers:
@@ -557,6 +558,47 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch):
     assert (experts.totals.prefetched > 0) == prefetch
 
 
+POOL_CHECK = """
+import torch
+torch.set_num_threads(4)  # a pool of 3 threads (fixed by its first call)
+from agentrt.offload.cpu_kernel import native_experts
+k = native_experts()
+assert k.pooled and k.pool_threads == 3
+torch.manual_seed(0)
+for hidden, inter, n in ((200, 72, 3), (64, 32, 1), (130, 7, 5)):
+    gu = list((torch.randn(n, 2 * inter, hidden) * 0.1).to(torch.bfloat16))
+    dn = list((torch.randn(n, hidden, inter) * 0.1).to(torch.bfloat16))
+    x, w = torch.randn(hidden).to(torch.bfloat16), [0.5, 0.3, 0.2, 0.7, 0.1][:n]
+    want, out = torch.zeros(hidden), torch.zeros(hidden)
+    k.run(gu, dn, w, x, want)
+    twice = want.clone()
+    k.run(gu, dn, w, x, twice, accumulate=True)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        k.start(gu, dn, w, x, out)
+        assert k.finish() > 0 and torch.equal(out, want)
+        k.start(gu, dn, w, x, out, accumulate=True)
+        k.finish()
+        assert torch.equal(out, twice)
+    print("ok")
+"""
+
+
+def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
+    """The kernel's thread pool (graph decode's host steps: `start`, then `finish`) computes
+    what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads, fresh
+    and accumulated, call after call (in a subprocess: the first call fixes the pool's size)."""
+    import subprocess
+    import sys
+
+    _native_or_skip()
+    proc = subprocess.run(
+        [sys.executable, "-c", POOL_CHECK], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok"] * 3
+
+
 def test_offload_config_checks_the_cpu_kernel():
     from agentrt.errors import InvalidArgumentError
 
@@ -574,7 +616,11 @@ def test_the_cpu_kernel_auto_picks_native_where_the_cpu_has_bf16_dot_products():
     assert kernel_for("torch") is None and kernel_for("native", torch.float32) is None
     assert kernel_for("auto", torch.float32) is None
     want = native_experts() if has_bf16_dot() else None
+    if want is not None and not want.fast_path:  # (a compiler without AVX512-BF16)
+        want = None
     assert kernel_for("auto") is want
+    with pytest.raises(ValueError, match="cpu kernel"):
+        kernel_for("fast")
     assert kernel_name(kernel_for("auto")) == ("native" if want is not None else "torch")
 
 

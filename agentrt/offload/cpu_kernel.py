@@ -8,7 +8,10 @@ are two matrix-vector products each. The kernel computes every CPU expert of a l
 OpenMP region: rows of `gate_up @ x` with AVX512-BF16 dot products (`vdpbf16ps`, fp32
 accumulation; a plain loop without that instruction set), SiLU(gate) * up in fp32 rounded to
 bf16, then each output row's weighted sum over the experts of `down @ act`, added into the fp32
-output. It is more precise than torch's path, which rounds each product to bf16.
+output. It is more precise than torch's path, which rounds each product to bf16. Graph decode's
+host steps post the same computation to a pool of the library's own threads instead (`start`,
+`finish`: the host step works meanwhile), which gives the same bits; it is no second OpenMP
+team, which would take libgomp over the core count and cut every team's spinning short.
 
 `native_experts()` returns None (callers keep torch's path) where there is no C compiler, the
 build fails or the library cannot load; it builds once per source and compiler flags into
@@ -42,7 +45,6 @@ SOURCE = r"""
 #include <string.h>
 #include <immintrin.h>
 #include <pthread.h>
-#include <omp.h>
 #include <time.h>
 
 static inline float bf2f(uint16_t v) {
@@ -74,7 +76,7 @@ static float dot(const uint16_t* w, const uint16_t* x, int n) {
    act: [n * inter] bf16 scratch. */
 void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
                   const uint16_t* x, float* out, int hidden, int inter, int accumulate,
-                  float* h, uint16_t* act) {
+                  uint16_t* act, float* h) {
     #pragma omp parallel
     {
         for (int e = 0; e < n; e++) {
@@ -99,80 +101,141 @@ void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* 
     }
 }
 
-/* The same on the library's own thread (its OpenMP team is the only one these calls use):
-   experts_start posts a call and returns, experts_wait waits for it and returns its seconds.
-   Its OpenMP team leaves one core to the caller, which works meanwhile (and spins when it
-   waits). Both sides spin briefly (a host step is shorter than a sleep and wake-up) before
-   sleeping on a condition variable. One call at a time (the caller serialises). */
+/* The same on a pool of the library's own threads (not OpenMP: a second OpenMP team in the
+   process would take libgomp over the core count, and then it cuts every team's spinning
+   short): experts_start posts a call and returns, experts_wait waits for it and returns its
+   seconds. The caller works meanwhile (the pool is one thread smaller than its cores). Each
+   thread computes its share of the (expert, row) activations (gate and up rows together, so no
+   scratch and one barrier), then its share of the output rows: the same arithmetic, in the same
+   order, as experts_bf16. Waits spin briefly (a host step is shorter than a sleep and wake-up),
+   then sleep on a condition variable. One call at a time (experts_start returns -2 otherwise). */
 typedef struct {
     const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
-    const uint16_t* x; float* out; int hidden, inter, accumulate; float* h; uint16_t* act;
+    const uint16_t* x; float* out; int hidden, inter, accumulate; uint16_t* act;
 } job_t;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static job_t job;
-static int phase = 0;  /* 0 idle, 1 posted, 2 done (atomic) */
-static int started = 0;
-static double seconds = 0.0;
+static int pool_size = 0;
+static int generation = 0;  /* atomic: one more per posted call */
+static int pending = 0;     /* atomic: pool threads yet to finish the posted call */
+static int bar_count = 0, bar_sense = 0;  /* atomic: the barrier between the two phases */
+static double started_at = 0.0, seconds = 0.0;
 
 static double now(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
 }
-static void await_phase(int want) {
+static int holds(int* addr, int value, int equal) {
+    return (__atomic_load_n(addr, __ATOMIC_ACQUIRE) == value) == equal;
+}
+/* wait until (*addr == value) == equal: spin up to 2 ms, then sleep */
+static void await_value(int* addr, int value, int equal) {
     double t0 = now();
-    for (int i = 1; __atomic_load_n(&phase, __ATOMIC_ACQUIRE) != want; i++) {
+    for (int i = 1; !holds(addr, value, equal); i++) {
         _mm_pause();
         if ((i & 1023) == 0 && now() - t0 > 0.002) {
             pthread_mutex_lock(&mu);
-            while (__atomic_load_n(&phase, __ATOMIC_ACQUIRE) != want) pthread_cond_wait(&cv, &mu);
+            while (!holds(addr, value, equal)) pthread_cond_wait(&cv, &mu);
             pthread_mutex_unlock(&mu);
             return;
         }
     }
 }
-static void set_phase(int value) {
-    __atomic_store_n(&phase, value, __ATOMIC_RELEASE);
+static void publish(int* addr, int value) {
+    __atomic_store_n(addr, value, __ATOMIC_RELEASE);
     pthread_mutex_lock(&mu);
     pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
 }
-static void* worker(void* arg) {
-    (void)arg;
-    int all = omp_get_max_threads();
-    omp_set_num_threads(all > 1 ? all - 1 : 1);  /* a core for the caller */
+static void barrier(int* sense, int size) {
+    int mine = !*sense;
+    *sense = mine;
+    if (__atomic_add_fetch(&bar_count, 1, __ATOMIC_ACQ_REL) == size) {
+        __atomic_store_n(&bar_count, 0, __ATOMIC_RELAXED);
+        publish(&bar_sense, mine);
+    } else {
+        await_value(&bar_sense, mine, 1);
+    }
+}
+static void share(long total, int t, int size, long* lo, long* hi) {
+    *lo = total * t / size; *hi = total * (t + 1) / size;
+}
+static void* pool_thread(void* arg) {
+    int t = (int)(intptr_t)arg, seen = 0, sense = 0;
     for (;;) {
-        await_phase(1);
+        await_value(&generation, seen, 0);
+        seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
         job_t j = job;
-        double t0 = now();
-        experts_bf16(j.gate_up, j.down, j.weights, j.n, j.x, j.out, j.hidden, j.inter,
-                     j.accumulate, j.h, j.act);
-        seconds = now() - t0;
-        set_phase(2);
+        int size = pool_size;
+        long lo, hi;
+        share((long)j.n * j.inter, t, size, &lo, &hi);
+        for (long p = lo; p < hi; p++) {
+            int e = (int)(p / j.inter), i = (int)(p % j.inter);
+            const uint16_t* gu = j.gate_up[e];
+            float g = dot(gu + (int64_t)i * j.hidden, j.x, j.hidden);
+            float u = dot(gu + (int64_t)(j.inter + i) * j.hidden, j.x, j.hidden);
+            j.act[(int64_t)e * j.inter + i] = f2bf(g / (1.f + expf(-g)) * u);
+        }
+        barrier(&sense, size);
+        share(j.hidden, t, size, &lo, &hi);
+        for (long r = lo; r < hi; r++) {
+            float s = j.accumulate ? j.out[r] : 0.f;
+            for (int e = 0; e < j.n; e++) {
+                const uint16_t* row = j.down[e] + (int64_t)r * j.inter;
+                s += j.weights[e] * dot(row, j.act + (int64_t)e * j.inter, j.inter);
+            }
+            j.out[r] = s;
+        }
+        if (__atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL) == 0) {
+            seconds = now() - started_at;
+            publish(&pending, 0);
+        }
     }
     return NULL;
 }
-static void forked_child(void) {  /* the thread does not survive a fork */
-    started = 0; phase = 0;
+static void forked_child(void) {  /* the pool does not survive a fork */
+    pool_size = 0; generation = 0; pending = 0; bar_count = 0; bar_sense = 0;
     pthread_mutex_init(&mu, NULL); pthread_cond_init(&cv, NULL);
 }
-int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
-                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
-                  float* h, uint16_t* act) {
-    if (!started) {
+static int start_pool(int threads) {
+    static int registered = 0;
+    if (!registered) { pthread_atfork(NULL, NULL, forked_child); registered = 1; }
+    pool_size = threads > 0 ? threads : 1;
+    for (int t = 0; t < pool_size; t++) {
         pthread_t thread;
-        if (pthread_create(&thread, NULL, worker, NULL) != 0) return -1;
+        if (pthread_create(&thread, NULL, pool_thread, (void*)(intptr_t)t) != 0) {
+            pool_size = t;  /* the threads made so far wait for a call that never comes */
+            return -1;
+        }
         pthread_detach(thread);
-        pthread_atfork(NULL, NULL, forked_child);
-        started = 1;
     }
-    job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, h, act};
-    job = j;
-    set_phase(1);
     return 0;
 }
+/* threads: the pool's size, at its first call (later calls keep it) */
+int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
+                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
+                  uint16_t* act, int threads) {
+    if (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) != 0) return -2;
+    static int broken = 0;
+    if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
+    job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
+    job = j;
+    started_at = now();
+    __atomic_store_n(&pending, pool_size, __ATOMIC_RELAXED);
+    publish(&generation, generation + 1);
+    return 0;
+}
+/* whether the build has the AVX512-BF16 dot products (else a plain loop, slower than torch's) */
+int experts_fast_path(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+/* returns at once when no call is posted */
 double experts_wait(void) {
-    await_phase(2);
-    __atomic_store_n(&phase, 0, __ATOMIC_RELEASE);
+    await_value(&pending, 0, 1);
     return seconds;
 }
 """
@@ -182,22 +245,29 @@ _P = ctypes.c_void_p
 
 class NativeExperts:
     """The built kernel, with scratch buffers per expert shape (shared by every caller of the
-    process, so calls take turns). `run` computes on the calling thread; `start` posts the same
-    call to the library's own thread and returns (the caller works meanwhile), `finish` waits
-    for it."""
+    process, so calls take turns). `run` computes in an OpenMP region on the calling thread
+    (torch's team: prefill, CPU layers, calibration); `start` posts the same call to the
+    library's pool of one thread fewer than torch's and returns, so the caller works meanwhile,
+    and `finish` waits for it (graph decode's host steps, where `pooled`: 4 or more threads,
+    and `AGENTRT_CPU_POOL` not 0)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._start = lib.experts_start
-        self._start.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int]
-        self._start.argtypes += [ctypes.c_int, _P, _P]
+        args = [_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._fn = lib.experts_bf16
-        self._fn.argtypes, self._fn.restype = self._start.argtypes, None
-        self._start.restype = ctypes.c_int
+        self._fn.argtypes, self._fn.restype = [*args, _P, _P], None
+        self._start = lib.experts_start
+        self._start.argtypes, self._start.restype = [*args, _P, ctypes.c_int], ctypes.c_int
         self._wait = lib.experts_wait
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
+        lib.experts_fast_path.restype = ctypes.c_int
+        self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 compiled in
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._args: tuple | None = None  # what the running call reads (kept alive until finish)
+        self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
+        threads = torch.get_num_threads()
+        self.pool_threads = max(1, threads - 1)  # (a core for the caller)
+        self.pooled = threads >= 4 and os.environ.get("AGENTRT_CPU_POOL") != "0"
+        os.register_at_fork(after_in_child=self._forget_calls)
 
     def run(
         self,
@@ -209,38 +279,50 @@ class NativeExperts:
         accumulate: bool = False,
     ) -> None:
         """`out` (fp32 `[H]`) = sum_e weights[e] * expert_e(x) (plus `out` if `accumulate`), for
-        contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`, on the
-        calling thread (its OpenMP team uses every core)."""
+        contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`."""
         with self._lock:
-            self._fn(*self._args_of(gate_up, down, weights, x, out, accumulate))
+            h, _ = self._buffers(*down[0].shape, len(gate_up))
+            args = self._args_of(gate_up, down, weights, x, out, accumulate)
+            self._fn(*args, h.data_ptr())
 
     def start(self, gate_up, down, weights, x, out, accumulate: bool = False) -> None:
-        """Post the call `run` makes to the library's thread (whose team has one core fewer)
-        and return at once; `finish` must follow (until then the tensors must stay unchanged,
-        and other callers wait)."""
+        """Post the call `run` makes to the thread pool and return at once; `finish` must
+        follow (until then the tensors must stay unchanged, and other callers wait). Raises
+        OSError (and turns `pooled` off) where the pool's threads cannot be made."""
         self._lock.acquire()
         try:
             args = self._args_of(gate_up, down, weights, x, out, accumulate)
-            if self._start(*args) != 0:
-                raise OSError("the native CPU expert kernel could not start its thread")
             self._args = (args, gate_up, down, x, out)
+            code = self._start(*args, self.pool_threads)
         except BaseException:
+            self._args = None
             self._lock.release()
             raise
+        if code != 0:
+            self._args = None
+            self._lock.release()
+            self.pooled = False
+            print("agentrt: the CPU kernel's threads could not start", file=sys.stderr)
+            raise OSError(f"native CPU expert kernel: no thread pool (code {code})")
 
     def finish(self) -> float:
-        """Wait for the posted call; returns its seconds (the kernel's own clock)."""
+        """Wait for the posted call; returns its seconds (the pool's own clock)."""
         try:
             return self._wait()
         finally:
             self._args = None
             self._lock.release()
 
+    def _forget_calls(self) -> None:
+        """In a forked child: no call of the parent's is running here."""
+        self._lock = threading.Lock()
+        self._args = None
+
     def _args_of(self, gate_up, down, weights, x, out, accumulate: bool) -> tuple:
-        """The C call's arguments (pointers; the scratch buffers of this shape)."""
+        """The C call's arguments up to the activations' scratch (of this shape)."""
         n = len(gate_up)
         hidden, inter = down[0].shape
-        h, act = self._buffers(hidden, inter, n)
+        _, act = self._buffers(hidden, inter, n)
         return (
             (_P * n)(*[t.data_ptr() for t in gate_up]),
             (_P * n)(*[t.data_ptr() for t in down]),
@@ -251,7 +333,6 @@ class NativeExperts:
             hidden,
             inter,
             int(accumulate),
-            h.data_ptr(),
             act.data_ptr(),
         )
 
@@ -288,6 +369,7 @@ def native_experts() -> NativeExperts | None:
 KERNELS = ("auto", "torch", "native")
 
 
+@functools.cache
 def has_bf16_dot() -> bool:
     """Whether this CPU has AVX512-BF16 (`vdpbf16ps`, the kernel's fast path)."""
     try:
@@ -301,12 +383,18 @@ def has_bf16_dot() -> bool:
 def kernel_for(name: str, dtype: torch.dtype = torch.bfloat16) -> NativeExperts | None:
     """The CPU expert kernel `name` ("auto", "torch" or "native") selects for experts of
     `dtype`: the native kernel (built on first use), or None for torch's kernels (also where
-    the kernel cannot be built, or for experts that are not bfloat16)."""
+    the kernel cannot be built, or for experts that are not bfloat16). auto takes the native
+    kernel only where both the CPU and the build have AVX512-BF16."""
+    if name not in KERNELS:
+        raise ValueError(f"cpu kernel must be one of {', '.join(KERNELS)}, got {name!r}")
     if name == "torch" or dtype != torch.bfloat16:
         return None
     if name == "auto" and not has_bf16_dot():
         return None
-    return native_experts()
+    kernel = native_experts()
+    if name == "auto" and kernel is not None and not kernel.fast_path:
+        return None
+    return kernel
 
 
 def kernel_name(kernel: NativeExperts | None) -> str:

@@ -28,10 +28,10 @@ the copy stream, behind this layer's own copies: they travel while the GPU compu
 layer's experts and the next layer's attention, when the copy engine would idle, and the next
 layer finds them as hits. How many: with the split, what PCIe carries in a layer's time besides
 the layer's own copies (the CPU takes the rest); copy-only, what it carries in the gap between
-host steps. q* counts copies still queued ahead. With the native CPU kernel the host step posts
-its CPU experts to the kernel's own thread first and plans and issues the prefetch meanwhile
-(with torch's kernels, or without prefetch, they run on the host step's thread). On the CPU
-(tests) eager decode prefetches too.
+host steps. q* counts copies still queued ahead. With the native CPU kernel (on 4 or more
+threads) the host step posts its CPU experts to the kernel's thread pool first and plans and
+issues the prefetch and fills the next piece's inputs meanwhile (with torch's kernels they run
+on the host step's thread, after those). On the CPU (tests) eager decode prefetches too.
 """
 
 from __future__ import annotations
@@ -87,11 +87,15 @@ class Totals:
     bytes_copied: int = 0
     copy_seconds: float = 0.0  # measured by CUDA events around decode copies
     copy_timed_bytes: int = 0
-    cpu_seconds: float = 0.0  # wall time of decode-step CPU expert work
+    # decode-step CPU expert work: wall time, or the native kernel pool's own clock from the
+    # call's post to its end (its host step meanwhile prefetches and fills the inputs)
+    cpu_seconds: float = 0.0
     cpu_timed_bytes: int = 0
     host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
     host_seconds: float = 0.0  # their wall time, all of it
-    plan_seconds: float = 0.0  # of which planning and issuing the copies (prefetches included)
+    # of which planning and issuing the copies (prefetches included) and filling the next
+    # piece's inputs (overlapping the CPU experts when the native kernel's pool runs them)
+    plan_seconds: float = 0.0
     prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch_after`)
     prefetch_hits: int = 0  # of which the next layer did route to
 
@@ -559,11 +563,10 @@ class OffloadedExperts:
             gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
         w = io.w_np.tolist()
         prefetch = self.routers is not None and layer in self.next_layer
-        # (with nothing to do meanwhile, the kernel runs on this thread, all cores in its team)
-        running = bool(cpu) and self.cpu_kernel is not None and prefetch
-        if running:
-            self._start_native(layer, io, dict(zip(ids, w, strict=True)), cpu)
+        running = False  # the native kernel's pool computes while this thread works on
         try:
+            if cpu and self.cpu_kernel is not None and self.cpu_kernel.pooled:
+                running = self._start_native(layer, io, dict(zip(ids, w, strict=True)), cpu)
             if prefetch:
                 own = self.cache.stats[layer].copied - copied_before
                 self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
@@ -587,12 +590,17 @@ class OffloadedExperts:
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
 
-    def _start_native(self, layer: int, io, weight: dict[int, float], cpu) -> None:
-        """Post the token's CPU experts to the native kernel's thread (weighted and summed into
-        the pinned fp32 buffer)."""
+    def _start_native(self, layer: int, io, weight: dict[int, float], cpu) -> bool:
+        """Post the token's CPU experts to the native kernel's thread pool (weighted and summed
+        into the pinned fp32 buffer); False where the pool could not start (then the kernel
+        runs on this thread)."""
         _, gate_up, down = self.store.expert_views(layer)
         ups, downs = [gate_up[e] for e in cpu], [down[e] for e in cpu]
-        self.cpu_kernel.start(ups, downs, [weight[e] for e in cpu], io.x_h, io.cpu_h)
+        try:
+            self.cpu_kernel.start(ups, downs, [weight[e] for e in cpu], io.x_h, io.cpu_h)
+        except OSError:
+            return False
+        return True
 
     def _measure_period(self, layer: int, now: float) -> None:
         """Follow the time from the previous MoE layer's host step to this one's (a layer's
