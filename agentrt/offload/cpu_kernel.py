@@ -119,6 +119,7 @@ static job_t job;
 static int pool_size = 0;
 static int generation = 0;  /* atomic: one more per posted call */
 static int pending = 0;     /* atomic: pool threads yet to finish the posted call */
+static int finished = 0;    /* atomic: the generation of the last call done (with `seconds`) */
 static int bar_count = 0, bar_sense = 0;  /* atomic: the barrier between the two phases */
 static double started_at = 0.0, seconds = 0.0;
 
@@ -188,13 +189,13 @@ static void* pool_thread(void* arg) {
         }
         if (__atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL) == 0) {
             seconds = now() - started_at;
-            publish(&pending, 0);
+            publish(&finished, seen);
         }
     }
     return NULL;
 }
 static void forked_child(void) {  /* the pool does not survive a fork */
-    pool_size = 0; generation = 0; pending = 0; bar_count = 0; bar_sense = 0;
+    pool_size = 0; generation = 0; pending = 0; finished = 0; bar_count = 0; bar_sense = 0;
     pthread_mutex_init(&mu, NULL); pthread_cond_init(&cv, NULL);
 }
 static int start_pool(int threads) {
@@ -215,7 +216,7 @@ static int start_pool(int threads) {
 int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
                   const uint16_t* x, float* out, int hidden, int inter, int accumulate,
                   uint16_t* act, int threads) {
-    if (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) != 0) return -2;
+    if (!holds(&finished, generation, 1)) return -2;
     static int broken = 0;
     if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
@@ -235,7 +236,7 @@ int experts_fast_path(void) {
 }
 /* returns at once when no call is posted */
 double experts_wait(void) {
-    await_value(&pending, 0, 1);
+    await_value(&finished, generation, 1);
     return seconds;
 }
 """
