@@ -117,20 +117,21 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static job_t job;
 static int pool_size = 0;
-static int generation = 0;  /* atomic: one more per posted call */
+static unsigned generation = 0;  /* atomic: one more per posted call */
 static int pending = 0;     /* atomic: pool threads yet to finish the posted call */
-static int finished = 0;    /* atomic: the generation of the last call done (with `seconds`) */
-static int bar_count = 0, bar_sense = 0;  /* atomic: the barrier between the two phases */
+static unsigned finished = 0;  /* atomic: the generation of the last call done (`seconds`) */
+static int broken = 0;  /* the pool could not be made */
+static unsigned bar_count = 0, bar_sense = 0;  /* atomic: the barrier between the phases */
 static double started_at = 0.0, seconds = 0.0;
 
 static double now(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
 }
-static int holds(int* addr, int value, int equal) {
+static int holds(unsigned* addr, unsigned value, int equal) {
     return (__atomic_load_n(addr, __ATOMIC_ACQUIRE) == value) == equal;
 }
 /* wait until (*addr == value) == equal: spin up to 2 ms, then sleep */
-static void await_value(int* addr, int value, int equal) {
+static void await_value(unsigned* addr, unsigned value, int equal) {
     double t0 = now();
     for (int i = 1; !holds(addr, value, equal); i++) {
         _mm_pause();
@@ -142,14 +143,14 @@ static void await_value(int* addr, int value, int equal) {
         }
     }
 }
-static void publish(int* addr, int value) {
+static void publish(unsigned* addr, unsigned value) {
     __atomic_store_n(addr, value, __ATOMIC_RELEASE);
     pthread_mutex_lock(&mu);
     pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
 }
-static void barrier(int* sense, int size) {
-    int mine = !*sense;
+static void barrier(unsigned* sense, unsigned size) {
+    unsigned mine = !*sense;
     *sense = mine;
     if (__atomic_add_fetch(&bar_count, 1, __ATOMIC_ACQ_REL) == size) {
         __atomic_store_n(&bar_count, 0, __ATOMIC_RELAXED);
@@ -162,7 +163,8 @@ static void share(long total, int t, int size, long* lo, long* hi) {
     *lo = total * t / size; *hi = total * (t + 1) / size;
 }
 static void* pool_thread(void* arg) {
-    int t = (int)(intptr_t)arg, seen = 0, sense = 0;
+    int t = (int)(intptr_t)arg;
+    unsigned seen = 0, sense = 0;
     for (;;) {
         await_value(&generation, seen, 0);
         seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
@@ -196,6 +198,7 @@ static void* pool_thread(void* arg) {
 }
 static void forked_child(void) {  /* the pool does not survive a fork */
     pool_size = 0; generation = 0; pending = 0; finished = 0; bar_count = 0; bar_sense = 0;
+    broken = 0;
     pthread_mutex_init(&mu, NULL); pthread_cond_init(&cv, NULL);
 }
 static int start_pool(int threads) {
@@ -217,7 +220,6 @@ int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* 
                   const uint16_t* x, float* out, int hidden, int inter, int accumulate,
                   uint16_t* act, int threads) {
     if (!holds(&finished, generation, 1)) return -2;
-    static int broken = 0;
     if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
     job = j;
@@ -265,7 +267,7 @@ class NativeExperts:
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
-        threads = torch.get_num_threads()
+        threads = min(torch.get_num_threads(), _usable_cores())
         self.pool_threads = max(1, threads - 1)  # (a core for the caller)
         self.pooled = threads >= 4 and os.environ.get("AGENTRT_CPU_POOL") != "0"
         os.register_at_fork(after_in_child=self._forget_calls)
@@ -293,9 +295,10 @@ class NativeExperts:
         self._lock.acquire()
         try:
             args = self._args_of(gate_up, down, weights, x, out, accumulate)
-            self._args = (args, gate_up, down, x, out)
+            self._args = (args, gate_up, down, x, out, threading.get_ident())
             code = self._start(*args, self.pool_threads)
-        except BaseException:
+        except BaseException:  # (an interrupt may land once the call is posted)
+            self._wait()  # (returns at once when nothing was posted)
             self._args = None
             self._lock.release()
             raise
@@ -305,6 +308,11 @@ class NativeExperts:
             self.pooled = False
             print("agentrt: the CPU kernel's threads could not start", file=sys.stderr)
             raise OSError(f"native CPU expert kernel: no thread pool (code {code})")
+
+    @property
+    def posted(self) -> bool:
+        """Whether this thread has a call posted that `finish` has not waited for."""
+        return self._args is not None and self._args[-1] == threading.get_ident()
 
     def finish(self) -> float:
         """Wait for the posted call; returns its seconds (the pool's own clock)."""
@@ -368,6 +376,14 @@ def native_experts() -> NativeExperts | None:
 
 
 KERNELS = ("auto", "torch", "native")
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @functools.cache

@@ -574,8 +574,10 @@ class OffloadedExperts:
             io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
             io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
             self.totals.plan_seconds += time.perf_counter() - t_begin
-        finally:  # (the kernel writes the buffer until it is waited for)
-            seconds = self.cpu_kernel.finish() if running else 0.0
+        finally:  # (the kernel writes the buffer until it is waited for; an interrupt may
+            # land between the post and `running`)
+            kernel = self.cpu_kernel
+            seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
         self.totals.cpu += len(cpu)
         if running:
             self._observe_cpu(len(cpu) * self.store.expert_bytes, seconds)
