@@ -557,11 +557,7 @@ def bandwidth(
     from agentrt.offload.store import ExpertStore
 
     dtype = dtype or EngineConfig.default_dtype(device)
-    if cpu_kernel == "native" and torch_dtype(dtype) != torch.bfloat16:
-        raise AgentrtError("the native CPU expert kernel takes bfloat16 experts")
-    kernel = kernel_for(cpu_kernel, torch_dtype(dtype))
-    if cpu_kernel == "native" and kernel is None:
-        raise AgentrtError("the native CPU expert kernel could not be built (see above)")
+    kernel = kernel_for(cpu_kernel, torch_dtype(dtype), strict=True)
     cpu_kernel = kernel_name(kernel)
     cfg = config_of(spec)
     store = ExpertStore(

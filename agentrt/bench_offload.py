@@ -30,7 +30,6 @@ import torch
 from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
 from agentrt.engine.placement import install, profile_for
-from agentrt.errors import AgentrtError
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
@@ -122,9 +121,7 @@ def offload_decode(
     ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens + extra, text, tokenizer_dir)
     if py_profile:
         Path(py_profile).write_text("")
-    kernel = kernel_for(cpu_kernel, store.dtype)
-    if cpu_kernel == "native" and kernel is None:
-        raise AgentrtError("the native CPU expert kernel is not available here (see above)")
+    kernel = kernel_for(cpu_kernel, store.dtype, strict=True)
     cpu_kernel = kernel_name(kernel)  # (what runs: auto resolved, native unbuildable -> torch)
     profile = profile_for(store, torch.device(device), kernel=kernel)
     budget_bytes = parse_bytes(budget) if budget else None

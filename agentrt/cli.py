@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from agentrt.config import offload_mode
+from agentrt.config import CPU_KERNELS, offload_mode
 from agentrt.errors import AgentrtError
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
@@ -203,7 +203,7 @@ def _cpu_kernel_option(help: str):
     """--cpu-kernel auto|torch|native (auto by default)."""
     return click.option(
         "--cpu-kernel",
-        type=click.Choice(["auto", "torch", "native"]),
+        type=click.Choice(list(CPU_KERNELS)),
         default="auto",
         show_default=True,
         help=help,

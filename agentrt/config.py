@@ -391,6 +391,7 @@ class StateCacheConfig:
 # ----------------------------------------------------------------------------- offload config
 
 OFFLOAD_MODES = ("none", "auto", "static", "layer")
+CPU_KERNELS = ("auto", "torch", "native")  # `OffloadConfig.cpu_kernel` (offload/cpu_kernel.py)
 
 
 def offload_mode(mode: str | None, vram_budget, expert_cache_slots) -> str:
@@ -437,7 +438,7 @@ class OffloadConfig:
             raise InvalidArgumentError(
                 f"expert cache policy must be lru or lfu, got {self.policy!r}"
             )
-        if self.cpu_kernel not in ("auto", "torch", "native"):
+        if self.cpu_kernel not in CPU_KERNELS:
             raise InvalidArgumentError(
                 f"cpu kernel must be auto, torch or native, got {self.cpu_kernel!r}"
             )

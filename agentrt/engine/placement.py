@@ -78,12 +78,13 @@ def profile_for(
 
 
 def bandwidths(
-    store: ExpertStore, device: torch.device, config: OffloadConfig, recalibrate: bool
+    store: ExpertStore, device: torch.device, config: OffloadConfig, recalibrate: bool, kernel=None
 ) -> Bandwidths:
-    """Configured overrides, else the saved profile, else a few seconds of measurement."""
+    """Configured overrides, else the saved profile (of the CPU kernel `kernel`, a
+    `NativeExperts`, else torch's), else a few seconds of measurement."""
     if config.copy_bandwidth and config.cpu_bandwidth:
         return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
-    profile = profile_for(store, device, recalibrate, kernel_for(config.cpu_kernel, store.dtype))
+    profile = profile_for(store, device, recalibrate, kernel)
     return Bandwidths(
         config.copy_bandwidth or profile.copy_overlapped,
         config.cpu_bandwidth or profile.cpu_overlapped,
@@ -96,9 +97,10 @@ def install(
     """Build the cache and `OffloadedExperts` for `config.mode` and swap them into the model
     (`layer` mode also moves its CPU layers into `HostLayer`s)."""
     device = torch.device(device)
+    kernel = kernel_for(config.cpu_kernel, store.dtype)
     if config.mode == "auto":
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
-        bw = bandwidths(store, device, config, recalibrate)
+        bw = bandwidths(store, device, config, recalibrate, kernel)
         given = config.copy_bandwidth is not None or config.cpu_bandwidth is not None
         routers = _routers(model) if config.prefetch else None
         experts = OffloadedExperts(
@@ -108,7 +110,7 @@ def install(
             split=config.split,
             adaptive=not given,
             routers=routers,
-            cpu_kernel=kernel_for(config.cpu_kernel, store.dtype),
+            cpu_kernel=kernel,
         )
         if config.vram_budget is not None and config.expert_cache_slots is None:
             experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)
@@ -123,7 +125,7 @@ def install(
             cache,
             Bandwidths(0.0, 1.0),
             cpu_layers=cpu_layers,
-            cpu_kernel=kernel_for(config.cpu_kernel, store.dtype),
+            cpu_kernel=kernel,
         )
     model.set_experts(experts)
     if device.type == "cuda":

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import home_dir
+from agentrt.config import CPU_KERNELS, home_dir
+from agentrt.errors import AgentrtError
 
 SOURCE = r"""
 #include <stdint.h>
@@ -375,9 +376,6 @@ def native_experts() -> NativeExperts | None:
         return None
 
 
-KERNELS = ("auto", "torch", "native")
-
-
 def _usable_cores() -> int:
     """The cores this process may run on (its affinity mask)."""
     try:
@@ -397,18 +395,25 @@ def has_bf16_dot() -> bool:
     return "avx512_bf16" in flags.split()
 
 
-def kernel_for(name: str, dtype: torch.dtype = torch.bfloat16) -> NativeExperts | None:
+def kernel_for(
+    name: str, dtype: torch.dtype = torch.bfloat16, strict: bool = False
+) -> NativeExperts | None:
     """The CPU expert kernel `name` ("auto", "torch" or "native") selects for experts of
     `dtype`: the native kernel (built on first use), or None for torch's kernels (also where
-    the kernel cannot be built, or for experts that are not bfloat16). auto takes the native
-    kernel only where both the CPU and the build have AVX512-BF16."""
-    if name not in KERNELS:
-        raise ValueError(f"cpu kernel must be one of {', '.join(KERNELS)}, got {name!r}")
+    the kernel cannot be built, or for experts that are not bfloat16; with `strict`, an
+    explicit "native" raises there instead). auto takes the native kernel only where both the
+    CPU and the build have AVX512-BF16."""
+    if name not in CPU_KERNELS:
+        raise ValueError(f"cpu kernel must be one of {', '.join(CPU_KERNELS)}, got {name!r}")
+    if strict and name == "native" and dtype != torch.bfloat16:
+        raise AgentrtError("the native CPU expert kernel takes bfloat16 experts")
     if name == "torch" or dtype != torch.bfloat16:
         return None
     if name == "auto" and not has_bf16_dot():
         return None
     kernel = native_experts()
+    if strict and kernel is None:
+        raise AgentrtError("the native CPU expert kernel is not available here (see above)")
     if name == "auto" and kernel is not None and not kernel.fast_path:
         return None
     return kernel

@@ -3,9 +3,10 @@
 Per layer and step: dedupe the routed experts; hits run from their device slots; of the m misses,
 q (chosen by the q* rule from calibrated bandwidths, most valuable first by the policy) are copied
 into victim slots on a copy stream, and the other m - q run on the CPU (hidden rows to host,
-results back) on the calling thread, with torch's intra-op thread pool, while the GPU works
-through what was queued before; every CPU expert of the process runs on that one thread (a
-second thread would bring a second OpenMP team to compete for the same cores). Every (token,
+results back) on the calling thread, with torch's intra-op thread pool (or the native kernel,
+`cpu_kernel.py`), while the GPU works through what was queued before; every CPU expert of the
+process runs on that one thread (a second thread would bring a second OpenMP team to compete
+for the same cores), except in graph decode's host steps, below. Every (token,
 expert) pair's output lands in the same place it would in the dense path, and the weighted sum
 over the k experts is the same, so the result equals the dense computation. Large batches
 (prefill) stream the missing experts through a scratch slot instead of admitting them, so
@@ -16,7 +17,8 @@ routed only a few tokens run on the CPU meanwhile (as many as the q* rule leaves
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
 cuts the capture: the graph copies the token's routed ids, weights and hidden row to pinned host
 buffers; the host step plans hits/copies/CPU work, issues the copies, runs the CPU experts
-(torch's persistent intra-op thread pool) and writes slot indices, GPU weights and the CPU partial
+(torch's intra-op thread pool, or the native kernel's own pool: see below) and writes slot
+indices, GPU weights and the CPU partial
 sum to pinned buffers; the next graph piece uploads them and runs the GPU experts from their
 slots as one gathered batched matmul. The host step's copies, events and stream waits go
 straight to the CUDA runtime (`copies.CudaCalls`) where torch's calls cost several times more.
@@ -566,7 +568,7 @@ class OffloadedExperts:
         running = False  # the native kernel's pool computes while this thread works on
         try:
             if cpu and self.cpu_kernel is not None and self.cpu_kernel.pooled:
-                running = self._start_native(layer, io, dict(zip(ids, w, strict=True)), cpu)
+                running = self._start_native(layer, io, ids, w, cpu)
             if prefetch:
                 own = self.cache.stats[layer].copied - copied_before
                 self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
@@ -592,17 +594,21 @@ class OffloadedExperts:
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
 
-    def _start_native(self, layer: int, io, weight: dict[int, float], cpu) -> bool:
+    def _start_native(self, layer: int, io, ids: list[int], w: list[float], cpu) -> bool:
         """Post the token's CPU experts to the native kernel's thread pool (weighted and summed
         into the pinned fp32 buffer); False where the pool could not start (then the kernel
         runs on this thread)."""
-        _, gate_up, down = self.store.expert_views(layer)
-        ups, downs = [gate_up[e] for e in cpu], [down[e] for e in cpu]
         try:
-            self.cpu_kernel.start(ups, downs, [weight[e] for e in cpu], io.x_h, io.cpu_h)
+            self.cpu_kernel.start(*self._native_args(layer, ids, w, cpu), io.x_h, io.cpu_h)
         except OSError:
             return False
         return True
+
+    def _native_args(self, layer: int, ids: list[int], w: list[float], cpu) -> tuple:
+        """The CPU experts' weights and routing weights, as the native kernel takes them."""
+        _, gate_up, down = self.store.expert_views(layer)
+        weight = dict(zip(ids, w, strict=True))
+        return [gate_up[e] for e in cpu], [down[e] for e in cpu], [weight[e] for e in cpu]
 
     def _measure_period(self, layer: int, now: float) -> None:
         """Follow the time from the previous MoE layer's host step to this one's (a layer's
@@ -620,14 +626,13 @@ class OffloadedExperts:
         """The token's CPU experts on this thread, weighted and summed into the pinned fp32
         buffer (by the native kernel when there is one, in one call)."""
         t0 = time.perf_counter()
-        _, gate_up, down = self.store.expert_views(layer)
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
-        weight = dict(zip(ids, w, strict=True))
         if self.cpu_kernel is not None:
-            ups, downs = [gate_up[e] for e in cpu], [down[e] for e in cpu]
-            self.cpu_kernel.run(ups, downs, [weight[e] for e in cpu], io.x_h, acc)
+            self.cpu_kernel.run(*self._native_args(layer, ids, w, cpu), io.x_h, acc)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
             return
+        _, gate_up, down = self.store.expert_views(layer)
+        weight = dict(zip(ids, w, strict=True))
         with torch.inference_mode():
             for i, expert in enumerate(cpu):
                 y = expert_ffn(x, gate_up[expert], down[expert])[0].float()
