@@ -8,6 +8,13 @@ hit rate, experts copied and CPU-computed per token, PCIe bytes per token, peak 
 (allocator statistics) against the budget, and the DESIGN §8 bound
 `1 / (t_gpu + misses_per_token * S / B_miss)` with t_gpu from the all-resident run (`none`) and
 B_miss from the calibration profile (copies: B_P; split: B_P' + B_H'; static/layer: B_H).
+Beside it, the host-memory ceiling: every expert that is not on the device when its layer comes
+is read from host DRAM once (copied or computed on the CPU), so no engine with that hit rate
+decodes faster than `DRAM read bandwidth / those bytes per token`, whatever its GPU time. The
+DRAM read bandwidth (`dram_read_gb_s`) is the fastest host-memory read the invocation saw: a
+multi-threaded sum at its start, the calibration's copies and CPU experts running together, and
+every run's CPU experts (`dram_read_sources_gb_s`); each `auto` run's ceiling is compared with
+`static`'s measured tok/s (`ceiling_vs_static`).
 With `repeat` > 1 the settings run that many rounds, interleaved (all settings, then all again),
 and each setting reports the round of median tok/s with every round's tok/s beside it; `layer`
 runs once, last (it moves layers to the host for good).
@@ -33,7 +40,7 @@ from agentrt.engine.placement import install, profile_for
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
-from agentrt.offload.calibrate import Profile
+from agentrt.offload.calibrate import Profile, dram_read_bandwidth
 from agentrt.offload.cpu_kernel import kernel_for, kernel_name
 from agentrt.offload.store import ExpertStore
 
@@ -124,6 +131,7 @@ def offload_decode(
     kernel = kernel_for(cpu_kernel, store.dtype, strict=True)
     cpu_kernel = kernel_name(kernel)  # (what runs: auto resolved, native unbuildable -> torch)
     profile = profile_for(store, torch.device(device), kernel=kernel)
+    dram_probe = dram_read_bandwidth()
     budget_bytes = parse_bytes(budget) if budget else None
     rounds: dict[str, list[dict]] = {}
     order = [s for _ in range(repeat) for s in runs if s["offload"] != "layer"]
@@ -150,6 +158,13 @@ def offload_decode(
         rounds.setdefault(run["label"], []).append(run)
     results = [_median_round(r) for r in rounds.values()]
     _add_bounds(results, profile, store.expert_bytes)
+    dram_sources = {
+        "sum": dram_probe,
+        "calibration_copies_and_cpu": profile.copy_overlapped + profile.cpu_overlapped,
+        "decode_cpu_experts": max((r["measured_cpu_gb_s"] or 0) * 1e9 for r in results),
+    }
+    dram = max(dram_sources.values())
+    _add_ceilings(results, dram, store.expert_bytes)
     report = {
         "bench": "decode-offload",
         "model": spec,
@@ -168,11 +183,14 @@ def offload_decode(
             k: round(getattr(profile, k) / 1e9, 2)
             for k in ("copy", "cpu", "copy_overlapped", "cpu_overlapped")
         },
+        "dram_read_gb_s": dram / 1e9,
+        "dram_read_sources_gb_s": {k: v / 1e9 for k, v in dram_sources.items()},
         "machine": machine(),
         "runs": results,
         "ratios": ratios(results),
     }
     print(summary_table(results), file=sys.stderr)
+    print(ceiling_lines(results, dram), file=sys.stderr)
     return report
 
 
@@ -342,6 +360,39 @@ def _add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:
         run["measured_over_bound"] = run["tok_s"] / run["bound_tok_s"]
         seen = _measured_b_miss(run)
         run["bound_at_measured_bandwidths_tok_s"] = 1 / (t_gpu + slow / seen) if seen else None
+
+
+def _add_ceilings(runs: list[dict], dram: float, expert_bytes: int) -> None:
+    """The host-memory ceiling of each offloaded run (see the module docstring): the bytes of
+    the experts missing from the device when their layer came (`auto`: misses and the experts a
+    prefetch brought in time; static/layer: the CPU's experts) read once at `dram` bytes/s."""
+    static = next((r["tok_s"] for r in runs if r["offload"] == "static"), None)
+    for run in runs:
+        if run["offload"] == "none":
+            continue
+        if run["offload"] == "auto":
+            missing = run["misses_per_token"] + run["prefetch_hits_per_token"]
+        else:
+            missing = run["cpu_experts_per_token"]
+        run["host_read_bytes_per_token"] = needed = missing * expert_bytes
+        run["host_memory_ceiling_tok_s"] = dram / needed if needed else None
+        if run["offload"] == "auto" and static and needed:
+            run["ceiling_vs_static"] = run["host_memory_ceiling_tok_s"] / static
+
+
+def ceiling_lines(runs: list[dict], dram: float) -> str:
+    """One line per offloaded run: the bytes it must read from host memory and its ceiling."""
+    lines = [f"host-memory ceiling (DRAM read {dram / 1e9:.1f} GB/s):"]
+    for r in runs:
+        if r.get("host_memory_ceiling_tok_s") is None:
+            continue
+        # (no leading space: scripts drop indented lines, the JSON, from the output)
+        line = f"- {r['label']:<28}{r['host_read_bytes_per_token'] / 1e6:>8.0f} MB/token"
+        line += f"  <= {r['host_memory_ceiling_tok_s']:.1f} tok/s"
+        if "ceiling_vs_static" in r:
+            line += f"  = {r['ceiling_vs_static']:.2f}x static at most"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _measured_b_miss(run: dict) -> float | None:

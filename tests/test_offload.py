@@ -326,6 +326,20 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     assert "auto/split/lru_vs_copy-only" in report["ratios"]
     assert "auto/split/lru_vs_no-prefetch" in report["ratios"]
     assert "setting" in result.stderr  # the summary table
+    # the host-memory ceiling: the experts missing when their layer came, read once from DRAM
+    dram = report["dram_read_gb_s"] * 1e9
+    assert dram == max(report["dram_read_sources_gb_s"].values()) * 1e9 > 0
+    missing = split["misses_per_token"] + split["prefetch_hits_per_token"]
+    assert split["host_read_bytes_per_token"] == missing * report["expert_bytes"]
+    assert split["host_memory_ceiling_tok_s"] == pytest.approx(
+        dram / split["host_read_bytes_per_token"]
+    )
+    assert split["ceiling_vs_static"] == pytest.approx(
+        split["host_memory_ceiling_tok_s"] / static["tok_s"]
+    )
+    assert static["host_read_bytes_per_token"] == static["cpu_expert_bytes_per_token"]
+    assert "host_memory_ceiling_tok_s" not in report["runs"][0]  # none reads no experts
+    assert "host-memory ceiling" in result.stderr
 
 
 def test_measured_bandwidths_keep_probing_the_cpu_side():
