@@ -594,13 +594,22 @@ for hidden, inter, n in ((200, 72, 3), (64, 32, 1), (130, 7, 5)):
         k.finish()
         assert torch.equal(out, twice)
     print("ok")
+from agentrt.offload import calibrate as cal
+from agentrt.offload.store import ExpertStore
+store = ExpertStore(range(1), 4, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
+k.pooled = True  # calibration overlaps copies with the pool, as graph decode's host steps do
+cal._time_threaded_overlap = None  # (the helper-thread arrangement must not run)
+p = cal.calibrate(store, torch.device("cpu"), count=8, kernel=k)
+assert p.copy_overlapped > 0 and p.cpu_overlapped > 0
+print("ok")
 """
 
 
 def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     """The kernel's thread pool (graph decode's host steps: `start`, then `finish`) computes
     what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads, fresh
-    and accumulated, call after call (in a subprocess: the first call fixes the pool's size)."""
+    and accumulated, call after call (in a subprocess: the first call fixes the pool's size);
+    calibration then measures the overlapped bandwidths through the pool."""
     import subprocess
     import sys
 
@@ -609,7 +618,7 @@ def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
         [sys.executable, "-c", POOL_CHECK], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["ok"] * 3
+    assert proc.stdout.split() == ["ok"] * 4
 
 
 def test_offload_config_checks_the_cpu_kernel():

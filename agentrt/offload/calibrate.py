@@ -1,8 +1,11 @@
 """Calibration of the bandwidths the q* rule needs (`agentrt bench bw`): B_P (expert-sized
 host->device copies), B_H (the CPU expert kernel, one token per expert, in bytes of weights
 read per second; torch's kernels or the native one of `cpu_kernel.py`), and both again while
-running at the same time (B_H', B_P'). Profiles are saved per GPU / CPU / dtype / expert size /
-CPU kernel and loaded at engine start."""
+running at the same time (B_H', B_P') in the arrangement decode uses: with the native kernel's
+thread pool (`pooled`), this thread posts each CPU expert to the pool and issues a copy while it
+computes, as graph decode's host steps do; otherwise the CPU experts run on this thread while a
+helper thread issues the copies. Profiles are saved per GPU / CPU / dtype / expert size / CPU
+kernel and loaded at engine start."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 
 from agentrt.offload.store import ExpertStore
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the overlapped pair measured as decode runs (the pool)
 
 
 @dataclass
@@ -105,6 +108,50 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
     return count * store.expert_bytes / (time.perf_counter() - t0)
 
 
+def _time_threaded_overlap(store: ExpertStore, layer: int, dest, count: int, kernel=None):
+    """(B_P', B_H'): copies from a helper thread, CPU experts on this one, the thread that
+    computes experts in decode (a second thread running torch CPU kernels would bring a second
+    OpenMP team)."""
+    result: dict[str, float] = {}
+    thread = threading.Thread(
+        target=lambda: result.__setitem__("copy", _time_copies(store, layer, dest, count))
+    )
+    thread.start()
+    cpu = _time_cpu(store, layer, count, kernel)
+    thread.join()
+    return result["copy"], cpu
+
+
+def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kernel):
+    """(B_P', B_H') as graph decode's host steps run them with the native kernel's pool: this
+    thread posts one CPU expert at a time to the pool and, while it computes, issues one copy;
+    copies are timed on the device (CUDA events) or, on the CPU, by their own wall time."""
+    x = torch.randn(store.hidden).to(store.dtype)
+    out = torch.empty(store.hidden, dtype=torch.float32)
+    gate_up, down, rows = store.gate_up(layer), store.down(layer), store.flat[layer]
+    on_cuda = dest.device.type == "cuda"
+    if on_cuda:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    copy_s, t_loop = 0.0, time.perf_counter()
+    for i in range(count):
+        e = i % store.num_experts
+        kernel.start([gate_up[e]], [down[e]], [1.0], x, out)
+        t0 = time.perf_counter()
+        try:
+            dest[i % dest.shape[0]].copy_(rows[e], non_blocking=True)
+        finally:
+            copy_s += time.perf_counter() - t0
+            kernel.finish()
+    cpu_s = time.perf_counter() - t_loop
+    if on_cuda:
+        end.record()
+        end.synchronize()
+        copy_s = begin.elapsed_time(end) / 1000
+    num_bytes = count * store.expert_bytes
+    return num_bytes / copy_s, num_bytes / cpu_s
+
+
 def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 3) -> float:
     """Bytes/s of a multi-threaded fp32 sum over a buffer far larger than the caches: the memory
     bandwidth the CPU expert kernel is compared against."""
@@ -125,19 +172,14 @@ def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=
     _time_cpu(store, layer, 4, kernel)
     copy_alone = _time_copies(store, layer, dest, count)
     cpu_alone = _time_cpu(store, layer, count, kernel)
-    # copies from a helper thread, CPU experts on this one: the thread that computes experts in
-    # decode (a second thread running torch CPU kernels would bring a second OpenMP team)
-    result: dict[str, float] = {}
-    thread = threading.Thread(
-        target=lambda: result.__setitem__("copy", _time_copies(store, layer, dest, count))
-    )
-    thread.start()
-    cpu_both = _time_cpu(store, layer, count, kernel)
-    thread.join()
+    if kernel is not None and kernel.pooled:
+        copy_both, cpu_both = _time_pooled_overlap(store, layer, dest, count, kernel)
+    else:
+        copy_both, cpu_both = _time_threaded_overlap(store, layer, dest, count, kernel)
     return Profile(
         copy_alone,
         cpu_alone,
-        result["copy"],
+        copy_both,
         cpu_both,
         store.expert_bytes,
         device_name(device),
