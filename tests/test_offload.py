@@ -703,3 +703,17 @@ def test_a_failed_cuda_runtime_call_clears_the_last_error_and_raises():
         calls.copy([torch.zeros(4)], [torch.ones(4)], 0)
     assert cleared == [True]
     assert CudaCalls.open("cpu", torch.zeros(4)) is None  # not a CUDA device: torch's calls
+
+
+def test_copy_only_sizes_its_prefetch_by_the_copies_alone(monkeypatch):
+    """The split starts q* from the overlapped pair (B_P', B_H'); copy-only has no CPU side
+    competing for memory, so its copy bandwidth (which sizes its prefetch) is B_P alone."""
+    from agentrt.engine import placement
+    from agentrt.offload.calibrate import Profile
+
+    profile = Profile(50e9, 60e9, 30e9, 40e9, 1, "gpu", "cpu", 4)
+    monkeypatch.setattr(placement, "profile_for", lambda *args: profile)
+    store = _store(layers=1, experts=4)
+    split = placement.bandwidths(store, "cpu", OffloadConfig(mode="auto"), False)
+    alone = placement.bandwidths(store, "cpu", OffloadConfig(mode="auto", split=False), False)
+    assert (split.copy, split.cpu) == (30e9, 40e9) and alone.copy == 50e9

@@ -81,12 +81,14 @@ def bandwidths(
     store: ExpertStore, device: torch.device, config: OffloadConfig, recalibrate: bool, kernel=None
 ) -> Bandwidths:
     """Configured overrides, else the saved profile (of the CPU kernel `kernel`, a
-    `NativeExperts`, else torch's), else a few seconds of measurement."""
+    `NativeExperts`, else torch's), else a few seconds of measurement. With the split, copies
+    and CPU experts run together (B_P', B_H'); copy-only, the copies run alone (B_P: it sizes
+    the prefetch)."""
     if config.copy_bandwidth and config.cpu_bandwidth:
         return Bandwidths(config.copy_bandwidth, config.cpu_bandwidth)
     profile = profile_for(store, device, recalibrate, kernel)
     return Bandwidths(
-        config.copy_bandwidth or profile.copy_overlapped,
+        config.copy_bandwidth or (profile.copy_overlapped if config.split else profile.copy),
         config.cpu_bandwidth or profile.cpu_overlapped,
     )
 

@@ -1,11 +1,11 @@
 """Calibration of the bandwidths the q* rule needs (`agentrt bench bw`): B_P (expert-sized
 host->device copies), B_H (the CPU expert kernel, one token per expert, in bytes of weights
-read per second; torch's kernels or the native one of `cpu_kernel.py`), and both again while
-running at the same time (B_H', B_P') in the arrangement decode uses: with the native kernel's
-thread pool (`pooled`), this thread posts each CPU expert to the pool and issues a copy while it
-computes, as graph decode's host steps do; otherwise the CPU experts run on this thread while a
-helper thread issues the copies. Profiles are saved per GPU / CPU / dtype / expert size / CPU
-kernel and loaded at engine start."""
+read per second; torch's kernels or the native one of `cpu_kernel.py`, on its thread pool where
+graph decode uses that), and both again while running at the same time (B_H', B_P') in the
+arrangement decode uses: with the native kernel's thread pool (`pooled`), this thread posts each
+CPU expert to the pool and issues a copy while it computes, as graph decode's host steps do;
+otherwise the CPU experts run on this thread while a helper thread issues the copies. Profiles
+are saved per GPU / CPU / dtype / expert size / CPU kernel and loaded at engine start."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ import torch
 
 from agentrt.offload.store import ExpertStore
 
+# torch's OpenMP workers spin about this long at most after a parallel region (GOMP_SPINCOUNT,
+# KMP_BLOCKTIME as the CLI sets them: `cputhreads`); on the same cores they would slow the
+# native kernel's pool down (on the H200 host, 4 GB/s instead of 50-70)
+SPIN_SETTLE_S = 0.25
 PROFILE_VERSION = 2  # 2: the overlapped pair measured as decode runs (the pool)
 
 
@@ -88,7 +92,8 @@ def _time_copies(store: ExpertStore, layer: int, dest: torch.Tensor, count: int)
 
 
 def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
-    """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`) or torch's."""
+    """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`: on its thread pool
+    where decode uses that, `pooled`) or torch's."""
     x = torch.randn(1, store.hidden).to(store.dtype)
     gate_up, down = store.gate_up(layer), store.down(layer)
     if kernel is not None:
@@ -96,7 +101,11 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
         t0 = time.perf_counter()
         for i in range(count):
             e = i % store.num_experts
-            kernel.run([gate_up[e]], [down[e]], [1.0], x[0], out)
+            if kernel.pooled:
+                kernel.start([gate_up[e]], [down[e]], [1.0], x[0], out)
+                kernel.finish()
+            else:
+                kernel.run([gate_up[e]], [down[e]], [1.0], x[0], out)
         return count * store.expert_bytes / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -152,15 +161,17 @@ def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kerne
     return num_bytes / copy_s, num_bytes / cpu_s
 
 
-def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 3) -> float:
-    """Bytes/s of a multi-threaded fp32 sum over a buffer far larger than the caches: the memory
-    bandwidth the CPU expert kernel is compared against."""
+def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 5) -> float:
+    """Bytes/s of a multi-threaded fp32 sum over a buffer far larger than the caches, the best
+    of `repeat`: the memory bandwidth the CPU expert kernel is compared against."""
     data = torch.ones(num_bytes // 4, dtype=torch.float32)
     data.sum()  # warm-up (page faults)
-    t0 = time.perf_counter()
+    best = float("inf")
     for _ in range(repeat):
+        t0 = time.perf_counter()
         data.sum()
-    return repeat * num_bytes / (time.perf_counter() - t0)
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
 
 
 def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=None) -> Profile:
@@ -169,7 +180,9 @@ def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=
     layer = store.layers[0]
     dest = torch.empty(min(count, 16), store.expert_numel, dtype=store.dtype, device=device)
     _time_copies(store, layer, dest, 4)  # warm-up
-    _time_cpu(store, layer, 4, kernel)
+    if kernel is not None and kernel.pooled:  # torch's OpenMP team may still spin (see above)
+        time.sleep(SPIN_SETTLE_S)
+    _time_cpu(store, layer, 4, kernel)  # (also starts the pool's threads)
     copy_alone = _time_copies(store, layer, dest, count)
     cpu_alone = _time_cpu(store, layer, count, kernel)
     if kernel is not None and kernel.pooled:
