@@ -9,7 +9,7 @@
 # tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 / NOSPIN=0 skip the
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
 # PROBES=0 skips host_step_costs.py and bench_cpu_kernel.py;
-# POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) shape the decode benchmark, and
+# OFFLOADS, POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) shape the decode benchmark, and
 # CPU_KERNEL (a comma list of torch, native and native-nopool: AGENTRT_CPU_POOL=0) runs it once
 # per kernel, in that order; LIMIT
 # (seconds, default 580) caps the whole script: a decode run that would pass it is cut short.
@@ -36,7 +36,7 @@ for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
     cat "$OUT/bw.json" >> "$LOG" && rm -f "$OUT/bw.json"
   fi
   timeout "$(left)" python3 -m agentrt.cli bench decode --model $M --device cuda \
-    --vram-budget 16GiB --offload none,auto,static,layer --split on,off \
+    --vram-budget 16GiB --offload "${OFFLOADS:-none,auto,static,layer}" --split on,off \
     --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
     --cpu-kernel "${K%-nopool}" --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" \
     --json "$OUT/decode_offload_$K.json" --py-profile "$OUT/py_profile_$K.txt" \
