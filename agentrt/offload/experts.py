@@ -400,17 +400,18 @@ class OffloadedExperts:
         return event
 
     def _prefetch_cap(self, own: int = 0) -> int:
-        """Experts to prefetch for the next layer, at least one. With the split: what PCIe
-        carries in one layer's time (the measured period between host steps) besides this
-        layer's `own` copies (the CPU takes the rest). Copy-only: what PCIe carries in the gap
-        between host steps (the GPU piece; its host steps end once the copies are queued).
-        Measured on the H200 (copy-only, random weights): the gap cap 118 prefetches per token
-        at 90% right, 28.9 tok/s; the period cap 39, 24.2 tok/s; every predicted miss 264 at
-        76%, 23.5 tok/s. Unbounded on the CPU before any measurement (tests), one on a GPU."""
-        window, mine = (self._period, own) if self.split else (self._gap, 0)
+        """Experts to prefetch for the next layer, at least one: what PCIe carries in a window
+        besides this layer's `own` copies. With the split the window is one layer's time (the
+        measured period between host steps; the CPU takes the rest); copy-only, the gap between
+        host steps (the GPU piece, which also waits for the layer's own copies: hence they are
+        subtracted there too). Measured on the H200 (copy-only, random weights): a cap of 118
+        prefetches per token at 90% right gave 28.9 tok/s; 39, 24.2; every predicted miss (264
+        at 76%), 23.5; the gap cap without subtracting the own copies, from B_P alone, 250 at
+        78%, 24.6. Unbounded on the CPU before any measurement (tests), one on a GPU."""
+        window = self._period if self.split else self._gap
         if window is None:
             return 1 if self.on_cuda else self.store.num_experts
-        return max(1, int(window * self.bw.copy / self.store.expert_bytes) - mine)
+        return max(1, int(window * self.bw.copy / self.store.expert_bytes) - own)
 
     def _await_prefetch(self, layer: int) -> None:
         """The current stream waits for the copies prefetched into `layer`'s slots."""
