@@ -14,7 +14,14 @@ decodes faster than `DRAM read bandwidth / those bytes per token`, whatever its 
 DRAM read bandwidth (`dram_read_gb_s`) is the fastest host-memory read the invocation saw: a
 multi-threaded sum at its start, the calibration's copies and CPU experts running together, and
 every run's CPU experts (`dram_read_sources_gb_s`); each `auto` run's ceiling is compared with
-`static`'s measured tok/s (`ceiling_vs_static`).
+`static`'s measured tok/s (`ceiling_vs_static`). The layer-chain ceiling (`chain_ceiling_tok_s`,
+`auto` runs) adds the GPU time: a token's layers form one chain (a layer's CPU experts need its
+GPU work up to the router, the next layer's GPU work needs their sum), so the CPU's share C of
+the missing bytes N adds to the GPU time, T >= t_gpu + C / B_H', while copies may overlap
+everything, N - C <= B_P' * T; hence T >= (t_gpu * B_H' + N) / (B_P' + B_H'), with the run's own
+measured bandwidths (copy-only: T >= N / B_P), and T >= N / DRAM, T >= t_gpu. t_gpu (the
+resident run) includes the GPU's own expert work, which could overlap the CPU's: the ceiling is
+that much too low, by the share of expert work in t_gpu.
 With `repeat` > 1 the settings run that many rounds, interleaved (all settings, then all again),
 and each setting reports the round of median tok/s with every round's tok/s beside it; `layer`
 runs once, last (it moves layers to the host for good).
@@ -367,6 +374,8 @@ def _add_ceilings(runs: list[dict], dram: float, expert_bytes: int) -> None:
     the experts missing from the device when their layer came (`auto`: misses and the experts a
     prefetch brought in time; static/layer: the CPU's experts) read once at `dram` bytes/s."""
     static = next((r["tok_s"] for r in runs if r["offload"] == "static"), None)
+    resident = next((r for r in runs if r["offload"] == "none"), None)
+    t_gpu = resident["ms_per_token"] / 1000 if resident else None
     for run in runs:
         if run["offload"] == "none":
             continue
@@ -376,12 +385,33 @@ def _add_ceilings(runs: list[dict], dram: float, expert_bytes: int) -> None:
             missing = run["cpu_experts_per_token"]
         run["host_read_bytes_per_token"] = needed = missing * expert_bytes
         run["host_memory_ceiling_tok_s"] = dram / needed if needed else None
-        if run["offload"] == "auto" and static and needed:
+        if run["offload"] != "auto" or not needed:
+            continue
+        if t_gpu is not None and run["measured_copy_gb_s"]:
+            cpu = run["measured_cpu_gb_s"] if run["split"] else None
+            run["chain_ceiling_tok_s"] = 1 / chain_seconds(
+                needed, t_gpu, run["measured_copy_gb_s"] * 1e9, cpu and cpu * 1e9, dram
+            )
+        if static:
             run["ceiling_vs_static"] = run["host_memory_ceiling_tok_s"] / static
+            if "chain_ceiling_tok_s" in run:
+                run["chain_ceiling_vs_static"] = run["chain_ceiling_tok_s"] / static
+
+
+def chain_seconds(
+    needed: float, t_gpu: float, copy: float, cpu: float | None, dram: float
+) -> float:
+    """The least seconds per token of the layer chain (module docstring): `needed` bytes of
+    missing experts, copied at `copy` bytes/s behind everything and (with the split) computed
+    at `cpu` bytes/s on the chain, all read from host memory at `dram` at most."""
+    least = max(needed / dram, t_gpu)
+    if cpu:
+        return max(least, (t_gpu * cpu + needed) / (copy + cpu))
+    return max(least, needed / copy)
 
 
 def ceiling_lines(runs: list[dict], dram: float) -> str:
-    """One line per offloaded run: the bytes it must read from host memory and its ceiling."""
+    """One line per offloaded run: the bytes it must read from host memory and its ceilings."""
     lines = [f"host-memory ceiling (DRAM read {dram / 1e9:.1f} GB/s):"]
     for r in runs:
         if r.get("host_memory_ceiling_tok_s") is None:
@@ -390,7 +420,11 @@ def ceiling_lines(runs: list[dict], dram: float) -> str:
         line = f"- {r['label']:<28}{r['host_read_bytes_per_token'] / 1e6:>8.0f} MB/token"
         line += f"  <= {r['host_memory_ceiling_tok_s']:.1f} tok/s"
         if "ceiling_vs_static" in r:
-            line += f"  = {r['ceiling_vs_static']:.2f}x static at most"
+            line += f" ({r['ceiling_vs_static']:.2f}x static)"
+        if "chain_ceiling_tok_s" in r:
+            line += f"; layer chain <= {r['chain_ceiling_tok_s']:.1f} tok/s"
+        if "chain_ceiling_vs_static" in r:
+            line += f" ({r['chain_ceiling_vs_static']:.2f}x static)"
         lines.append(line)
     return "\n".join(lines)
 

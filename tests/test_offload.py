@@ -717,3 +717,28 @@ def test_copy_only_sizes_its_prefetch_by_the_copies_alone(monkeypatch):
     split = placement.bandwidths(store, "cpu", OffloadConfig(mode="auto"), False)
     alone = placement.bandwidths(store, "cpu", OffloadConfig(mode="auto", split=False), False)
     assert (split.copy, split.cpu) == (30e9, 40e9) and alone.copy == 50e9
+
+
+def test_the_layer_chain_ceiling_adds_the_gpu_time_to_the_cpu_share():
+    """A token's CPU experts sit on the chain of layers (T >= t_gpu + C / B_H') while copies
+    may overlap everything (N - C <= B_P' T): T >= (t_gpu B_H' + N) / (B_P' + B_H'), never
+    under N / DRAM nor t_gpu; copy-only, N / B_P."""
+    from agentrt.bench_offload import _add_ceilings, chain_seconds
+
+    assert chain_seconds(1.0, 0.01, 50.0, 70.0, 1e3) == pytest.approx((0.01 * 70 + 1) / 120)
+    assert chain_seconds(1.0, 0.0, 50.0, 70.0, 100.0) == pytest.approx(1 / 100)  # DRAM
+    assert chain_seconds(1.0, 0.001, 50.0, None, 1e3) == pytest.approx(1 / 50)  # copy-only
+    assert chain_seconds(1e-6, 0.02, 50.0, 70.0, 100.0) == 0.02  # the GPU alone
+    split = {"offload": "auto", "split": True, "misses_per_token": 100.0}
+    split |= {"prefetch_hits_per_token": 60.0, "measured_copy_gb_s": 50.0}
+    split |= {"measured_cpu_gb_s": 70.0, "tok_s": 30.0}
+    static = {"offload": "static", "cpu_experts_per_token": 170.0, "tok_s": 25.0}
+    runs = [{"offload": "none", "ms_per_token": 10.0}, split, static]
+    _add_ceilings(runs, dram=100e9, expert_bytes=6_000_000)
+    need = 160 * 6_000_000
+    assert split["host_read_bytes_per_token"] == need
+    want = 1 / max(need / 100e9, (0.01 * 70e9 + need) / 120e9)
+    assert split["chain_ceiling_tok_s"] == pytest.approx(want)
+    assert split["chain_ceiling_tok_s"] <= split["host_memory_ceiling_tok_s"]
+    assert split["chain_ceiling_vs_static"] == pytest.approx(want / 25.0)
+    assert "chain_ceiling_tok_s" not in static
