@@ -614,7 +614,10 @@ def bench_decode(
     py_profile,
 ) -> None:
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
-    --offload, per expert placement (every combination of --offload/--split/--expert-policy)."""
+    --offload, per expert placement (every combination of --offload/--split/--expert-policy),
+    with each placement's DESIGN §8 bound and, at its hit rate, the ceilings against static:
+    host memory (the missing experts' bytes at the fastest host read seen) and the layer chain
+    (CPU experts between a token's GPU pieces, copies overlapping)."""
     modes = ["off"] if eager else graphs
     if py_profile and not offload:
         raise click.BadParameter("only with --offload", param_hint="--py-profile")
