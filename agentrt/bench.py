@@ -550,6 +550,7 @@ def bandwidth(
     from agentrt.offload.calibrate import (
         calibrate,
         dram_read_bandwidth,
+        profile_kernel,
         profile_path,
         save_profile,
     )
@@ -571,8 +572,9 @@ def bandwidth(
     torch.nn.init.uniform_(store.flat[store.layers[0]], -0.02, 0.02)
     profile = calibrate(store, torch.device(device), count, kernel)
     dram = dram_read_bandwidth()
+    key = profile_kernel(kernel)  # (`-pool` where the kernel runs on its thread pool)
     path = profile_path(
-        home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes, cpu_kernel
+        home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes, key
     )
     save_profile(profile, path)
     gb = {k: round(v / 1e9, 2) for k, v in asdict(profile).items() if isinstance(v, float)}

@@ -197,7 +197,8 @@ def offload_decode(
         "ratios": ratios(results),
     }
     print(summary_table(results), file=sys.stderr)
-    print(ceiling_lines(results, dram), file=sys.stderr)
+    if ceilings := ceiling_lines(results, dram):
+        print(ceilings, file=sys.stderr)
     return report
 
 
@@ -412,12 +413,13 @@ def chain_seconds(
 
 def ceiling_lines(runs: list[dict], dram: float) -> str:
     """One line per offloaded run: the bytes it must read from host memory and its ceilings."""
+    rows = [r for r in runs if r.get("host_memory_ceiling_tok_s") is not None]
+    if not rows:
+        return ""
     lines = [f"host-memory ceiling (DRAM read {dram / 1e9:.1f} GB/s):"]
-    for r in runs:
-        if r.get("host_memory_ceiling_tok_s") is None:
-            continue
+    for r in rows:
         # (no leading space: scripts drop indented lines, the JSON, from the output)
-        line = f"- {r['label']:<28}{r['host_read_bytes_per_token'] / 1e6:>8.0f} MB/token"
+        line = f"- {r['label']:<30}{r['host_read_bytes_per_token'] / 1e6:>8.0f} MB/token"
         line += f"  <= {r['host_memory_ceiling_tok_s']:.1f} tok/s"
         if "ceiling_vs_static" in r:
             line += f" ({r['ceiling_vs_static']:.2f}x static)"

@@ -40,7 +40,7 @@ for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
     --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
     --cpu-kernel "${K%-nopool}" --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" \
     --json "$OUT/decode_offload_$K.json" --py-profile "$OUT/py_profile_$K.txt" \
-    2>&1 | grep -v '^ \|^{\|^}' | tee -a "$LOG" | tail -16
+    2>&1 | grep -v '^ \|^{\|^}' | tee -a "$LOG" | tail -24
 done
 # the split and copy-only again with libgomp's default waiting (AGENTRT_OMP_SPIN=0: the CLI does
 # not make idle OpenMP workers spin), to show what spinning workers change

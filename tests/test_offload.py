@@ -444,8 +444,8 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
 
 def test_prefetch_count_fills_pcie_over_a_layers_time():
     """Per layer, as many experts as the copy bandwidth moves in the measured period between
-    host steps, less the layer's own copies (with the split), or in the gap between them
-    (copy-only), at least one."""
+    host steps (with the split) or in the gap between them (copy-only), less the layer's own
+    copies, at least one."""
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
 
     store = _store(layers=2, experts=8)
@@ -467,6 +467,8 @@ def test_prefetch_count_fills_pcie_over_a_layers_time():
     experts._measure_period(1, 12.001)
     assert experts._gap == pytest.approx(0.0005)  # (the first gap sample)
     assert experts._prefetch_cap(own=9) == 1  # 0.0005 s x 5.5 experts / 0.002 s = 1.375
+    experts.bw.copy = 5.5 * store.expert_bytes / 0.0005  # the gap carries 5.5 experts
+    assert experts._prefetch_cap() == 5 and experts._prefetch_cap(own=2) == 3  # own subtracted
 
 
 def test_a_copy_that_fails_leaves_no_expert_listed_as_resident(monkeypatch):
@@ -599,8 +601,12 @@ from agentrt.offload.store import ExpertStore
 store = ExpertStore(range(1), 4, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
 k.pooled = True  # calibration overlaps copies with the pool, as graph decode's host steps do
 cal._time_threaded_overlap = None  # (the helper-thread arrangement must not run)
+posts, start = [], k.start
+k.start = lambda *args: posts.append(1) or start(*args)
 p = cal.calibrate(store, torch.device("cpu"), count=8, kernel=k)
-assert p.copy_overlapped > 0 and p.cpu_overlapped > 0
+assert p.copy_overlapped > 0 and p.cpu_overlapped > 0 and p.cpu > 0
+assert len(posts) == 4 + 8 + 8  # warm-up, B_H and B_H' all on the pool
+assert cal.profile_kernel(k) == "native-pool" and not k.posted
 print("ok")
 """
 
@@ -742,3 +748,27 @@ def test_the_layer_chain_ceiling_adds_the_gpu_time_to_the_cpu_share():
     assert split["chain_ceiling_tok_s"] <= split["host_memory_ceiling_tok_s"]
     assert split["chain_ceiling_vs_static"] == pytest.approx(want / 25.0)
     assert "chain_ceiling_tok_s" not in static
+
+
+def test_calibration_falls_back_to_the_callers_thread_when_the_pool_cannot_start():
+    """A native kernel whose pool's threads cannot be made (start raises OSError and turns
+    `pooled` off, as `NativeExperts.start` does) is calibrated on the calling thread, as decode
+    then runs it, and its profile is keyed without `-pool`."""
+    from agentrt.offload.calibrate import calibrate, profile_kernel
+
+    class NoPool:
+        pooled, posted, runs = True, False, 0
+
+        def start(self, *args) -> None:
+            self.pooled = False
+            raise OSError("native CPU expert kernel: no thread pool (code -1)")
+
+        def run(self, gate_up, down, weights, x, out, accumulate=False) -> None:
+            self.runs += 1
+            out.zero_()
+
+    kernel = NoPool()
+    assert profile_kernel(kernel) == "native-pool" and profile_kernel(None) == "torch"
+    profile = calibrate(_store(layers=1, experts=4), torch.device("cpu"), count=4, kernel=kernel)
+    assert profile.cpu > 0 and profile.cpu_overlapped > 0 and kernel.runs == 4 + 4 + 4
+    assert profile_kernel(kernel) == "native"

@@ -6,6 +6,7 @@ and install `OffloadedExperts` in the model (auto mode), or place the static / l
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,10 +18,11 @@ from agentrt.offload.calibrate import (
     Profile,
     calibrate,
     load_profile,
+    profile_kernel,
     profile_path,
     save_profile,
 )
-from agentrt.offload.cpu_kernel import kernel_for, kernel_name
+from agentrt.offload.cpu_kernel import kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.store import ExpertStore
@@ -65,15 +67,18 @@ def profile_for(
     """The saved calibration profile for this GPU / CPU / expert shape / CPU kernel (`kernel`:
     a `NativeExperts`, else torch's), else a few seconds of measurement (saved for the next
     start)."""
-    name = kernel_name(kernel)
-    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, name)
-    profile = None if recalibrate else load_profile(path)
+
+    def path() -> Path:  # (keyed by the kernel and whether it runs on its pool)
+        key = profile_kernel(kernel)
+        return profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, key)
+
+    profile = None if recalibrate else load_profile(path())
     if profile is None:
         print(
             "agentrt: calibrating expert copy / CPU bandwidths (a few seconds) ...", file=sys.stderr
         )
         profile = calibrate(store, device, kernel=kernel)
-        save_profile(profile, path)
+        save_profile(profile, path())  # (a pool that could not start measured the caller's thread)
     return profile
 
 

@@ -13,11 +13,13 @@ import json
 import platform
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from agentrt.offload.cpu_kernel import kernel_name
 from agentrt.offload.store import ExpertStore
 
 # torch's OpenMP workers spin about this long at most after a parallel region (GOMP_SPINCOUNT,
@@ -58,7 +60,7 @@ def profile_path(
     root: Path, device: torch.device, dtype: torch.dtype, expert_bytes: int, kernel: str = "torch"
 ) -> Path:
     """Where the profile of this GPU / CPU / dtype / expert size (/ CPU kernel, when not
-    torch's: the name torch's profiles always had) is saved."""
+    torch's: the name torch's profiles always had; `profile_kernel` gives it) is saved."""
     key = (
         f"{device_name(device)}__{cpu_model()}__{str(dtype).removeprefix('torch.')}__{expert_bytes}"
     )
@@ -81,14 +83,28 @@ def save_profile(profile: Profile, path: Path) -> None:
     path.write_text(json.dumps(asdict(profile), indent=2) + "\n")
 
 
-def _time_copies(store: ExpertStore, layer: int, dest: torch.Tensor, count: int) -> float:
+def _time_copies(
+    store: ExpertStore, layer: int, dest: torch.Tensor, count: int, offset: int = 0
+) -> float:
+    """Bytes/s of `count` expert copies into `dest`'s rows, from expert `offset` on."""
     device = dest.device
+    rows = store.flat[layer]
     t0 = time.perf_counter()
     for i in range(count):
-        dest[i % dest.shape[0]].copy_(store.flat[layer][i % store.num_experts], non_blocking=True)
+        dest[i % dest.shape[0]].copy_(rows[(i + offset) % store.num_experts], non_blocking=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return count * store.expert_bytes / (time.perf_counter() - t0)
+
+
+def _on_pool(kernel, gate_up, down, x, out) -> None:
+    """Post one expert to the native kernel's pool and wait for it; the pool is free again
+    whatever happens (an interrupt may land once the call is posted)."""
+    try:
+        kernel.start([gate_up], [down], [1.0], x, out)
+    finally:
+        if kernel.posted:
+            kernel.finish()
 
 
 def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
@@ -102,8 +118,7 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
         for i in range(count):
             e = i % store.num_experts
             if kernel.pooled:
-                kernel.start([gate_up[e]], [down[e]], [1.0], x[0], out)
-                kernel.finish()
+                _on_pool(kernel, gate_up[e], down[e], x[0], out)
             else:
                 kernel.run([gate_up[e]], [down[e]], [1.0], x[0], out)
         return count * store.expert_bytes / (time.perf_counter() - t0)
@@ -120,10 +135,11 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
 def _time_threaded_overlap(store: ExpertStore, layer: int, dest, count: int, kernel=None):
     """(B_P', B_H'): copies from a helper thread, CPU experts on this one, the thread that
     computes experts in decode (a second thread running torch CPU kernels would bring a second
-    OpenMP team)."""
+    OpenMP team). The copies read other experts than the CPU computes, as in decode."""
     result: dict[str, float] = {}
+    half = store.num_experts // 2
     thread = threading.Thread(
-        target=lambda: result.__setitem__("copy", _time_copies(store, layer, dest, count))
+        target=lambda: result.__setitem__("copy", _time_copies(store, layer, dest, count, half))
     )
     thread.start()
     cpu = _time_cpu(store, layer, count, kernel)
@@ -133,32 +149,42 @@ def _time_threaded_overlap(store: ExpertStore, layer: int, dest, count: int, ker
 
 def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kernel):
     """(B_P', B_H') as graph decode's host steps run them with the native kernel's pool: this
-    thread posts one CPU expert at a time to the pool and, while it computes, issues one copy;
-    copies are timed on the device (CUDA events) or, on the CPU, by their own wall time."""
+    thread posts one CPU expert at a time to the pool and, while it computes, issues a copy of
+    another expert. Copies are timed by their own busy time (an event pair each on the device,
+    wall time on the CPU), so a copy engine left waiting for the CPU does not count."""
     x = torch.randn(store.hidden).to(store.dtype)
     out = torch.empty(store.hidden, dtype=torch.float32)
     gate_up, down, rows = store.gate_up(layer), store.down(layer), store.flat[layer]
+    n, half = store.num_experts, store.num_experts // 2
     on_cuda = dest.device.type == "cuda"
-    if on_cuda:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     copy_s, t_loop = 0.0, time.perf_counter()
-    for i in range(count):
-        e = i % store.num_experts
-        kernel.start([gate_up[e]], [down[e]], [1.0], x, out)
-        t0 = time.perf_counter()
-        try:
-            dest[i % dest.shape[0]].copy_(rows[e], non_blocking=True)
-        finally:
-            copy_s += time.perf_counter() - t0
-            kernel.finish()
-    cpu_s = time.perf_counter() - t_loop
-    if on_cuda:
-        end.record()
-        end.synchronize()
-        copy_s = begin.elapsed_time(end) / 1000
+    with torch.cuda.device(dest.device) if on_cuda else nullcontext():
+        for i in range(count):
+            e = i % n
+            try:
+                kernel.start([gate_up[e]], [down[e]], [1.0], x, out)
+                t0 = time.perf_counter()
+                if on_cuda:
+                    marks.append(_event_pair())
+                    marks[-1][0].record()
+                dest[i % dest.shape[0]].copy_(rows[(e + half) % n], non_blocking=True)
+                if on_cuda:
+                    marks[-1][1].record()
+                copy_s += time.perf_counter() - t0
+            finally:
+                if kernel.posted:
+                    kernel.finish()
+        cpu_s = time.perf_counter() - t_loop
+        if on_cuda:
+            torch.cuda.synchronize(dest.device)
+            copy_s = sum(a.elapsed_time(b) for a, b in marks) / 1000
     num_bytes = count * store.expert_bytes
     return num_bytes / copy_s, num_bytes / cpu_s
+
+
+def _event_pair() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
 def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 5) -> float:
@@ -176,13 +202,23 @@ def dram_read_bandwidth(num_bytes: int = 2**30, repeat: int = 5) -> float:
 
 def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=None) -> Profile:
     """Measure in a few seconds (for a 6 MB expert, 64 copies and 64 CPU expert passes each);
-    the CPU side through `kernel` (a `NativeExperts`) when given, else torch's kernels."""
+    the CPU side through `kernel` (a `NativeExperts`) when given, else torch's kernels. Where
+    the kernel's pool cannot start, the kernel runs on this thread, as decode's then does."""
     layer = store.layers[0]
     dest = torch.empty(min(count, 16), store.expert_numel, dtype=store.dtype, device=device)
     _time_copies(store, layer, dest, 4)  # warm-up
     if kernel is not None and kernel.pooled:  # torch's OpenMP team may still spin (see above)
         time.sleep(SPIN_SETTLE_S)
-    _time_cpu(store, layer, 4, kernel)  # (also starts the pool's threads)
+    try:
+        return _measure(store, layer, dest, count, kernel)
+    except OSError:
+        if kernel is None or kernel.pooled:  # (not the pool failing to start)
+            raise
+        return _measure(store, layer, dest, count, kernel)
+
+
+def _measure(store: ExpertStore, layer: int, dest, count: int, kernel) -> Profile:
+    _time_cpu(store, layer, 4, kernel)  # warm-up (and the pool's threads start)
     copy_alone = _time_copies(store, layer, dest, count)
     cpu_alone = _time_cpu(store, layer, count, kernel)
     if kernel is not None and kernel.pooled:
@@ -195,7 +231,14 @@ def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=
         copy_both,
         cpu_both,
         store.expert_bytes,
-        device_name(device),
+        device_name(dest.device),
         cpu_model(),
         torch.get_num_threads(),
     )
+
+
+def profile_kernel(kernel) -> str:
+    """The CPU kernel's part of a profile's key: its name, `-pool` where it runs on the native
+    kernel's thread pool (measured differently from the same kernel on the caller's thread)."""
+    pooled = kernel is not None and kernel.pooled
+    return kernel_name(kernel) + ("-pool" if pooled else "")

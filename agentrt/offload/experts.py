@@ -28,9 +28,9 @@ this layer's MoE input (the residual stream changes little between layers) and h
 to the host step, which copies the predicted experts the next layer lacks into victim slots on
 the copy stream, behind this layer's own copies: they travel while the GPU computes this
 layer's experts and the next layer's attention, when the copy engine would idle, and the next
-layer finds them as hits. How many: with the split, what PCIe carries in a layer's time besides
-the layer's own copies (the CPU takes the rest); copy-only, what it carries in the gap between
-host steps. q* counts copies still queued ahead. With the native CPU kernel (on 4 or more
+layer finds them as hits. How many: what PCIe carries besides the layer's own copies, with the
+split in a layer's time (the CPU takes the rest), copy-only in the gap between host steps. q*
+counts copies still queued ahead. With the native CPU kernel (on 4 or more
 threads) the host step posts its CPU experts to the kernel's thread pool first and plans and
 issues the prefetch and fills the next piece's inputs meanwhile (with torch's kernels they run
 on the host step's thread, after those). On the CPU (tests) eager decode prefetches too.
