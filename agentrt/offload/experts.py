@@ -136,9 +136,7 @@ class OffloadedExperts:
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
         self._mark = self.fast.new_event() if self.fast is not None else None
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
-        self._period: float | None = None  # seconds from one host step's start to the next's
-        self._gap: float | None = None  # ... from one's end to the next's start (EMAs)
-        self._last_end = 0.0
+        self._period: float | None = None  # seconds from one host step's start to the next's (EMA)
         self._host_start: tuple[int, float] | None = None  # (layer, time) of the last one
         self._copies_done_at = 0.0  # when the copy engine runs dry (host clock, a model)
         self._token_stream: torch.cuda.Stream | None = None
@@ -400,18 +398,17 @@ class OffloadedExperts:
         return event
 
     def _prefetch_cap(self, own: int = 0) -> int:
-        """Experts to prefetch for the next layer, at least one: what PCIe carries in a window
-        besides this layer's `own` copies. With the split the window is one layer's time (the
-        measured period between host steps; the CPU takes the rest); copy-only, the gap between
-        host steps (the GPU piece, which also waits for the layer's own copies: hence they are
-        subtracted there too). Measured on the H200 (copy-only, random weights): a cap of 118
-        prefetches per token at 90% right gave 28.9 tok/s; 39, 24.2; every predicted miss (264
-        at 76%), 23.5; the gap cap without subtracting the own copies, from B_P alone, 250 at
-        78%, 24.6. Unbounded on the CPU before any measurement (tests), one on a GPU."""
-        window = self._period if self.split else self._gap
-        if window is None:
+        """Experts to prefetch for the next layer, at least one: what PCIe carries in one
+        layer's time (the measured period between host steps) besides this layer's `own`
+        copies. With the split the CPU takes the rest; copy-only, the prefetches fill what the
+        copy engine would leave idle (the GPU piece and the next host step). Measured on the
+        H200 (copy-only, random weights, B_P 52 GB/s): the gap between host steps without the
+        own copies (to 3f005ea) 250 prefetches per token at 78% right, 24.6 tok/s; that gap
+        less the own copies 57 at 93%, 24.5; a cap of 118 at 90%, 28.9. Unbounded on the CPU
+        before any measurement (tests), one on a GPU."""
+        if self._period is None:
             return 1 if self.on_cuda else self.store.num_experts
-        return max(1, int(window * self.bw.copy / self.store.expert_bytes) - own)
+        return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
 
     def _await_prefetch(self, layer: int) -> None:
         """The current stream waits for the copies prefetched into `layer`'s slots."""
@@ -550,7 +547,6 @@ class OffloadedExperts:
             self._host_work(layer, io, t_begin)
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
-            self._last_end = time.perf_counter()
 
     def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
         """The host step's work (see `_host_step`). With the native kernel, the CPU experts run
@@ -617,7 +613,6 @@ class OffloadedExperts:
         last, self._host_start = self._host_start, (layer, now)
         if last is not None and self.next_layer.get(last[0]) == layer:
             self._period = _average(self._period, now - last[1])
-            self._gap = _average(self._gap, now - self._last_end)
             self._stream_now = self._token_stream
         elif self.on_cuda:
             self._token_stream = torch.cuda.current_stream(self.device)
