@@ -391,6 +391,7 @@ CONCURRENT = """
 def test_two_processes_share_a_state_dir(tmp_path):
     state = tmp_path / "state"
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env["OMP_NUM_THREADS"] = "1"  # two processes at once: one thread each, not spinning teams
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(CONCURRENT), str(state), name],
