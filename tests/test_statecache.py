@@ -391,7 +391,7 @@ CONCURRENT = """
 def test_two_processes_share_a_state_dir(tmp_path):
     state = tmp_path / "state"
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env["OMP_NUM_THREADS"] = "1"  # two processes at once: one thread each, not spinning teams
+    env["OMP_NUM_THREADS"] = "1"  # two processes at once: one thread each (2-core CI)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(CONCURRENT), str(state), name],

@@ -404,8 +404,8 @@ class OffloadedExperts:
         copy engine would leave idle (the GPU piece and the next host step). Measured on the
         H200 (copy-only, random weights, B_P 52 GB/s): the gap between host steps without the
         own copies (to 3f005ea) 250 prefetches per token at 78% right, 24.6 tok/s; that gap
-        less the own copies 57 at 93%, 24.5; a cap of 118 at 90%, 28.9. Unbounded on the CPU
-        before any measurement (tests), one on a GPU."""
+        less the own copies 57 at 93%, 24.5; this cap 109 at 90%, 27.1 (on a host where static
+        ran 15% slower). Unbounded on the CPU before any measurement (tests), one on a GPU."""
         if self._period is None:
             return 1 if self.on_cuda else self.store.num_experts
         return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
