@@ -98,6 +98,22 @@ def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None
     return ids[:count]
 
 
+def load_offloadable(spec: str, device: str, dtype: str, seed: int):
+    """The model with its routed experts in one host store (pinned on CUDA), the store, and
+    the model's config."""
+    cfg = config_of(spec)
+    store = ExpertStore(
+        cfg.moe_layers,
+        cfg.num_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        torch_dtype(dtype),
+        pin=device.startswith("cuda"),
+    )
+    model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
+    return model, store, cfg
+
+
 def offload_decode(
     spec: str,
     device: str,
@@ -121,16 +137,7 @@ def offload_decode(
     from agentrt.bench import machine
 
     dtype = dtype or EngineConfig.default_dtype(device)
-    cfg = config_of(spec)
-    store = ExpertStore(
-        cfg.moe_layers,
-        cfg.num_experts,
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        torch_dtype(dtype),
-        pin=device.startswith("cuda"),
-    )
-    model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
+    model, store, cfg = load_offloadable(spec, device, dtype, seed)
     extra = PROFILE_STEPS if py_profile else 0
     ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens + extra, text, tokenizer_dir)
     if py_profile:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from agentrt.config import CPU_KERNELS, offload_mode
+from agentrt.config import CPU_KERNELS, PREFILL_PLANS, offload_mode
 from agentrt.errors import AgentrtError
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
@@ -94,6 +94,11 @@ def _csv_ints(ctx, param, value: str) -> list[int]:
             f"expected a comma-separated list of positive integers, got {value!r}"
         )
     return items
+
+
+def _csv_ints_or_empty(ctx, param, value: str) -> list[int]:
+    """Like `_csv_ints`, but an empty value is an empty list."""
+    return _csv_ints(ctx, param, value) if value.strip() else []
 
 
 def model_options(fn=None, *, cache_list: bool = False):
@@ -247,6 +252,17 @@ def offload_options() -> list:
             "where the CPU has AVX512-BF16."
         ),
         click.option(
+            "--prefill-plan",
+            type=click.Choice(list(PREFILL_PLANS)),
+            default="auto",
+            show_default=True,
+            help="For --offload auto: how a prefill chunk's missing experts reach the GPU, per "
+            "layer: stream (every missing expert, copied ahead while earlier layers compute), "
+            "routed (only those the chunk routed to, with few-token ones on the CPU when "
+            "--split is on), or auto (the cheaper by measured bandwidths). The staging ring "
+            "takes half a layer of experts from the expert cache.",
+        ),
+        click.option(
             "--cpu-moe-layers",
             type=click.IntRange(min=0),
             default=None,
@@ -299,6 +315,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         split=opts["split"] == "on",
         prefetch=opts["prefetch"] == "on",
         cpu_kernel=opts["cpu_kernel"],
+        prefill_plan=opts["prefill_plan"],
         cpu_moe_layers=opts["cpu_moe_layers"],
         cpu_layers=opts["cpu_layers"],
         expert_policy=opts["expert_policy"],
@@ -509,17 +526,87 @@ def _report(report: dict, json_out: str | None) -> None:
 )
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--offload",
+    type=click.Choice(["none", "auto"]),
+    default="none",
+    show_default=True,
+    help="auto: routed experts in host memory behind a device expert cache (with "
+    "--vram-budget or --expert-cache-slots); each --prefill-plan is timed, and the same rows "
+    "with every expert resident first (the floor's compute side).",
+)
+@click.option("--vram-budget", default=None, help="With --offload auto: e.g. 16GiB.")
+@click.option("--expert-cache-slots", type=click.IntRange(min=1), default=None)
+@click.option(
+    "--prefill-plan",
+    default="auto,stream,routed",
+    show_default=True,
+    callback=_csv_choice(*PREFILL_PLANS),
+    help="With --offload auto: comma-separated plans to time (the fixed ones are the baselines).",
+)
+@click.option(
+    "--suffixes",
+    default="",
+    callback=_csv_ints_or_empty,
+    help="With --offload auto: comma-separated suffix lengths timed after a cached prefix.",
+)
+@click.option(
+    "--prefix",
+    "prefix_len",
+    type=click.IntRange(min=1),
+    default=32768,
+    show_default=True,
+    help="Tokens of the cached prefix before each suffix.",
+)
+@_on_off("--split", "off: no missing expert runs on the CPU.")
+@click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
+@click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
+@_cpu_kernel_option("CPU expert kernel (calibration).")
 def bench_prefill(
-    model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat
+    model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat,
+    **offload,
 ) -> None:
-    """Prefill throughput (tok/s) for each prompt length and linear-attention kernel."""
+    """Prefill throughput (tok/s) for each prompt length and linear-attention kernel; with
+    --offload auto, offloaded prefill per plan against its floor
+    max(missing expert bytes / B_P, resident compute time)."""
     from agentrt import bench as b
 
+    prepare_cpu_threads(device, [offload["offload"]])
+    device = resolve_device(device)
+    if offload["offload"] == "auto":
+        offload["linear_attn"] = linear_attn[0]
+        report = _offload_prefill(model, device, dtype, seed, lengths, prefill_chunk, repeat, offload)
+        _report(report, json_out)
+        return
     _report(
-        b.prefill(
-            model, resolve_device(device), dtype, linear_attn, lengths, prefill_chunk, repeat, seed
-        ),
+        b.prefill(model, device, dtype, linear_attn, lengths, prefill_chunk, repeat, seed),
         json_out,
+    )
+
+
+def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict) -> dict:
+    from agentrt.bench_prefill import offload_prefill
+
+    if o["vram_budget"] is None and o["expert_cache_slots"] is None:
+        raise click.UsageError("--offload auto needs --vram-budget or --expert-cache-slots")
+    return offload_prefill(
+        model,
+        device,
+        dtype,
+        o["vram_budget"],
+        o["prefill_plan"],
+        lengths,
+        o["suffixes"],
+        o["prefix_len"],
+        chunk,
+        repeat=repeat,
+        seed=seed,
+        split=o["split"] == "on",
+        slots=o["expert_cache_slots"],
+        tokenizer_dir=o["tokenizer"],
+        resident=o["resident"],
+        cpu_kernel=o["cpu_kernel"],
+        linear_attn=o["linear_attn"],
     )
 
 

@@ -391,6 +391,7 @@ class StateCacheConfig:
 # ----------------------------------------------------------------------------- offload config
 
 OFFLOAD_MODES = ("none", "auto", "static", "layer")
+PREFILL_PLANS = ("auto", "stream", "routed")  # `OffloadConfig.prefill_plan` (offload/planner.py)
 CPU_KERNELS = ("auto", "torch", "native")  # `OffloadConfig.cpu_kernel` (offload/cpu_kernel.py)
 
 
@@ -428,6 +429,10 @@ class OffloadConfig:
     workspace_bytes: int = GIB
     copy_bandwidth: float | None = None  # bytes/s overrides (else calibrated)
     cpu_bandwidth: float | None = None
+    # offloaded prefill: how a layer's missing experts come (offload/planner.py) and the device
+    # bytes of its staging ring (None: half a layer of experts; taken from the expert cache)
+    prefill_plan: str = "auto"
+    staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in OFFLOAD_MODES:
@@ -442,6 +447,13 @@ class OffloadConfig:
             raise InvalidArgumentError(
                 f"cpu kernel must be auto, torch or native, got {self.cpu_kernel!r}"
             )
+        if self.prefill_plan not in PREFILL_PLANS:
+            raise InvalidArgumentError(
+                f"prefill plan must be one of {', '.join(PREFILL_PLANS)}, "
+                f"got {self.prefill_plan!r}"
+            )
+        if self.staging_bytes is not None and self.staging_bytes < 0:
+            raise InvalidArgumentError("staging_bytes must be >= 0")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise InvalidArgumentError("expert_cache_slots must be >= 1")
         for name in ("cpu_moe_layers", "cpu_layers"):

@@ -385,6 +385,37 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     assert (totals.prefetched > 0) == (name in ("split", "copy-only"))
 
 
+@pytest.mark.parametrize("plan", ["stream", "routed", "auto"])
+def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
+    """bf16 offloaded prefill (grouped GEMMs from the staging ring, copies on the copy stream,
+    CPU experts with the split) stays as close to the resident model as bf16 allows, for a
+    long prompt in several chunks and a short suffix after it."""
+    from agentrt import Runtime
+    from agentrt.config import OffloadConfig
+
+    ids = [(i * 7919) % 2000 + 10 for i in range(700)]
+    opts = dict(device="cuda", dtype="bfloat16", cache="off", prefill_chunk=256, linear_attn="torch")
+    resident = Runtime.open("tiny", **opts)
+    config = OffloadConfig(
+        mode="auto", expert_cache_slots=12, prefill_plan=plan, copy_bandwidth=1.0,
+        cpu_bandwidth=1.0,
+    )
+    rt = Runtime.open("tiny", offload=config, **opts)
+    state_a, state_b = resident.engine.new_state(), rt.engine.new_state()
+    want = resident.engine.prefill(state_a, ids, all_logits=True).float()
+    got = rt.engine.prefill(state_b, ids, all_logits=True).float()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 0.05 * scale
+    more = ids[:40]
+    a = resident.engine.prefill(state_a, more, all_logits=True).float()
+    b = rt.engine.prefill(state_b, more, all_logits=True).float()
+    assert (a - b).abs().max().item() < 0.05 * scale
+    totals = rt.engine.offload.prefill.totals
+    assert totals.layers > 0 and totals.copied > 0
+    if plan == "stream":
+        assert set(totals.plans) == {"stream"}
+
+
 def test_native_cpu_kernel_in_bf16_graph_decode():
     """bf16 graph decode with CPU misses (the split) through the native CPU kernel stays as close
     to the resident model as it does through torch's kernels (bf16 rounding differs between the

@@ -77,8 +77,9 @@ def test_offloaded_equals_dense(model_spec, reference, name):
     if name == "layer":
         hosted = [type(layer).__name__ == "HostLayer" for layer in rt.engine.model.layers]
         assert hosted[:2] == [True, True] and not any(hosted[2:])
-    if name not in ("static", "layer"):
-        assert t.streamed > 0  # the long prompt went through the prefill path
+    if name not in ("static", "layer"):  # the long prompt went through the prefill path
+        assert experts.prefill.totals.layers > 0
+        assert (t.streamed > 0) == (name != "cpu-only")
     # decode copied ahead the experts the next layer's router predicted (not for the baselines)
     assert (t.prefetched > 0) == (name not in ("static", "layer", "no-prefetch"))
     assert 0 <= t.prefetch_hits <= t.prefetched
@@ -183,15 +184,22 @@ def test_lfu_heap_victim_is_the_least_frequent_resident():
 
 
 def test_slots_follow_the_vram_budget():
-    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token, slots_for_budget
+    from agentrt.engine.placement import (
+        dense_bytes,
+        kv_bytes_per_token,
+        slots_for_budget,
+        staging_bytes,
+    )
 
     rt = Runtime.open(cache="off", offload="auto", vram_budget="2GiB", expert_policy="lru")
     model, store = rt.engine.model, rt.engine.offload.store
     config = OffloadConfig(
         mode="auto", vram_budget=64 * 2**20, kv_reserve_tokens=1024, workspace_bytes=2**20
     )
+    staging = staging_bytes(store, config)
+    assert staging > 0  # the prefill staging ring comes out of the budget
     expected = (
-        64 * 2**20 - dense_bytes(model) - 1024 * kv_bytes_per_token(model) - 2**20
+        64 * 2**20 - dense_bytes(model) - 1024 * kv_bytes_per_token(model) - 2**20 - staging
     ) // store.expert_bytes
     assert slots_for_budget(model, store, config) == expected
     from agentrt.errors import InvalidArgumentError
@@ -204,14 +212,20 @@ def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
     """Elastic (DESIGN §5): under a VRAM budget, KV that outgrows its reservation shrinks the
     expert cache by what it takes, and outputs still equal the dense model's; a prompt whose
     KV would leave no room for one token's experts is refused before anything changes."""
-    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token
+    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token, staging_bytes
     from agentrt.errors import PromptTooLongError
 
     ids, want_tokens, want_logits = reference
     probe = Runtime.open(model_spec, cache="off", offload=CONFIGS["split"])
     model, store = probe.engine.model, probe.engine.offload.store
-    reserve, slots = 64, 40  # KV for 64 tokens, then 40 slots
-    budget = dense_bytes(model) + reserve * kv_bytes_per_token(model) + slots * store.expert_bytes
+    reserve, slots = 64, 40  # KV for 64 tokens, then 40 slots (and the prefill staging)
+    staging = staging_bytes(store, OffloadConfig(mode="auto"))
+    budget = (
+        dense_bytes(model)
+        + reserve * kv_bytes_per_token(model)
+        + slots * store.expert_bytes
+        + staging
+    )
     config = OffloadConfig(
         mode="auto",
         vram_budget=budget,
@@ -230,7 +244,7 @@ def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
     rt.engine.prefill(state, ids)
     kv = sum(c.bytes_at(c.capacity) for c in state.kv_caches())
     assert cache.resizes >= 1 and cache.num_slots < slots
-    assert cache.num_slots == (budget - dense_bytes(model) - kv) // store.expert_bytes
+    assert cache.num_slots == (budget - dense_bytes(model) - kv - staging) // store.expert_bytes
     cache.check()
     tight = OffloadConfig(**{**config.__dict__, "vram_budget": budget - 36 * store.expert_bytes})
     small = Runtime.open(model_spec, cache="off", offload=tight)

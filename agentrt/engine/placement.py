@@ -25,6 +25,7 @@ from agentrt.offload.calibrate import (
 from agentrt.offload.cpu_kernel import kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
+from agentrt.offload.prefill import staging_bytes_for
 from agentrt.offload.store import ExpertStore
 
 
@@ -39,24 +40,33 @@ def kv_bytes_per_token(model: CausalLM) -> int:
     return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def staging_bytes(store: ExpertStore, config: OffloadConfig) -> int:
+    """Device bytes of the offloaded prefill's staging ring (auto mode)."""
+    if config.mode != "auto":
+        return 0
+    return staging_bytes_for(store.num_experts, store.expert_bytes, config.staging_bytes)
+
+
 def slots_for_budget(
     model: CausalLM, store: ExpertStore, config: OffloadConfig, kv_bytes: int | None = None
 ) -> int:
     """Expert slots that fit: budget - dense weights - KV (the reservation unless `kv_bytes`)
-    - workspace."""
+    - workspace - the prefill staging ring."""
     if config.expert_cache_slots is not None:
         return config.expert_cache_slots
     if config.vram_budget is None:
         return len(store.layers) * store.num_experts  # no budget: room for every expert
     reserved = config.kv_reserve_tokens * kv_bytes_per_token(model)
     kv = reserved if kv_bytes is None else max(kv_bytes, reserved)
-    free = config.vram_budget - dense_bytes(model) - kv - config.workspace_bytes
+    fixed = dense_bytes(model) + config.workspace_bytes + staging_bytes(store, config)
+    free = config.vram_budget - fixed - kv
     slots = free // store.expert_bytes
     if slots < model.config.num_experts_per_tok:
-        need = (dense_bytes(model) + kv + config.workspace_bytes) / 2**30
+        need = (fixed + kv) / 2**30
         raise InvalidArgumentError(
             f"vram budget {config.vram_budget / 2**30:.1f} GiB leaves no room for experts "
-            f"(dense weights, {kv / 2**30:.2f} GiB of KV and the workspace need {need:.1f} GiB)"
+            f"(dense weights, {kv / 2**30:.2f} GiB of KV, the workspace and the prefill "
+            f"staging need {need:.1f} GiB)"
         )
     return int(slots)
 
@@ -118,6 +128,8 @@ def install(
             adaptive=not given,
             routers=routers,
             cpu_kernel=kernel,
+            prefill_plan=config.prefill_plan,
+            staging_bytes=config.staging_bytes,
         )
         if config.vram_budget is not None and config.expert_cache_slots is None:
             experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)

@@ -8,10 +8,9 @@ results back) on the calling thread, with torch's intra-op thread pool (or the n
 process runs on that one thread (a second thread would bring a second OpenMP team to compete
 for the same cores), except in graph decode's host steps, below. Every (token,
 expert) pair's output lands in the same place it would in the dense path, and the weighted sum
-over the k experts is the same, so the result equals the dense computation. Large batches
-(prefill) stream the missing experts through a scratch slot instead of admitting them, so
-prefill does not evict the decode working set; with the split, the missing experts that were
-routed only a few tokens run on the CPU meanwhile (as many as the q* rule leaves to it).
+over the k experts is the same, so the result equals the dense computation. Many-token steps
+(prefill) go to `prefill.PrefillStreamer`, layer by layer through a staging ring, admitting
+nothing, so prefill does not evict the decode working set.
 `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
 
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
@@ -50,13 +49,11 @@ from agentrt.models.moe import expert_ffn
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.copies import CudaCalls
 from agentrt.offload.cpu_kernel import NativeExperts
+from agentrt.offload.prefill import PrefillStreamer
 from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
 
 PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as prefill
-# in prefill, a missing expert routed this many tokens or fewer may run on the CPU (the split):
-# there its cost is still about reading its weights once, as in decode
-PREFILL_CPU_TOKENS = 16
 # with measured bandwidths, every PROBE_EVERY-th decision that would send no miss to the CPU
 # sends one anyway: otherwise a few slow early samples would settle q* = m for good
 PROBE_EVERY = 64
@@ -113,6 +110,8 @@ class OffloadedExperts:
         adaptive: bool = True,
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel: NativeExperts | None = None,
+        prefill_plan: str = "auto",
+        staging_bytes: int | None = None,
     ) -> None:
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
@@ -154,6 +153,17 @@ class OffloadedExperts:
         # slots the VRAM budget allows next to this many bytes of KV (set under a budget: the
         # engine then lets growing KV take room from the cache, DESIGN §5 elastic)
         self.slots_for_kv: Callable[[int], int] | None = None
+        # many-token steps (prefill), layer by layer through a staging ring (`prefill.py`)
+        self.prefill = PrefillStreamer(
+            store,
+            cache,
+            bandwidths,
+            split=split,
+            plan=prefill_plan,
+            copy_stream=self.copy_stream,
+            staging_bytes=0 if cpu_layers else staging_bytes,
+            adaptive=self.adaptive,
+        )
 
     def buffers_key(self) -> tuple[int, ...]:
         """What a captured decode step depends on here: the slot pool (rebuilt by a resize)."""
@@ -172,26 +182,34 @@ class OffloadedExperts:
             if self.recorder is not None:
                 return self._captured(layer, x, ids, weights)
         self._await_prefetch(layer)  # (a graph step's prefetches are awaited within it)
+        if ids.numel() > PREFILL_PAIRS and layer not in self.cpu_layers:
+            return self._prefill_step(layer, x, ids, weights)
         flat = ids.reshape(-1).tolist()
         pairs = self._pairs(flat, top_k)  # expert -> rows of the flattened pairs
         if layer in self.cpu_layers:
-            plan_gpu, plan_cpu, streamed = [], list(pairs), []
-        elif len(flat) > PREFILL_PAIRS:
-            plan_gpu, plan_cpu, streamed = self._plan_prefill(layer, pairs)
+            plan_gpu, plan_cpu = [], list(pairs)
         else:
             self._read_copy_timing()  # `tolist` synchronised: earlier copies are done
-            plan_gpu, plan_cpu, streamed = self._plan_decode(layer, pairs)
+            plan_gpu, plan_cpu, _ = self._plan_decode(layer, pairs)
             if num_tokens == 1 and not self.on_cuda:  # (on a GPU, graph decode prefetches)
                 self._prefetch_after(layer, self._predict(layer, x, top_k).tolist(), pairs)
         out = torch.empty(len(flat), x.shape[1], dtype=x.dtype, device=x.device)
         rows, x_host = self._cpu_inputs(x, pairs, plan_cpu, top_k)
         self._run_slots(layer, x, pairs, plan_gpu, top_k, out)  # queued on the GPU ...
-        self._run_streamed(layer, x, pairs, streamed, top_k, out)
         if plan_cpu:  # ... while this thread computes the CPU experts
             segments = [(e, len(pairs[e])) for e in plan_cpu]
             result = self._cpu_ffn(layer, x_host, segments, observe=len(flat) <= PREFILL_PAIRS)
             out[rows] = result.to(out.device, out.dtype)
         return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def _prefill_step(self, layer, x, ids, weights) -> torch.Tensor:
+        """A many-token step through the prefill streamer; its plan is counted here too."""
+        out = self.prefill.run(layer, x, ids, weights)
+        plan = self.prefill.last_plan
+        self.totals.streamed += len(plan.copy)
+        self.totals.cpu += len(plan.cpu)
+        self.totals.bytes_copied += len(plan.copy) * self.store.expert_bytes
+        return out
 
     @staticmethod
     def _pairs(flat: list[int], top_k: int) -> dict[int, list[int]]:
@@ -233,28 +251,6 @@ class OffloadedExperts:
         stats.copied += len(copied)
         stats.cpu += len(cpu)
         return hits + copied, cpu, []
-
-    def _plan_prefill(self, layer: int, pairs: dict[int, list[int]]):
-        """Many tokens: hits from slots; misses stream through scratch (nothing is evicted),
-        except, with the split, those routed few tokens (`PREFILL_CPU_TOKENS`), fewest first, up
-        to the m - q* of the q* rule: they run on the CPU while the GPU works through the
-        streamed ones (a short suffix touches most experts with a few tokens each)."""
-        stats = self.cache.stats[layer]
-        lookup = self.cache.slot_of[layer]
-        hits = [e for e in pairs if lookup[e] >= 0]
-        misses = [e for e in pairs if lookup[e] < 0]
-        stats.hits += len(hits)
-        stats.misses += len(misses)
-        cpu: list[int] = []
-        if self.split and misses:
-            few = sorted(
-                (e for e in misses if len(pairs[e]) <= PREFILL_CPU_TOKENS),
-                key=lambda e: len(pairs[e]),
-            )
-            cpu = few[: len(misses) - q_star(len(misses), self.bw.copy, self.bw.cpu)]
-            stats.cpu += len(cpu)
-        on_cpu = set(cpu)
-        return hits, cpu, [e for e in misses if e not in on_cpu]
 
     def _copy_in(self, layer: int, experts: list[int], exclude: set, synced: bool = False):
         """Copy experts into victim slots; returns those that got a slot. Unless `synced`, the
@@ -428,51 +424,6 @@ class OffloadedExperts:
             slot = self.cache.lookup(layer, expert)
             idx = torch.tensor(rows, device=x.device) // top_k
             out[rows] = expert_ffn(x[idx], self.cache.gate_up(slot), self.cache.down(slot))
-
-    def _run_streamed(self, layer, x, pairs, experts, top_k, out) -> None:
-        """Missing experts of a large batch (prefill), double-buffered: expert i+1 is copied into
-        one scratch buffer on the copy stream while expert i computes from the other."""
-        if not experts:
-            return
-        scratch = [
-            torch.empty(self.store.expert_numel, dtype=self.store.dtype, device=self.device)
-            for _ in range(2)
-        ]
-        stream, ready, freed = self.copy_stream, [None, None], [None, None]
-        rows = self.store.expert_views(layer)[0]
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-
-        def fetch(i: int) -> None:
-            buf = i % 2
-            if stream is None:
-                scratch[buf].copy_(rows[experts[i]])
-                return
-            with torch.cuda.stream(stream):
-                if freed[buf] is not None:  # the expert computed from this buffer is done
-                    stream.wait_event(freed[buf])
-                scratch[buf].copy_(rows[experts[i]], non_blocking=True)
-                ready[buf] = _event(stream)
-
-        fetch(0)
-        for i, expert in enumerate(experts):
-            if i + 1 < len(experts):
-                fetch(i + 1)
-            buf = i % 2
-            if stream is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready[buf])
-            self._run_scratch(scratch[buf], x, pairs[expert], top_k, out)
-            if stream is not None:
-                freed[buf] = _event(torch.cuda.current_stream(self.device))
-        self.totals.streamed += len(experts)
-        self.totals.bytes_copied += len(experts) * self.store.expert_bytes
-
-    def _run_scratch(self, weights: torch.Tensor, x, rows: list[int], top_k: int, out) -> None:
-        inter, hidden = self.store.inter, self.store.hidden
-        idx = torch.tensor(rows, device=x.device) // top_k
-        gate_up = weights[: 2 * inter * hidden].view(2 * inter, hidden)
-        down = weights[2 * inter * hidden :].view(hidden, inter)
-        out[rows] = expert_ffn(x[idx], gate_up, down)
 
     def _cpu_inputs(self, x, pairs, experts, top_k) -> tuple[list[int], torch.Tensor | None]:
         """The rows the CPU experts compute, and their hidden states on the host."""

@@ -85,6 +85,7 @@ def _offload_config(
     cpu_layers=None,
     prefetch: bool = True,
     cpu_kernel: str = "auto",
+    prefill_plan: str = "auto",
 ) -> OffloadConfig:
     """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
     or a slot count is given, else `none`."""
@@ -102,6 +103,7 @@ def _offload_config(
         cpu_layers=cpu_layers,
         prefetch=prefetch,
         cpu_kernel=cpu_kernel,
+        prefill_plan=prefill_plan,
     )
 
 
@@ -189,6 +191,7 @@ class Runtime:
         cpu_layers: int | None = None,
         prefetch: bool = True,
         cpu_kernel: str = "auto",
+        prefill_plan: str = "auto",
     ) -> Runtime:
         """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
 
@@ -210,6 +213,7 @@ class Runtime:
             cpu_layers,
             prefetch,
             cpu_kernel,
+            prefill_plan,
         )
         config = EngineConfig(
             device=device,

@@ -1,0 +1,257 @@
+"""`agentrt bench prefill --offload auto`: offloaded prefill of every prefill plan in one
+invocation, on one model built once (routed experts in one host store, the rest on the device).
+
+Rows: cold prompts of each length, and suffixes of each length after a cached prefix (the
+prefix prefilled once, its state restored before each timed suffix). Per row: seconds (median
+of `repeat`), tok/s, bytes copied, the CPU's share of the (token, expert) pairs, the plans the
+layers took, and the floor `max(routed missing expert bytes / B_P, resident compute time)`:
+B_P from the calibration profile, the resident time from the same rows with every expert on the
+device (run first, in the same invocation, unless `resident=False`). Ratios: each plan against
+the best fixed plan of the same row, and each suffix against `stream`.
+Synthetic models carry random weights with real shapes: figures say nothing about quality.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
+from agentrt.engine import Engine
+from agentrt.engine.placement import install, profile_for
+from agentrt.models.moe import RoutedExperts
+from agentrt.offload.cpu_kernel import kernel_for
+
+FIXED_PLANS = ("stream", "routed")
+
+
+def offload_prefill(
+    spec: str,
+    device: str,
+    dtype: str | None,
+    budget: str | None,
+    plans: list[str],
+    lengths: list[int],
+    suffixes: list[int],
+    prefix_len: int,
+    chunk: int,
+    repeat: int = 3,
+    seed: int = 0,
+    split: bool = True,
+    slots: int | None = None,
+    tokenizer_dir: str | None = None,
+    resident: bool = True,
+    cpu_kernel: str = "auto",
+    linear_attn: str = "auto",
+) -> dict[str, Any]:
+    """The report of `bench prefill --offload auto` (see the module docstring)."""
+    from agentrt.bench import machine
+    from agentrt.bench_offload import load_offloadable, text_ids
+
+    dtype = dtype or EngineConfig.default_dtype(device)
+    model, store, cfg = load_offloadable(spec, device, dtype, seed)
+    longest = max([*lengths, prefix_len + max(suffixes, default=0)])
+    ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
+    kernel = kernel_for(cpu_kernel, store.dtype)
+    profile = profile_for(store, torch.device(device), kernel=kernel)
+    rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device)
+    runs = []
+    if resident:
+        print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
+        model.set_experts(
+            RoutedExperts(
+                {layer: store.gate_up(layer).to(device) for layer in store.layers},
+                {layer: store.down(layer).to(device) for layer in store.layers},
+            )
+        )
+        runs += rows.time(_engine(model, device, dtype, chunk, linear_attn), "resident", None)
+        model.set_experts(store.as_routed())
+        _free(device)
+    budget_bytes = parse_bytes(budget) if budget else None
+    staging = 0
+    for plan in plans:
+        print(f"agentrt: bench prefill, plan {plan} ...", file=sys.stderr)
+        config = OffloadConfig(
+            mode="auto",
+            split=split,
+            prefill_plan=plan,
+            vram_budget=budget_bytes,
+            expert_cache_slots=slots,
+            cpu_kernel=cpu_kernel,
+        )
+        experts = install(model, store, device, config)
+        filled = _fill_cache(experts, seed)
+        engine = _engine(model, device, dtype, chunk, linear_attn)
+        engine.offload = experts
+        for run in rows.time(engine, plan, experts):
+            runs.append({**run, "expert_cache_slots": experts.cache.num_slots, "cached": filled})
+        staging = experts.prefill.staging_bytes
+        model.set_experts(store.as_routed())
+        del engine, experts
+        _free(device)
+    _add_floors(runs, profile.copy, store.expert_bytes)
+    report = {
+        "bench": "prefill-offload",
+        "model": spec,
+        "device": device,
+        "dtype": dtype,
+        "vram_budget": budget,
+        "prefill_chunk": chunk,
+        "split": split,
+        "prefix_tokens": prefix_len,
+        "repeat": repeat,
+        "expert_bytes": store.expert_bytes,
+        "staging_gib": staging / 2**30,
+        "cache_state": "filled with random experts before the rows (a decode working set)",
+        "pinned_store": store.pinned,
+        "profile_gb_s": {"copy": profile.copy / 1e9, "cpu": profile.cpu_overlapped / 1e9},
+        "machine": machine(),
+        "runs": runs,
+        "ratios": _ratios(runs),
+    }
+    print(_table(runs), file=sys.stderr)
+    return report
+
+
+def _engine(model, device: str, dtype: str, chunk: int, linear_attn: str) -> Engine:
+    config = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=linear_attn)
+    return Engine(model, config)
+
+
+def _fill_cache(experts, seed: int) -> int:
+    """Fill the expert cache's free slots with random experts, as decode leaves it (prefill
+    admits nothing); returns how many it holds."""
+    cache, store = experts.cache, experts.store
+    keys = [(layer, e) for layer in store.layers for e in range(store.num_experts)]
+    order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+    for i in order[: len(cache.free)]:
+        layer, expert = keys[i]
+        slot = cache.admit(layer, expert, exclude=set())
+        cache.slot_rows[slot].copy_(store.flat[layer][expert])
+    return sum(1 for key in cache.owner if key is not None)
+
+
+class _Rows:
+    """Times one engine over the cold lengths and the suffixes after the prefix."""
+
+    def __init__(self, lengths, suffixes, prefix_len, ids, repeat, device) -> None:
+        self.lengths, self.suffixes, self.prefix_len = lengths, suffixes, prefix_len
+        self.ids, self.repeat, self.device = ids, repeat, device
+
+    def time(self, engine: Engine, plan: str, experts) -> list[dict]:
+        self._warm_up(engine)
+        out = []
+        for length in self.lengths:
+            state = engine.new_state(capacity=length + 8)
+            out.append(self._row(engine, plan, experts, "cold", length, state, None))
+        if self.suffixes:
+            state = engine.new_state(capacity=self.prefix_len + max(self.suffixes) + 8)
+            engine.prefill(state, self.ids[: self.prefix_len])
+            snap = state.export()
+            for length in self.suffixes:
+                out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
+        return out
+
+    def _warm_up(self, engine: Engine) -> None:
+        """Kernels, autotuning and allocator pools, before anything is timed."""
+        for length in {min(self.lengths or [512]), min(self.suffixes or [64])}:
+            engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
+        _sync(self.device)
+
+    def _row(self, engine, plan, experts, kind, length, state, snap) -> dict:
+        begin = self.prefix_len if kind == "suffix" else 0
+        part = self.ids[begin : begin + length]
+        before = _totals(experts)
+        times = []
+        for _ in range(self.repeat):
+            if snap is not None:
+                state.import_(snap)
+            else:
+                state.reset()
+            _sync(self.device)
+            t0 = time.perf_counter()
+            engine.prefill(state, part)
+            _sync(self.device)
+            times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+        row = {"plan": plan, "kind": kind, "tokens": length, "seconds": seconds}
+        row.update(tok_s=length / seconds, all_s=times, **_per_run(before, _totals(experts), self.repeat))
+        return row
+
+
+def _totals(experts) -> dict | None:
+    return None if experts is None else experts.prefill.totals.as_dict()
+
+
+def _per_run(before: dict | None, after: dict | None, repeat: int) -> dict:
+    """Counters of one prefill (the repeats' mean)."""
+    if before is None or after is None:
+        return {}
+    diff = {k: (after[k] - before[k]) / repeat for k in after if k != "plans"}
+    plans = {k: (v - before["plans"].get(k, 0)) // repeat for k, v in after["plans"].items()}
+    pairs = diff["pairs"] or 1
+    return {
+        "copy_gb": diff["copy_bytes"] / 1e9,
+        "cpu_experts": diff["cpu"],
+        "cpu_pair_share": diff["cpu_pairs"] / pairs,
+        "routed_missing": diff["routed_missing"],
+        "plans": {k: v for k, v in plans.items() if v},
+    }
+
+
+def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int) -> None:
+    """Each offloaded row's floor and its time against it."""
+    resident = {(r["kind"], r["tokens"]): r["seconds"] for r in runs if r["plan"] == "resident"}
+    for r in runs:
+        if r["plan"] == "resident":
+            continue
+        r["transfer_floor_s"] = r["routed_missing"] * expert_bytes / copy_bw
+        r["resident_s"] = resident.get((r["kind"], r["tokens"]))
+        r["floor_s"] = max(r["transfer_floor_s"], r["resident_s"] or 0.0)
+        r["vs_floor"] = r["seconds"] / r["floor_s"] if r["floor_s"] else None
+
+
+def _ratios(runs: list[dict]) -> dict[str, float]:
+    """Per row: each plan against the best fixed plan, suffixes also against stream."""
+    by_row: dict[tuple, dict[str, float]] = {}
+    for r in runs:
+        by_row.setdefault((r["kind"], r["tokens"]), {})[r["plan"]] = r["seconds"]
+    out = {}
+    for (kind, tokens), seconds in by_row.items():
+        fixed = [seconds[p] for p in FIXED_PLANS if p in seconds]
+        for plan, value in seconds.items():
+            if plan == "resident":
+                continue
+            if fixed:
+                out[f"{kind}{tokens}_{plan}_vs_best_fixed"] = value / min(fixed)
+            if kind == "suffix" and "stream" in seconds and plan != "stream":
+                out[f"{kind}{tokens}_{plan}_vs_stream"] = value / seconds["stream"]
+    return out
+
+
+def _table(runs: list[dict]) -> str:
+    lines = [f"{'plan':<9} {'row':<12} {'s':>8} {'tok/s':>9} {'GB':>7} {'cpu%':>6} {'x floor':>8}"]
+    for r in runs:
+        floor = r.get("vs_floor")
+        lines.append(
+            f"{r['plan']:<9} {r['kind'] + str(r['tokens']):<12} {r['seconds']:>8.3f} "
+            f"{r['tok_s']:>9.0f} {r.get('copy_gb', 0):>7.2f} "
+            f"{100 * r.get('cpu_pair_share', 0):>6.1f} "
+            f"{floor if floor is not None else float('nan'):>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    from agentrt.bench_offload import _free as free
+
+    free(device)

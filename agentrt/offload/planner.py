@@ -1,0 +1,117 @@
+"""Prefill plans for one MoE layer and chunk: a pure function of token counts per expert, which
+experts the device cache holds, and measured costs (no torch, no device).
+
+A chunk's tokens need every expert they were routed to. Those the cache holds run in place; the
+missing ones reach them one of three ways:
+- `stream`: copy every missing expert of the layer, routed or not. The copies need no routing, so
+  they are issued before the layer runs and travel while earlier layers compute.
+- `routed`: copy only the missing experts the chunk routed to. Fewer bytes, but the copies start
+  once the layer's routing is known: the copy engine idles through the layer's attention
+  (`Costs.exposed_s`).
+- `split`: `routed`, with the missing experts that received the fewest tokens computed on the
+  CPU meanwhile (the q* idea per expert: a CPU expert reads its weights once and pays for each
+  of its tokens; a copy costs the same whatever its tokens), as many as lower the slower side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PLANS = ("auto", "stream", "routed")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured rates: `copy_bw` host->device bytes/s, `cpu_bw` CPU expert weight reads in bytes/s
+    (next to running copies), `cpu_flops` the CPU experts' matmul rate, `token_flops` one token
+    through one expert, `exposed_s` the device time from one layer's experts to the next's
+    routing (what a routed plan cannot hide)."""
+
+    expert_bytes: int
+    copy_bw: float
+    cpu_bw: float
+    cpu_flops: float
+    token_flops: float
+    exposed_s: float = 0.0
+
+    def copy_s(self, num_experts: int) -> float:
+        return num_experts * self.expert_bytes / self.copy_bw if num_experts else 0.0
+
+    def cpu_s(self, tokens: int) -> float:
+        """One expert on the CPU for `tokens` tokens."""
+        if self.cpu_bw <= 0 or self.cpu_flops <= 0:
+            return float("inf")
+        return self.expert_bytes / self.cpu_bw + tokens * self.token_flops / self.cpu_flops
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """`copy`: missing experts copied to the device; `cpu`: missing experts run on the CPU;
+    `seconds`: the predicted time the layer's misses add (the slower side, plus what a routed
+    plan leaves exposed)."""
+
+    kind: str
+    copy: tuple[int, ...]
+    cpu: tuple[int, ...] = ()
+    seconds: float = 0.0
+
+
+def stream_plan(missing: Sequence[int], costs: Costs) -> LayerPlan:
+    """Copy every missing expert of the layer (routed or not)."""
+    return LayerPlan("stream", tuple(missing), (), costs.copy_s(len(missing)))
+
+
+def routed_plan(routed_missing: Mapping[int, int], costs: Costs, split: bool) -> LayerPlan:
+    """Copy the routed missing experts (`expert -> tokens`); with `split`, move those with the
+    fewest tokens to the CPU while that lowers max(copy time, CPU time)."""
+    order = sorted(routed_missing, key=lambda e: (routed_missing[e], e))
+    num_copy, cpu_time, on_cpu = len(order), 0.0, []
+    if split:
+        for expert in order:
+            now = max(costs.copy_s(num_copy), cpu_time)
+            moved = cpu_time + costs.cpu_s(routed_missing[expert])
+            if max(costs.copy_s(num_copy - 1), moved) >= now:
+                break
+            num_copy, cpu_time = num_copy - 1, moved
+            on_cpu.append(expert)
+    cpu = set(on_cpu)
+    copy = tuple(sorted(e for e in routed_missing if e not in cpu))
+    seconds = costs.exposed_s + max(costs.copy_s(len(copy)), cpu_time)
+    return LayerPlan("split" if on_cpu else "routed", copy, tuple(sorted(on_cpu)), seconds)
+
+
+def choose(
+    plan: str,
+    missing: Sequence[int],
+    routed_missing: Mapping[int, int],
+    costs: Costs,
+    split: bool,
+) -> LayerPlan:
+    """The plan `plan` asks for (`auto`: the cheaper of stream and routed, stream on a tie)."""
+    if plan == "stream":
+        return stream_plan(missing, costs)
+    routed = routed_plan(routed_missing, costs, split)
+    if plan == "routed":
+        return routed
+    stream = stream_plan(missing, costs)
+    return stream if stream.seconds <= routed.seconds else routed
+
+
+def prefer_stream(
+    counts: Sequence[int], num_missing: int, num_experts: int, costs: Costs, split: bool
+) -> bool:
+    """Whether the next layer should stream (decided before its routing is known, so its
+    copies can start now): the next layer is assumed to route like this one (`counts`: tokens
+    per routed expert), with its `num_missing` missing experts a random share of the layer."""
+    if num_missing == 0:
+        return False
+    share = num_missing / num_experts
+    ranked = sorted(counts)
+    take = round(len(ranked) * share)
+    # an evenly spread `share` of this layer's routed experts stands in for the next layer's
+    # routed missing ones
+    sample = {i: ranked[int(i * len(ranked) / take)] for i in range(take)} if take else {}
+    missing = list(range(num_missing))
+    auto = choose("auto", missing, sample, costs, split)
+    return auto.kind == "stream"

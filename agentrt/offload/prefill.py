@@ -1,0 +1,477 @@
+"""Layer-granular offloaded prefill: the experts of a many-token step (a prefill chunk), one MoE
+layer at a time, at the speed of the host->device link.
+
+Per layer: the chunk's routing is counted on the device and read once (one sync per layer); the
+planner (`planner.py`) picks how the missing experts come: streamed, routed-only, or partly on
+the CPU. The experts the device computes are laid out in *parts* of a few experts each; a part's
+missing experts are copied from the pinned host store in as few copies as their runs allow into
+one buffer of a small staging ring (its cache hits are copied in from their slots on the
+device), and the part runs as two grouped GEMMs over the tokens sorted by position. While part
+i computes, the copy stream fills the ring's other buffers: the layer's next parts, and, when the
+next layer streams, its parts too, so its copies travel under this layer's compute and the next
+layer's attention. Missing experts planned for the CPU run on this thread at the same time.
+
+Prefill admits nothing to the expert cache (the decode working set stays), and the host store
+stays the truth: every (token, expert) pair's output equals the dense path's.
+
+Owns: the staging ring, fills and their events, the per-layer plan record. Does not know: chat,
+sessions, decode (the caller routes single tokens elsewhere).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from agentrt.models.moe import RoutedExperts, _grouped_mm_fn
+from agentrt.offload.cache import ExpertCache
+from agentrt.offload.planner import Costs, LayerPlan, choose, prefer_stream
+from agentrt.offload.store import ExpertStore
+
+PARTS_PER_LAYER = 8  # a staging part holds this share of a layer's experts
+STAGING_PARTS = 4  # buffers in the ring, by default (half a layer of experts)
+CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
+
+
+def staging_parts(num_experts: int, staging_bytes: int | None, expert_bytes: int) -> int:
+    """Buffers the ring gets from `staging_bytes` (default: `STAGING_PARTS`), at least two."""
+    part = part_size(num_experts)
+    if staging_bytes is None:
+        return STAGING_PARTS
+    if staging_bytes == 0:  # (every layer resident or on the CPU: the baselines)
+        return 0
+    return max(2, staging_bytes // (part * expert_bytes))
+
+
+def part_size(num_experts: int) -> int:
+    return max(1, -(-num_experts // PARTS_PER_LAYER))
+
+
+def staging_bytes_for(num_experts: int, expert_bytes: int, staging_bytes: int | None) -> int:
+    """Device bytes the ring takes."""
+    parts = staging_parts(num_experts, staging_bytes, expert_bytes)
+    return parts * part_size(num_experts) * expert_bytes
+
+
+@dataclass(eq=False)
+class Fill:
+    """One part of one layer: its experts in buffer order, the positions copied from the host
+    (the others are cache hits, copied from their slots when the part runs)."""
+
+    layer: int
+    experts: list[int]
+    copies: list[int]
+    buffer: int = -1
+    ready: object = None  # event on the copy stream after the copies (None: done)
+
+
+@dataclass
+class PrefillTotals:
+    """Counters of offloaded prefill steps (read by benchmarks)."""
+
+    layers: int = 0
+    copied: int = 0  # experts copied into staging
+    copy_bytes: int = 0
+    cpu: int = 0  # missing experts run on the CPU
+    cpu_pairs: int = 0  # (token, expert) pairs they computed
+    pairs: int = 0  # every (token, expert) pair
+    routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
+    cpu_seconds: float = 0.0
+    plans: Counter = field(default_factory=Counter)  # plan kind -> layers
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "plans"}
+        out["plans"] = dict(self.plans)
+        return out
+
+
+class PrefillStreamer:
+    """Runs the experts of prefill steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        bandwidths,
+        *,
+        split: bool,
+        plan: str = "auto",
+        copy_stream: torch.cuda.Stream | None = None,
+        staging_bytes: int | None = None,
+        adaptive: bool = False,
+    ) -> None:
+        self.store, self.cache, self.bw = store, cache, bandwidths
+        self.split, self.plan, self.adaptive = split, plan, adaptive
+        self.device = cache.device
+        self.on_cuda = self.device.type == "cuda"
+        self.copy_stream = copy_stream
+        self.part = part_size(store.num_experts)
+        num = staging_parts(store.num_experts, staging_bytes, store.expert_bytes)
+        self.buffers = [
+            torch.zeros(self.part, store.expert_numel, dtype=store.dtype, device=self.device)
+            for _ in range(num)
+        ]
+        self.freed: list[object] = [None] * num  # event after the last reader of each buffer
+        self.queue: deque[Fill] = deque()  # fills not yet issued, in order
+        self.issued: deque[Fill] = deque()  # issued, not yet consumed
+        self.next_buffer = 0
+        self.layers = store.layers
+        self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
+        self.cpu_flops = CPU_FLOPS
+        self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
+        self._layer_end: tuple | None = None  # (layer, event or host time) at its experts' end
+        self.totals = PrefillTotals()
+        self.last_plans: dict[int, str] = {}  # layer -> the kind of its last plan
+        self.last_plan = LayerPlan("stream", ())
+        self._grouped = _grouped_mm_fn()
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def costs(self) -> Costs:
+        s = self.store
+        return Costs(
+            expert_bytes=s.expert_bytes,
+            copy_bw=self.bw.copy,
+            cpu_bw=self.bw.cpu,
+            cpu_flops=self.cpu_flops,
+            token_flops=6.0 * s.inter * s.hidden,
+            exposed_s=self.exposed_s,
+        )
+
+    # ------------------------------------------------------------------ one layer
+
+    def run(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
+        top_k = ids.shape[1]
+        start = self._resident_start(layer)
+        if start is not None:
+            return self._run_resident(layer, start, x, ids, weights)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.store.num_experts)
+        routed_at = self._mark()
+        counts_h = counts.tolist()  # the one sync of the layer
+        self._observe_exposed(layer, routed_at)
+        plan = self._plan(layer, counts_h)
+        parts = self._parts(layer, plan, counts_h)
+        self._plan_ahead(layer, counts_h)
+        order, ys, cpu_rows = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
+        x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
+        begin = 0
+        for fill in parts:
+            begin = self._run_part(fill, counts_h, ys, begin)
+        if plan.cpu:
+            self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
+        out = _unsort(ys.out, order, top_k).sum(1)
+        self._layer_end = (layer, self._mark())
+        self._count(layer, plan, counts_h, flat.numel())
+        return out
+
+    def _resident_start(self, layer: int) -> int | None:
+        """The first slot of a layer whose experts all sit in consecutive slots in expert
+        order (the baselines' resident layers), else None."""
+        row = self.cache.slot_of[layer]
+        first = row[0]
+        if first < 0 or row != list(range(first, first + len(row))):
+            return None
+        return first
+
+    def _run_resident(self, layer, start: int, x, ids, weights) -> torch.Tensor:
+        """A resident layer: grouped GEMMs straight from its slots (no staging, no sync)."""
+        s, num = self.store, self.store.num_experts
+        block = self.cache.slots[start : start + num]
+        gate_up = block[:, : 2 * s.inter * s.hidden].view(num, 2 * s.inter, s.hidden)
+        down = block[:, 2 * s.inter * s.hidden :].view(num, s.hidden, s.inter)
+        self.cache.stats[layer].hits += num
+        self.last_plan = LayerPlan("resident", ())
+        return RoutedExperts({layer: gate_up}, {layer: down})(layer, x, ids, weights)
+
+    def _mark(self):
+        """An event on the current stream (a host time off CUDA)."""
+        if not self.on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _observe_exposed(self, layer: int, routed_at) -> None:
+        """Follow the device time from the previous layer's experts to this layer's routing
+        (within one forward pass: across passes the device may have idled)."""
+        last, self._layer_end = self._layer_end, None
+        if last is None or self.next_layer.get(last[0]) != layer:
+            return
+        if self.on_cuda:
+            seconds = last[1].elapsed_time(routed_at) / 1000
+        else:
+            seconds = routed_at - last[1]
+        self.exposed_s = seconds if self.exposed_s == 0 else 0.8 * self.exposed_s + 0.2 * seconds
+
+    def _missing(self, layer: int) -> list[int]:
+        lookup = self.cache.slot_of[layer]
+        return [e for e in range(self.store.num_experts) if lookup[e] < 0]
+
+    def _plan(self, layer: int, counts: list[int]) -> LayerPlan:
+        """This layer's plan: `stream` when its fills were queued ahead, else the planner's."""
+        if self.queue or self.issued:
+            head = (self.issued or self.queue)[0]
+            if head.layer == layer:
+                return LayerPlan("stream", tuple(self._missing(layer)))
+            self._drop_ahead()  # (a forward that stopped part-way left them)
+        lookup = self.cache.slot_of[layer]
+        routed = {e: c for e, c in enumerate(counts) if c and lookup[e] < 0}
+        return choose(self.plan, self._missing(layer), routed, self.costs(), self.split)
+
+    def _drop_ahead(self) -> None:
+        """Forget fills queued for a layer that did not come (their copies may still run: the
+        copy stream orders them before any later fill of the same buffer)."""
+        self.queue.clear()
+        self.issued.clear()
+
+    def _parts(self, layer: int, plan: LayerPlan, counts: list[int]) -> list[Fill]:
+        """The layer's fills, in order: those queued ahead (stream), else new ones."""
+        ahead = [f for f in (*self.issued, *self.queue) if f.layer == layer]
+        if ahead:
+            return ahead
+        fills = self._fills(layer, plan, counts)
+        self.queue.extend(fills)
+        return fills
+
+    def _fills(self, layer: int, plan: LayerPlan, counts: list[int] | None) -> list[Fill]:
+        """Parts of `part` experts: stream, every expert in id order; otherwise the routed
+        hits and the copied misses."""
+        copied = set(plan.copy)
+        if plan.kind == "stream":
+            experts = list(range(self.store.num_experts))
+        else:
+            lookup = self.cache.slot_of[layer]
+            experts = [e for e, c in enumerate(counts) if c and (lookup[e] >= 0 or e in copied)]
+        fills = []
+        for i in range(0, len(experts), self.part):
+            chunk = experts[i : i + self.part]
+            fills.append(Fill(layer, chunk, [p for p, e in enumerate(chunk) if e in copied]))
+        return fills
+
+    def _plan_ahead(self, layer: int, counts: list[int]) -> None:
+        """Queue the next layer's stream fills now if it should stream (its copies then start
+        as soon as a buffer is free), and issue what the ring can take."""
+        nxt = self.next_layer.get(layer)
+        if nxt is not None and self.plan != "routed":
+            missing = self._missing(nxt)
+            routed = [c for c in counts if c]
+            wanted = self.plan == "stream" or prefer_stream(
+                routed, len(missing), self.store.num_experts, self.costs(), self.split
+            )
+            if wanted and missing:
+                self.queue.extend(self._fills(nxt, LayerPlan("stream", tuple(missing)), None))
+        self._issue_ready()
+
+    # ------------------------------------------------------------------ the staging ring
+
+    def _issue_ready(self) -> None:
+        """Issue queued fills while the ring has a buffer whose last reader has been queued."""
+        if self.queue and not self.buffers:
+            raise RuntimeError("offloaded prefill needs a staging area (staging_bytes is 0)")
+        while self.queue and len(self.issued) < len(self.buffers):
+            fill = self.queue.popleft()
+            self._issue(fill)
+            self.issued.append(fill)
+
+    def _issue(self, fill: Fill) -> None:
+        """Copy the fill's missing experts into the next buffer of the ring (runs of
+        consecutive experts as one copy), on the copy stream after the buffer's last reader."""
+        fill.buffer = self.next_buffer
+        self.next_buffer = (self.next_buffer + 1) % len(self.buffers)
+        buf, source = self.buffers[fill.buffer], self.store.flat[fill.layer]
+        runs = _runs([(p, fill.experts[p]) for p in fill.copies])
+        if self.copy_stream is None:
+            for pos, expert, n in runs:
+                buf[pos : pos + n].copy_(source[expert : expert + n])
+            return
+        with torch.cuda.stream(self.copy_stream):
+            if self.freed[fill.buffer] is not None:
+                self.copy_stream.wait_event(self.freed[fill.buffer])
+            for pos, expert, n in runs:
+                buf[pos : pos + n].copy_(source[expert : expert + n], non_blocking=True)
+            fill.ready = torch.cuda.Event()
+            fill.ready.record(self.copy_stream)
+
+    def _run_part(self, fill: Fill, counts: list[int], ys: _Sorted, begin: int) -> int:
+        """Wait for the part's copies, bring its hits in from their slots, run it; returns the
+        sorted row after its rows."""
+        while not any(f is fill for f in self.issued):  # (the ring was full when queued)
+            self._issue_ready()
+        buf = self.buffers[fill.buffer]
+        if fill.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(fill.ready)
+        copied, lookup = set(fill.copies), self.cache.slot_of[fill.layer]
+        rows = [counts[e] for e in fill.experts]
+        for pos, expert in enumerate(fill.experts):
+            if pos not in copied and rows[pos]:
+                buf[pos].copy_(self.cache.slot_rows[lookup[expert]])
+        end = begin + sum(rows)
+        if end > begin:
+            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows)
+        assert self.issued[0] is fill  # parts run in the order they were queued
+        self.issued.popleft()
+        if self.on_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.freed[fill.buffer] = event
+        self._issue_ready()
+        return end
+
+    def _grouped_ffn(self, weights: torch.Tensor, ys: _Sorted, begin: int, end: int, rows) -> None:
+        """The part's experts over sorted rows [begin, end): gate/up, SwiGLU scaled by the
+        routing weights, down (one grouped GEMM each, or a loop where torch has none)."""
+        s, x = self.store, ys.x_sorted[begin:end]
+        gate_up = weights[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
+        down = weights[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
+        scale = ys.scale[begin:end].unsqueeze(1)
+        if self._grouped is not None:
+            try:
+                ys.out[begin:end] = self._grouped_parts(x, gate_up, down, rows, scale)
+                return
+            except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)
+                self._grouped = None
+        ys.out[begin:end] = _looped(x, gate_up, down, rows, scale)
+
+    def _grouped_parts(self, x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
+        """Two grouped GEMMs (gate/up, then down) over rows sorted by expert."""
+        offs = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs = offs.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else offs
+        h = self._grouped(x, gate_up.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up).mul_(scale)
+        return self._grouped(act, down.transpose(1, 2), offs=offs)
+
+    # ------------------------------------------------------------------ layout and CPU side
+
+    def _sorted(self, x, flat, weights, parts, plan, counts, top_k):
+        """Pairs sorted by their expert's position (the parts' experts in order, then the CPU
+        experts): the sort order, the sorted inputs and output buffer, the CPU rows' range."""
+        num = self.store.num_experts
+        position = [num] * num  # (experts without tokens sort nowhere: they have no pairs)
+        at = 0
+        for fill in parts:
+            for expert in fill.experts:
+                position[expert] = at
+                at += 1
+        for expert in plan.cpu:
+            position[expert] = at
+            at += 1
+        pos = torch.tensor(position, dtype=torch.long)
+        pos = pos.pin_memory().to(x.device, non_blocking=True) if self.on_cuda else pos
+        order = torch.argsort(pos[flat], stable=True)
+        x_sorted = x.index_select(0, order // top_k)
+        scale = weights.reshape(-1).index_select(0, order).to(x.dtype)
+        cpu_pairs = sum(counts[e] for e in plan.cpu)
+        total = flat.numel()
+        return order, _Sorted(x_sorted, scale, torch.empty_like(x_sorted)), (total - cpu_pairs, total)
+
+    def _cpu_inputs(self, ys: _Sorted, rows: tuple[int, int]):
+        """The CPU rows' hidden states and routing weights, on their way to the host (queued
+        before any part, so they arrive without waiting for the copies), and their event."""
+        x, scale = ys.x_sorted[rows[0] : rows[1]], ys.scale[rows[0] : rows[1]]
+        if not self.on_cuda:
+            return x, scale, None
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, scale)]
+        pinned[0].copy_(x, non_blocking=True)
+        pinned[1].copy_(scale, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return pinned[0], pinned[1], event
+
+    def _run_cpu(self, layer, plan: LayerPlan, counts, x_cpu, ys: _Sorted, rows) -> None:
+        """The CPU experts over their rows (in position order), weighted, into `ys.out`."""
+        x_host, scale, ready = x_cpu
+        t0 = time.perf_counter()
+        if ready is not None:
+            ready.synchronize()
+        scale = scale.unsqueeze(1)
+        _, gate_up, down = self.store.expert_views(layer)
+        out, begin = torch.empty_like(x_host), 0
+        with torch.inference_mode():
+            for expert in plan.cpu:
+                end = begin + counts[expert]
+                gate, up = F.linear(x_host[begin:end], gate_up[expert]).chunk(2, dim=-1)
+                act = F.silu(gate) * up * scale[begin:end]
+                out[begin:end] = F.linear(act, down[expert])
+                begin = end
+        seconds = time.perf_counter() - t0
+        if self.on_cuda:
+            out = out.pin_memory()
+        ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
+        self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
+
+    def _observe_cpu(self, num_experts: int, pairs: int, seconds: float) -> None:
+        """Account the CPU side; measured runs also follow the CPU's matmul rate (the time
+        beyond reading the weights once, per token)."""
+        self.totals.cpu_seconds += seconds
+        self.totals.cpu_pairs += pairs
+        reading = num_experts * self.store.expert_bytes / self.bw.cpu if self.bw.cpu > 0 else 0.0
+        if self.adaptive and seconds > reading * 1.05 and pairs:
+            flops = pairs * 6.0 * self.store.inter * self.store.hidden / (seconds - reading)
+            self.cpu_flops = min(max(0.8 * self.cpu_flops + 0.2 * flops, 1e10), 1e15)
+
+    def _count(self, layer: int, plan: LayerPlan, counts: list[int], pairs: int) -> None:
+        lookup, t = self.cache.slot_of[layer], self.totals
+        routed = [e for e, c in enumerate(counts) if c]
+        missing = [e for e in routed if lookup[e] < 0]
+        stats = self.cache.stats[layer]
+        stats.hits += len(routed) - len(missing)
+        stats.misses += len(missing)
+        stats.cpu += len(plan.cpu)
+        t.layers += 1
+        t.copied += len(plan.copy)
+        t.copy_bytes += len(plan.copy) * self.store.expert_bytes
+        t.cpu += len(plan.cpu)
+        t.pairs += pairs
+        t.routed_missing += len(missing)
+        t.plans[plan.kind] += 1
+        self.last_plans[layer] = plan.kind
+        self.last_plan = plan
+
+
+@dataclass
+class _Sorted:
+    x_sorted: torch.Tensor  # [Tk, H] inputs of the pairs, sorted by position
+    scale: torch.Tensor  # [Tk] their routing weights
+    out: torch.Tensor  # [Tk, H] their weighted outputs
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(position, expert) pairs -> (position, expert, length) runs where both advance by one."""
+    runs: list[list[int]] = []
+    for pos, expert in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == expert:
+            runs[-1][2] += 1
+        else:
+            runs.append([pos, expert, 1])
+    return [tuple(r) for r in runs]
+
+
+def _looped(x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
+    """Reference path: each expert over its rows."""
+    out, begin = torch.empty_like(x), 0
+    for i, count in enumerate(rows):
+        end = begin + count
+        if count:
+            gate, up = F.linear(x[begin:end], gate_up[i]).chunk(2, dim=-1)
+            out[begin:end] = F.linear(F.silu(gate) * up * scale[begin:end], down[i])
+        begin = end
+    return out
+
+
+def _unsort(ys: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Sorted pair outputs `[Tk, H]` -> `[T, k, H]` in token order (a gather through the
+    inverse permutation)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return ys.index_select(0, inverse).view(-1, top_k, ys.shape[-1])

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Offloaded prefill on the GPU machine: the prefill GPU tests, then `agentrt bench prefill
+# --offload auto` with the qwen3.5-35b-a3b-shaped synthetic model under a 16 GiB budget, and
+# (STEPS=...,ttft) the TTFT replay of the reasoning-dropped sample traces under the same budget.
+# Carry .whl .tok .traces-dev (scripts/gpu_ttft.sh prepare) and .triton-cache.tgz if present.
+set -u
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+STEPS=",${STEPS:-tests,prefill},"
+has() { [[ "$STEPS" == *",$1,"* ]]; }
+if has tests; then
+  timeout 200 python3 -m pytest -q -x -rs tests/test_gpu.py -k "prefill_plans or offloaded_decode" \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -4 "$OUT/gpu_tests.log"
+fi
+if has prefill; then
+  timeout "${PREFILL_TIMEOUT:-400}" python3 -m agentrt.cli bench prefill --offload auto \
+    --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB \
+    --tokenizer .tok/qwen3 --lengths "${LENGTHS:-4096,8192}" --prefill-chunk 8192 \
+    --suffixes "${SUFFIXES:-64,512,2048}" --prefix "${PREFIX:-32768}" --repeat "${REPEAT:-2}" \
+    --prefill-plan "${PLANS:-auto,stream,routed}" ${PREFILL_ARGS:-} \
+    --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+  grep -A40 "^plan " "$OUT/prefill.log" || tail -30 "$OUT/prefill.log"
+fi
+if has ttft; then
+  VARIANTS=dropped NAME=ttft_offload TTFT_ARGS="--vram-budget 16GiB ${TTFT_ARGS:-}" \
+    timeout "${TTFT_TIMEOUT:-300}" bash scripts/gpu_ttft.sh | tail -14
+fi
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded --exclude '*.ptx' \
+  --exclude '*.ttir' --exclude '*.ttgir' --exclude '*.llir' --exclude '*.source' . 2>/dev/null
