@@ -58,6 +58,7 @@ def offload_prefill(
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
     kernel = kernel_for(cpu_kernel, store.dtype)
     profile = profile_for(store, torch.device(device), kernel=kernel)
+    link = _bulk_copy_bw(store, device)
     rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device)
     runs = []
     if resident:
@@ -68,7 +69,8 @@ def offload_prefill(
                 {layer: store.down(layer).to(device) for layer in store.layers},
             )
         )
-        runs += rows.time(_engine(model, device, dtype, chunk, linear_attn), "resident", None)
+        engine = _engine(model, device, dtype, chunk, linear_attn)
+        runs += rows.time(engine, "resident", None, warm_all=True)
         model.set_experts(store.as_routed())
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
@@ -93,7 +95,7 @@ def offload_prefill(
         model.set_experts(store.as_routed())
         del engine, experts
         _free(device)
-    _add_floors(runs, profile.copy, store.expert_bytes)
+    _add_floors(runs, link, store.expert_bytes)
     report = {
         "bench": "prefill-offload",
         "model": spec,
@@ -109,6 +111,7 @@ def offload_prefill(
         "cache_state": "filled with random experts before the rows (a decode working set)",
         "pinned_store": store.pinned,
         "profile_gb_s": {"copy": profile.copy / 1e9, "cpu": profile.cpu_overlapped / 1e9},
+        "bulk_copy_gb_s": link / 1e9,  # B_P of the floor: one layer's experts in one copy
         "machine": machine(),
         "runs": runs,
         "ratios": _ratios(runs),
@@ -120,6 +123,24 @@ def offload_prefill(
 def _engine(model, device: str, dtype: str, chunk: int, linear_attn: str) -> Engine:
     config = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=linear_attn)
     return Engine(model, config)
+
+
+def _bulk_copy_bw(store, device: str) -> float:
+    """Host->device bytes/s of one layer's experts in one copy (median of 3): the link's rate,
+    which the floor takes (the calibration's B_P is of expert-sized copies)."""
+    source = store.flat[store.layers[0]]
+    if not device.startswith("cuda"):
+        return float("inf")
+    dest = torch.empty_like(source, device=device)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dest.copy_(source, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del dest
+    return source.numel() * source.element_size() / statistics.median(times)
 
 
 def _fill_cache(experts, seed: int) -> int:
@@ -142,8 +163,10 @@ class _Rows:
         self.lengths, self.suffixes, self.prefix_len = lengths, suffixes, prefix_len
         self.ids, self.repeat, self.device = ids, repeat, device
 
-    def time(self, engine: Engine, plan: str, experts) -> list[dict]:
-        self._warm_up(engine)
+    def time(self, engine: Engine, plan: str, experts, warm_all: bool = False) -> list[dict]:
+        """`warm_all`: warm up with every length (the first engine of the invocation compiles
+        and tunes the kernels for each shape), else with the shortest."""
+        self._warm_up(engine, warm_all)
         out = []
         for length in self.lengths:
             state = engine.new_state(capacity=length + 8)
@@ -156,9 +179,12 @@ class _Rows:
                 out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
         return out
 
-    def _warm_up(self, engine: Engine) -> None:
+    def _warm_up(self, engine: Engine, warm_all: bool) -> None:
         """Kernels, autotuning and allocator pools, before anything is timed."""
-        for length in {min(self.lengths or [512]), min(self.suffixes or [64])}:
+        lengths = {min(self.lengths or [512]), min(self.suffixes or [64])}
+        if warm_all:
+            lengths |= set(self.lengths) | set(self.suffixes)
+        for length in sorted(lengths):
             engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
         _sync(self.device)
 

@@ -405,11 +405,11 @@ def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
     want = resident.engine.prefill(state_a, ids, all_logits=True).float()
     got = rt.engine.prefill(state_b, ids, all_logits=True).float()
     scale = want.abs().max().item()
-    assert (got - want).abs().max().item() < 0.05 * scale
+    assert (got - want).abs().max().item() < 0.1 * scale
     more = ids[:40]
     a = resident.engine.prefill(state_a, more, all_logits=True).float()
     b = rt.engine.prefill(state_b, more, all_logits=True).float()
-    assert (a - b).abs().max().item() < 0.05 * scale
+    assert (a - b).abs().max().item() < 0.1 * scale
     totals = rt.engine.offload.prefill.totals
     assert totals.layers > 0 and totals.copied > 0
     if plan == "stream":

@@ -163,6 +163,7 @@ class OffloadedExperts:
             copy_stream=self.copy_stream,
             staging_bytes=0 if cpu_layers else staging_bytes,
             adaptive=self.adaptive,
+            routers=self.routers,
         )
 
     def buffers_key(self) -> tuple[int, ...]:

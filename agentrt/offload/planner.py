@@ -8,6 +8,9 @@ missing ones reach them one of three ways:
 - `routed`: copy only the missing experts the chunk routed to. Fewer bytes, but the copies start
   once the layer's routing is known: the copy engine idles through the layer's attention
   (`Costs.exposed_s`).
+- `predicted`: before the layer runs, copy the missing experts its router picks from the previous
+  layer's input (the residual stream changes little from one layer to the next); once its
+  routing is known, the experts it routed to beyond them come as in `routed`.
 - `split`: `routed`, with the missing experts that received the fewest tokens computed on the
   CPU meanwhile (the q* idea per expert: a CPU expert reads its weights once and pays for each
   of its tokens; a copy costs the same whatever its tokens), as many as lower the slower side.
@@ -98,20 +101,21 @@ def choose(
     return stream if stream.seconds <= routed.seconds else routed
 
 
-def prefer_stream(
-    counts: Sequence[int], num_missing: int, num_experts: int, costs: Costs, split: bool
-) -> bool:
-    """Whether the next layer should stream (decided before its routing is known, so its
-    copies can start now): the next layer is assumed to route like this one (`counts`: tokens
-    per routed expert), with its `num_missing` missing experts a random share of the layer."""
+def plan_ahead(
+    num_missing: int, num_predicted: int, num_late: float, routed_s: float, costs: Costs
+) -> str:
+    """What to copy for the next layer before its routing is known: `stream` (its
+    `num_missing` missing experts), `predicted` (the `num_predicted` missing experts its router
+    picks from this layer's input; the `num_late` missing experts it is expected to route to
+    beyond them are copied once its routing is known, after the exposed time), or `none`
+    (everything waits for the routing: `routed_s`, the routed plan's time, CPU share included)."""
     if num_missing == 0:
-        return False
-    share = num_missing / num_experts
-    ranked = sorted(counts)
-    take = round(len(ranked) * share)
-    # an evenly spread `share` of this layer's routed experts stands in for the next layer's
-    # routed missing ones
-    sample = {i: ranked[int(i * len(ranked) / take)] for i in range(take)} if take else {}
-    missing = list(range(num_missing))
-    auto = choose("auto", missing, sample, costs, split)
-    return auto.kind == "stream"
+        return "none"
+    options = {
+        "stream": costs.copy_s(num_missing),
+        "none": routed_s,
+    }
+    if num_predicted:
+        late = costs.exposed_s + costs.copy_s(round(num_late))
+        options["predicted"] = costs.copy_s(num_predicted) + late
+    return min(options, key=lambda k: (options[k], k != "stream"))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn
 from agentrt.offload.cache import ExpertCache
-from agentrt.offload.planner import Costs, LayerPlan, choose, prefer_stream
+from agentrt.offload.planner import Costs, LayerPlan, choose, plan_ahead, routed_plan
 from agentrt.offload.store import ExpertStore
 
 PARTS_PER_LAYER = 8  # a staging part holds this share of a layer's experts
@@ -65,6 +65,7 @@ class Fill:
     layer: int
     experts: list[int]
     copies: list[int]
+    kind: str = "routed"  # the plan it belongs to (stream and predicted ones are queued ahead)
     buffer: int = -1
     ready: object = None  # event on the copy stream after the copies (None: done)
 
@@ -103,6 +104,7 @@ class PrefillStreamer:
         copy_stream: torch.cuda.Stream | None = None,
         staging_bytes: int | None = None,
         adaptive: bool = False,
+        routers: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.store, self.cache, self.bw = store, cache, bandwidths
         self.split, self.plan, self.adaptive = split, plan, adaptive
@@ -122,6 +124,9 @@ class PrefillStreamer:
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
         self.cpu_flops = CPU_FLOPS
+        self.cpu_bw = bandwidths.cpu  # CPU experts' weight reads in prefill (followed if adaptive)
+        self.routers = routers  # each MoE layer's router weights (predicted plans), or None
+        self.accuracy = 0.8  # share of routed missing experts the prediction covered (EMA)
         self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
         self._layer_end: tuple | None = None  # (layer, event or host time) at its experts' end
         self.totals = PrefillTotals()
@@ -138,7 +143,7 @@ class PrefillStreamer:
         return Costs(
             expert_bytes=s.expert_bytes,
             copy_bw=self.bw.copy,
-            cpu_bw=self.bw.cpu,
+            cpu_bw=self.cpu_bw,
             cpu_flops=self.cpu_flops,
             token_flops=6.0 * s.inter * s.hidden,
             exposed_s=self.exposed_s,
@@ -155,13 +160,16 @@ class PrefillStreamer:
         if start is not None:
             return self._run_resident(layer, start, x, ids, weights)
         flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.store.num_experts)
+        num = self.store.num_experts
+        counts = torch.bincount(flat, minlength=num)
+        predicted = self._predict(layer, x, top_k)
         routed_at = self._mark()
-        counts_h = counts.tolist()  # the one sync of the layer
+        both = torch.cat([counts, predicted]) if predicted is not None else counts
+        both_h = both.tolist()  # the one sync of the layer
+        counts_h, predicted_h = both_h[:num], both_h[num:]
         self._observe_exposed(layer, routed_at)
-        plan = self._plan(layer, counts_h)
-        parts = self._parts(layer, plan, counts_h)
-        self._plan_ahead(layer, counts_h)
+        parts, plan = self._layer_plan(layer, counts_h)
+        self._plan_ahead(layer, counts_h, predicted_h)
         order, ys, cpu_rows = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
         x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
         begin = 0
@@ -217,59 +225,89 @@ class PrefillStreamer:
         lookup = self.cache.slot_of[layer]
         return [e for e in range(self.store.num_experts) if lookup[e] < 0]
 
-    def _plan(self, layer: int, counts: list[int]) -> LayerPlan:
-        """This layer's plan: `stream` when its fills were queued ahead, else the planner's."""
-        if self.queue or self.issued:
-            head = (self.issued or self.queue)[0]
-            if head.layer == layer:
-                return LayerPlan("stream", tuple(self._missing(layer)))
-            self._drop_ahead()  # (a forward that stopped part-way left them)
-        lookup = self.cache.slot_of[layer]
+    def _predict(self, layer: int, x: torch.Tensor, top_k: int) -> torch.Tensor | None:
+        """Tokens per expert of the next MoE layer as its router picks them from this layer's
+        input (auto plans with routers only), else None."""
+        nxt = self.next_layer.get(layer)
+        if self.routers is None or nxt is None or self.plan != "auto":
+            return None
+        ids = torch.topk(F.linear(x, self.routers[nxt]), top_k, dim=-1).indices
+        return torch.bincount(ids.reshape(-1), minlength=self.store.num_experts)
+
+    def _ahead_for(self, layer: int) -> list[Fill]:
+        """The fills queued ahead for `layer` (those left by a pass that stopped part-way are
+        dropped: their copies may still run, and the copy stream orders them before any later
+        fill of the same buffer)."""
+        pending = [*self.issued, *self.queue]
+        if pending and pending[0].layer != layer:
+            self.queue.clear()
+            self.issued.clear()
+            return []
+        return [f for f in pending if f.layer == layer]
+
+    def _layer_plan(self, layer: int, counts: list[int]) -> tuple[list[Fill], LayerPlan]:
+        """This layer's parts and plan: what was queued ahead (stream; or the predicted
+        experts, with the routed ones beyond them planned now), else the planner's plan."""
+        ahead, lookup = self._ahead_for(layer), self.cache.slot_of[layer]
+        if ahead and ahead[0].kind == "stream":
+            return ahead, LayerPlan("stream", tuple(self._missing(layer)))
+        covered = {e for fill in ahead for e in fill.experts}
         routed = {e: c for e, c in enumerate(counts) if c and lookup[e] < 0}
-        return choose(self.plan, self._missing(layer), routed, self.costs(), self.split)
-
-    def _drop_ahead(self) -> None:
-        """Forget fills queued for a layer that did not come (their copies may still run: the
-        copy stream orders them before any later fill of the same buffer)."""
-        self.queue.clear()
-        self.issued.clear()
-
-    def _parts(self, layer: int, plan: LayerPlan, counts: list[int]) -> list[Fill]:
-        """The layer's fills, in order: those queued ahead (stream), else new ones."""
-        ahead = [f for f in (*self.issued, *self.queue) if f.layer == layer]
+        late = {e: c for e, c in routed.items() if e not in covered}
+        costs = self.costs()
         if ahead:
-            return ahead
-        fills = self._fills(layer, plan, counts)
-        self.queue.extend(fills)
-        return fills
-
-    def _fills(self, layer: int, plan: LayerPlan, counts: list[int] | None) -> list[Fill]:
-        """Parts of `part` experts: stream, every expert in id order; otherwise the routed
-        hits and the copied misses."""
-        copied = set(plan.copy)
+            self._observe_prediction(len(routed) - len(late), len(routed))
+            plan = routed_plan(late, costs, self.split)
+            plan = LayerPlan("predicted", tuple(sorted(covered | set(plan.copy))), plan.cpu)
+        else:
+            plan = choose(self.plan, self._missing(layer), routed, costs, self.split)
         if plan.kind == "stream":
             experts = list(range(self.store.num_experts))
         else:
-            lookup = self.cache.slot_of[layer]
-            experts = [e for e, c in enumerate(counts) if c and (lookup[e] >= 0 or e in copied)]
+            copied = set(plan.copy)
+            experts = [
+                e for e, c in enumerate(counts) if c and e not in covered
+                and (lookup[e] >= 0 or e in copied)
+            ]
+        fills = self._fills(layer, experts, set(plan.copy), plan.kind)
+        self.queue.extend(fills)
+        return ahead + fills, plan
+
+    def _observe_prediction(self, right: int, routed: int) -> None:
+        """Follow the share of routed missing experts that were copied ahead on prediction."""
+        if routed:
+            self.accuracy = 0.8 * self.accuracy + 0.2 * right / routed
+
+    def _fills(self, layer: int, experts: list[int], copied: set[int], kind: str) -> list[Fill]:
+        """`experts` in parts of `part`, those in `copied` copied from the host store (the
+        others are cache hits)."""
         fills = []
         for i in range(0, len(experts), self.part):
             chunk = experts[i : i + self.part]
-            fills.append(Fill(layer, chunk, [p for p, e in enumerate(chunk) if e in copied]))
+            copies = [p for p, e in enumerate(chunk) if e in copied]
+            fills.append(Fill(layer, chunk, copies, kind))
         return fills
 
-    def _plan_ahead(self, layer: int, counts: list[int]) -> None:
-        """Queue the next layer's stream fills now if it should stream (its copies then start
-        as soon as a buffer is free), and issue what the ring can take."""
+    def _plan_ahead(self, layer: int, counts: list[int], predicted: list[int]) -> None:
+        """Queue the next layer's fills now where it should stream or take its predicted
+        experts (their copies then start as soon as a buffer of the ring is free), and issue
+        what the ring can take."""
         nxt = self.next_layer.get(layer)
         if nxt is not None and self.plan != "routed":
-            missing = self._missing(nxt)
-            routed = [c for c in counts if c]
-            wanted = self.plan == "stream" or prefer_stream(
-                routed, len(missing), self.store.num_experts, self.costs(), self.split
-            )
-            if wanted and missing:
-                self.queue.extend(self._fills(nxt, LayerPlan("stream", tuple(missing)), None))
+            missing, lookup = self._missing(nxt), self.cache.slot_of[nxt]
+            guess = [e for e, c in enumerate(predicted) if c and lookup[e] < 0]
+            choice = "stream"
+            if self.plan == "auto":  # (this layer's routing stands in for the next one's)
+                here, costs = self.cache.slot_of[layer], self.costs()
+                routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
+                late = len(routed) * (1 - self.accuracy)
+                routed_s = routed_plan(routed, costs, self.split).seconds
+                choice = plan_ahead(len(missing), len(guess), late, routed_s, costs)
+            if choice == "stream":
+                all_experts = list(range(self.store.num_experts))
+                self.queue.extend(self._fills(nxt, all_experts, set(missing), "stream"))
+            elif choice == "predicted":
+                self.queue.extend(self._fills(nxt, guess, set(guess), "predicted"))
         self._issue_ready()
 
     # ------------------------------------------------------------------ the staging ring
@@ -411,14 +449,15 @@ class PrefillStreamer:
         self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
 
     def _observe_cpu(self, num_experts: int, pairs: int, seconds: float) -> None:
-        """Account the CPU side; measured runs also follow the CPU's matmul rate (the time
-        beyond reading the weights once, per token)."""
+        """Account the CPU side; measured runs also follow the rate at which the CPU experts
+        read their weights in prefill (the time beyond their tokens' matmuls at `cpu_flops`)."""
         self.totals.cpu_seconds += seconds
         self.totals.cpu_pairs += pairs
-        reading = num_experts * self.store.expert_bytes / self.bw.cpu if self.bw.cpu > 0 else 0.0
-        if self.adaptive and seconds > reading * 1.05 and pairs:
-            flops = pairs * 6.0 * self.store.inter * self.store.hidden / (seconds - reading)
-            self.cpu_flops = min(max(0.8 * self.cpu_flops + 0.2 * flops, 1e10), 1e15)
+        if not self.adaptive or not num_experts:
+            return
+        matmuls = pairs * 6.0 * self.store.inter * self.store.hidden / self.cpu_flops
+        rate = num_experts * self.store.expert_bytes / max(seconds - matmuls, seconds * 0.1)
+        self.cpu_bw = 0.7 * self.cpu_bw + 0.3 * rate
 
     def _count(self, layer: int, plan: LayerPlan, counts: list[int], pairs: int) -> None:
         lookup, t = self.cache.slot_of[layer], self.totals
