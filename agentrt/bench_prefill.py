@@ -90,7 +90,7 @@ def offload_prefill(
         engine = _engine(model, device, dtype, chunk, linear_attn)
         engine.offload = experts
         for run in rows.time(engine, plan, experts):
-            runs.append({**run, "expert_cache_slots": experts.cache.num_slots, "cached": filled})
+            runs.append({**run, "cached_at_start": filled})
         staging = experts.prefill.staging_bytes
         model.set_experts(store.as_routed())
         del engine, experts
@@ -169,7 +169,7 @@ class _Rows:
         self._warm_up(engine, warm_all)
         out = []
         for length in self.lengths:
-            state = engine.new_state(capacity=length + 8)
+            state = engine.new_state()  # (KV grows as the engine grows it: elastic under a budget)
             out.append(self._row(engine, plan, experts, "cold", length, state, None))
         if self.suffixes:
             state = engine.new_state(capacity=self.prefix_len + max(self.suffixes) + 8)
@@ -206,6 +206,9 @@ class _Rows:
         seconds = statistics.median(times)
         row = {"plan": plan, "kind": kind, "tokens": length, "seconds": seconds}
         row.update(tok_s=length / seconds, all_s=times, **_per_run(before, _totals(experts), self.repeat))
+        if experts is not None:  # (KV past its reservation takes slots from the cache)
+            row["expert_cache_slots"] = experts.cache.num_slots
+            row["context_tokens"] = state.num_tokens
         return row
 
 

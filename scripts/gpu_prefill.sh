@@ -28,3 +28,10 @@ if has ttft; then
 fi
 tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded --exclude '*.ptx' \
   --exclude '*.ttir' --exclude '*.ttgir' --exclude '*.llir' --exclude '*.source' . 2>/dev/null
+if has long; then  # a 64K-token cold prompt under the budget (KV takes slots from the cache)
+  timeout "${LONG_TIMEOUT:-200}" python3 -m agentrt.cli bench prefill --offload auto \
+    --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB --lengths 65536 \
+    --prefill-chunk 8192 --repeat 1 --prefill-plan stream --no-resident \
+    --json "$OUT/prefill_64k.json" > "$OUT/prefill_64k.log" 2>&1
+  grep -A3 "^plan " "$OUT/prefill_64k.log" || tail -20 "$OUT/prefill_64k.log"
+fi

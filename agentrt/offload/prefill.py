@@ -128,7 +128,10 @@ class PrefillStreamer:
         self.routers = routers  # each MoE layer's router weights (predicted plans), or None
         self.accuracy = 0.8  # share of routed missing experts the prediction covered (EMA)
         self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
-        self._layer_end: tuple | None = None  # (layer, event or host time) at its experts' end
+        self.overhead_s = 0.0  # routed layers' measured time beyond their plans' (EMA)
+        # (layer, its experts' end, its routing, its plan, the overhead it was planned with):
+        # events, or host times off CUDA
+        self._layer_end: tuple | None = None
         self.totals = PrefillTotals()
         self.last_plans: dict[int, str] = {}  # layer -> the kind of its last plan
         self.last_plan = LayerPlan("stream", ())
@@ -146,7 +149,7 @@ class PrefillStreamer:
             cpu_bw=self.cpu_bw,
             cpu_flops=self.cpu_flops,
             token_flops=6.0 * s.inter * s.hidden,
-            exposed_s=self.exposed_s,
+            exposed_s=self.exposed_s + self.overhead_s,
         )
 
     # ------------------------------------------------------------------ one layer
@@ -178,7 +181,7 @@ class PrefillStreamer:
         if plan.cpu:
             self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
         out = _unsort(ys.out, order, top_k).sum(1)
-        self._layer_end = (layer, self._mark())
+        self._layer_end = (layer, self._mark(), routed_at, plan, self.overhead_s)
         self._count(layer, plan, counts_h, flat.numel())
         return out
 
@@ -210,16 +213,25 @@ class PrefillStreamer:
         return event
 
     def _observe_exposed(self, layer: int, routed_at) -> None:
-        """Follow the device time from the previous layer's experts to this layer's routing
-        (within one forward pass: across passes the device may have idled)."""
+        """Follow, within one forward pass (across passes the device may have idled), the
+        device time from the previous layer's experts to this layer's routing, and how much
+        longer than its plan predicted a routed layer took from its routing to this one's
+        (what the cost model misses there: the CPU slower next to the copies, late copies
+        behind the routing); both count against plans that wait for the routing."""
         last, self._layer_end = self._layer_end, None
         if last is None or self.next_layer.get(last[0]) != layer:
             return
+        _, end, routed_then, plan, overhead_then = last
+        self.exposed_s = _ema(self.exposed_s, self._seconds(end, routed_at), 0.2)
+        if plan.kind not in ("stream", "resident"):
+            taken = self._seconds(routed_then, routed_at)
+            model = plan.seconds - overhead_then  # (the plan's cost counted the overhead)
+            self.overhead_s = _ema(self.overhead_s, max(0.0, taken - model), 0.3)
+
+    def _seconds(self, start, end) -> float:
         if self.on_cuda:
-            seconds = last[1].elapsed_time(routed_at) / 1000
-        else:
-            seconds = routed_at - last[1]
-        self.exposed_s = seconds if self.exposed_s == 0 else 0.8 * self.exposed_s + 0.2 * seconds
+            return start.elapsed_time(end) / 1000
+        return end - start
 
     def _missing(self, layer: int) -> list[int]:
         lookup = self.cache.slot_of[layer]
@@ -258,7 +270,8 @@ class PrefillStreamer:
         if ahead:
             self._observe_prediction(len(routed) - len(late), len(routed))
             plan = routed_plan(late, costs, self.split)
-            plan = LayerPlan("predicted", tuple(sorted(covered | set(plan.copy))), plan.cpu)
+            copy = tuple(sorted(covered | set(plan.copy)))
+            plan = LayerPlan("predicted", copy, plan.cpu, plan.seconds)
         else:
             plan = choose(self.plan, self._missing(layer), routed, costs, self.split)
         if plan.kind == "stream":
@@ -483,6 +496,10 @@ class _Sorted:
     x_sorted: torch.Tensor  # [Tk, H] inputs of the pairs, sorted by position
     scale: torch.Tensor  # [Tk] their routing weights
     out: torch.Tensor  # [Tk, H] their weighted outputs
+
+
+def _ema(old: float, new: float, weight: float) -> float:
+    return new if old == 0 else (1 - weight) * old + weight * new
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
