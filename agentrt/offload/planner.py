@@ -111,11 +111,12 @@ def plan_ahead(
     (everything waits for the routing: `routed_s`, the routed plan's time, CPU share included)."""
     if num_missing == 0:
         return "none"
+    exposed = costs.exposed_s  # (copies queued ahead travel during it)
     options = {
-        "stream": costs.copy_s(num_missing),
+        "stream": max(costs.copy_s(num_missing), exposed),
         "none": routed_s,
     }
     if num_predicted:
-        late = costs.exposed_s + costs.copy_s(round(num_late))
-        options["predicted"] = costs.copy_s(num_predicted) + late
+        ahead = max(costs.copy_s(num_predicted), exposed)
+        options["predicted"] = ahead + costs.copy_s(round(num_late))
     return min(options, key=lambda k: (options[k], k != "stream"))

@@ -1,0 +1,144 @@
+"""Offloaded prefill on the CPU (device slots and staging are CPU tensors, copies are memcpy): the
+planner's choices on constructed costs, every plan's output equal to the dense model's, the
+staging ring after a pass that stopped part-way, and a prefill that leaves the decode working
+set in the expert cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt import Runtime
+from agentrt.config import OffloadConfig
+from agentrt.offload.planner import Costs, choose, plan_ahead, routed_plan, stream_plan
+
+PROMPT = "def main():\n    print('hello')  # the agent edits files and runs tests\n" * 10
+
+# one expert: 1 s to copy, 1 s to read on the CPU, plus 0.5 s per token there
+COSTS = Costs(expert_bytes=100, copy_bw=100.0, cpu_bw=100.0, cpu_flops=1.0, token_flops=0.5)
+
+
+def test_stream_plan_copies_every_missing_expert():
+    plan = stream_plan([3, 1, 2], COSTS)
+    assert plan.kind == "stream" and plan.copy == (3, 1, 2) and plan.cpu == ()
+    assert plan.seconds == pytest.approx(3.0)
+
+
+def test_routed_plan_sends_the_fewest_token_experts_to_the_cpu_while_it_helps():
+    routed = {1: 1, 2: 1, 3: 4, 4: 10, 5: 10, 6: 10}
+    plan = routed_plan(routed, COSTS, split=True)
+    # 6 s of copies; e1 and e2 cost 1.5 s each on the CPU (copies 4 s, CPU 3 s); e3 would
+    # cost 3 s more (CPU 6 s > copies 3 s): it stays a copy
+    assert plan.kind == "split" and plan.cpu == (1, 2) and plan.copy == (3, 4, 5, 6)
+    assert plan.seconds == pytest.approx(4.0)
+    assert routed_plan(routed, COSTS, split=False).cpu == ()
+    slow = Costs(100, 100.0, 1.0, 1.0, 0.5)  # the CPU reads 100x slower than it copies
+    assert routed_plan(routed, slow, split=True).kind == "routed"
+
+
+def test_choose_streams_unless_copying_only_the_routed_experts_saves_time():
+    missing = list(range(10))
+    few = {0: 1, 1: 1}  # a short suffix: 2 of 10 missing experts routed
+    assert choose("auto", missing, few, COSTS, split=False).kind == "routed"
+    every = {e: 50 for e in missing}  # a long chunk: every missing expert routed
+    assert choose("auto", missing, every, COSTS, split=False).kind == "stream"
+    exposed = Costs(100, 100.0, 100.0, 1.0, 0.5, exposed_s=9.0)  # attention the copies wait out
+    assert choose("auto", missing, few, exposed, split=False).kind == "stream"
+    assert choose("stream", missing, few, COSTS, split=False).kind == "stream"
+    assert choose("routed", missing, every, COSTS, split=False).kind == "routed"
+
+
+def test_plan_ahead_weighs_streaming_prediction_and_waiting():
+    costs = Costs(100, 100.0, 100.0, 1.0, 0.5, exposed_s=2.0)
+    assert plan_ahead(0, 0, 0, 1.0, costs) == "none"  # nothing missing
+    # 10 missing: streaming takes 10 s; 3 predicted (3 s, ahead) + 1 late (1 s): 4 s
+    assert plan_ahead(10, 3, 1, 2.0 + 8.0, costs) == "predicted"
+    # waiting for the routing and copying 2 experts: 4 s, less than 3 s ahead + 2 late
+    assert plan_ahead(10, 3, 2, 4.0, costs) == "none"
+    # a long chunk: everything routed, everything predicted
+    assert plan_ahead(10, 10, 0, 12.0, costs) == "stream"
+
+
+def _config(plan: str, split: bool = True, slots: int = 10) -> OffloadConfig:
+    return OffloadConfig(
+        mode="auto",
+        expert_cache_slots=slots,
+        prefill_plan=plan,
+        split=split,
+        copy_bandwidth=1.0,
+        cpu_bandwidth=1.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def dense():
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48)
+    ids = rt.tokenizer.encode(PROMPT)
+    return ids, rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("plan", ["stream", "routed", "auto"])
+def test_every_plan_equals_the_dense_model(dense, plan, split):
+    ids, want = dense
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config(plan, split))
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    totals = rt.engine.offload.prefill.totals
+    assert totals.layers > 0 and totals.pairs > 0
+    kinds = set(totals.plans)
+    if plan == "stream":
+        assert kinds == {"stream"} and totals.cpu == 0
+    if plan == "routed":
+        assert kinds <= {"routed", "split"}
+    if not split:
+        assert totals.cpu == 0
+    rt.engine.offload.cache.check()
+
+
+def test_predicted_plans_equal_the_dense_model(dense, monkeypatch):
+    """The next layer's router on this layer's input picks the experts copied ahead; the
+    routed ones it missed come once the routing is known."""
+    from agentrt.offload import prefill
+
+    monkeypatch.setattr(prefill, "plan_ahead", lambda *args: "predicted")
+    ids, want = dense
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config("auto"))
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    streamer = rt.engine.offload.prefill
+    assert streamer.totals.plans["predicted"] > 0
+    assert 0.0 <= streamer.accuracy <= 1.0
+
+
+def test_fills_left_by_a_pass_that_stopped_are_dropped():
+    """A forward pass that stops after a layer (an error, a cancel) leaves the next layer's
+    fills queued; the next pass starts from its first layer and must not consume them."""
+    rt = Runtime.open("tiny", cache="off", offload=_config("stream"))
+    experts = rt.engine.offload
+    store, streamer = experts.store, experts.prefill
+    first = store.layers[0]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, store.hidden, generator=gen)
+    ids = torch.stack([torch.randperm(store.num_experts, generator=gen)[:4] for _ in range(40)])
+    weights = torch.rand(40, 4, generator=gen)
+    from agentrt.models.moe import RoutedExperts
+
+    reference = RoutedExperts({first: store.gate_up(first)}, {first: store.down(first)})
+    want = reference.looped(first, x, ids, weights)
+    streamer.run(first, x, ids, weights)
+    assert any(f.layer != first for f in (*streamer.issued, *streamer.queue))  # queued ahead
+    got = streamer.run(first, x, ids, weights)  # the next pass
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_prefill_leaves_the_decode_working_set(dense):
+    """Prefill admits and evicts nothing: the experts decode put in the cache stay."""
+    ids, _ = dense
+    rt = Runtime.open("tiny", cache="off", offload=_config("auto", slots=24))
+    rt.generate(ids[:8], max_tokens=8)  # decode fills the cache
+    cache = rt.engine.offload.cache
+    before = list(cache.owner)
+    assert any(key is not None for key in before)
+    rt.engine.prefill(rt.engine.new_state(), ids)
+    assert cache.owner == before
