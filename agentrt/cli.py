@@ -168,9 +168,9 @@ def model_options(fn=None, *, cache_list: bool = False):
         click.option(
             "--prefill-chunk",
             type=click.IntRange(min=1),
-            default=2048,
-            show_default=True,
-            help="Tokens per prefill chunk.",
+            default=None,
+            help="Tokens per prefill chunk (default: 8192 with offloaded experts on CUDA, where "
+            "each chunk streams the missing experts once, else 2048).",
         ),
         click.option(
             "--seed",

@@ -246,6 +246,27 @@ def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
     assert cache.resizes >= 1 and cache.num_slots < slots
     assert cache.num_slots == (budget - dense_bytes(model) - kv - staging) // store.expert_bytes
     cache.check()
+    # a warm cache that shrinks keeps its most valuable experts: they come back at the next
+    # decode step (after the request's first token), from the host store
+    grow = 1024  # (KV grows in steps of this many tokens)
+    roomy = OffloadConfig(
+        **{**config.__dict__, "kv_reserve_tokens": grow, "vram_budget": budget + grow * 4096}
+    )
+    warm = Runtime.open(model_spec, cache="off", offload=roomy)
+    warm.generate(ids[:8], max_tokens=8)  # within the KV reservation: decode fills the cache
+    cache = warm.engine.offload.cache
+    ranked = cache.ranked()
+    state = warm.engine.new_state()
+    warm.engine.prefill(state, (ids * (grow // len(ids) + 1))[: grow + 16])
+    assert 0 < len(cache.pending) <= cache.num_slots
+    assert cache.pending == ranked[: len(cache.pending)]
+    kept = list(cache.pending)
+    warm.engine.decode_step(state, ids[0])
+    assert not cache.pending
+    for layer, expert in kept[:4]:
+        slot = cache.lookup(layer, expert)
+        assert slot >= 0 and torch.equal(cache.slots[slot], store.flat[layer][expert])
+    cache.check()
     tight = OffloadConfig(**{**config.__dict__, "vram_budget": budget - 36 * store.expert_bytes})
     small = Runtime.open(model_spec, cache="off", offload=tight)
     state = small.engine.new_state()

@@ -126,8 +126,9 @@ class Engine:
     def _make_kv_room(self, state: SequenceState, num_tokens: int) -> None:
         """With offloaded experts under a VRAM budget: KV about to outgrow the budget's KV
         reservation takes its room from the expert cache (DESIGN §5, elastic). The pool is
-        freed, the KV grown, then a smaller pool made, between steps; the cached experts are
-        dropped (the host store holds them) and come back as misses. Too little room left for
+        freed, the KV grown, then a smaller pool made, between steps; the most valuable cached
+        experts that fit the smaller pool are copied back at the next decode step (after the
+        request's first token), the others come back as misses. Too little room left for
         even one token's experts is `PromptTooLongError`, before anything changes."""
         experts = self.offload
         if experts is None or experts.slots_for_kv is None:
@@ -143,12 +144,14 @@ class Engine:
             raise PromptTooLongError(msg) from None
         if slots >= experts.cache.num_slots:
             return  # within the reservation
+        keep = experts.cache.ranked()
         experts.cache.release()
         try:
             for cache in caches:
                 cache.reserve(num_tokens, state.num_tokens)
         finally:  # a pool again even when growing failed (say, out of memory)
             experts.cache.resize(slots)
+            experts.cache.pending = keep[:slots]  # copied back at the next decode step
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (
@@ -291,6 +294,8 @@ class Engine:
         self.check_fits(state.num_tokens + 1)
         self._check_ids([token_id])
         self._make_kv_room(state, state.num_tokens + 1)
+        if self.offload is not None and self.offload.cache.pending:
+            self.offload.cache.refill()  # the experts a KV growth made room from, back in
         logits = None
         if self.decode_graph is not None:
             for cache in state.kv_caches():

@@ -33,6 +33,7 @@ class ExpertCache:
         self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}
         self.stats = {layer: LayerStats() for layer in store.layers}
         self.resizes = 0  # times the pool was rebuilt (elastic: KV took room from it)
+        self.pending: list[Key] = []  # experts to copy back in after a resize (`refill`)
         self._new_pool(num_slots, policy)
 
     def _new_pool(self, num_slots: int, policy: str) -> None:
@@ -62,6 +63,25 @@ class ExpertCache:
         self.slots, self.slot_rows = None, []  # the old pool's memory goes back first
         self._new_pool(num_slots, self.policy.name)
         self.resizes += 1
+
+    def ranked(self) -> list[Key]:
+        """The resident experts, most valuable first (by the policy)."""
+        return self.policy.rank(key for key in self.owner if key is not None)
+
+    def refill(self) -> int:
+        """Copy in the experts listed in `pending` (least valuable first, so the policy ranks
+        them as before; say, those a resize dropped), from the host store on the current
+        stream; returns how many were listed."""
+        keys, self.pending = self.pending, []
+        for layer, expert in reversed(keys):
+            if self.slot_of[layer][expert] >= 0:
+                continue
+            slot = self.admit(layer, expert, exclude=set())
+            if slot is None:
+                break
+            on_gpu = self.device.type == "cuda"
+            self.slot_rows[slot].copy_(self.store.flat[layer][expert], non_blocking=on_gpu)
+        return len(keys)
 
     def lookup(self, layer: int, expert: int) -> int:
         return self.slot_of[layer][expert]

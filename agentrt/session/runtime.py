@@ -176,7 +176,7 @@ class Runtime:
         tokenizer: str | None = None,
         chat_template: str | None = None,
         linear_attn: str = "auto",
-        prefill_chunk: int = 2048,
+        prefill_chunk: int | None = None,
         eager: bool = False,
         prefill_graphs: bool = False,
         require_tokenizer: bool = False,
@@ -219,7 +219,8 @@ class Runtime:
             device=device,
             dtype=dtype or EngineConfig.default_dtype(device),
             linear_attn=linear_attn,
-            prefill_chunk=prefill_chunk,
+            prefill_chunk=prefill_chunk
+            or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
             cuda_graphs=not eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
             prefill_graphs=prefill_graphs,  # experimental; not used with offloaded experts
         )
