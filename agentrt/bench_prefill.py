@@ -205,7 +205,8 @@ class _Rows:
             times.append(time.perf_counter() - t0)
         seconds = statistics.median(times)
         row = {"plan": plan, "kind": kind, "tokens": length, "seconds": seconds}
-        row.update(tok_s=length / seconds, all_s=times, **_per_run(before, _totals(experts), self.repeat))
+        row.update(tok_s=length / seconds, all_s=times)
+        row.update(_per_run(before, _totals(experts), self.repeat))
         if experts is not None:  # (KV past its reservation takes slots from the cache)
             row["expert_cache_slots"] = experts.cache.num_slots
             row["context_tokens"] = state.num_tokens

@@ -563,7 +563,16 @@ def _report(report: dict, json_out: str | None) -> None:
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
 @_cpu_kernel_option("CPU expert kernel (calibration).")
 def bench_prefill(
-    model, device, dtype, linear_attn, seed, eager, json_out, lengths, prefill_chunk, repeat,
+    model,
+    device,
+    dtype,
+    linear_attn,
+    seed,
+    eager,
+    json_out,
+    lengths,
+    prefill_chunk,
+    repeat,
     **offload,
 ) -> None:
     """Prefill throughput (tok/s) for each prompt length and linear-attention kernel; with
@@ -575,7 +584,9 @@ def bench_prefill(
     device = resolve_device(device)
     if offload["offload"] == "auto":
         offload["linear_attn"] = linear_attn[0]
-        report = _offload_prefill(model, device, dtype, seed, lengths, prefill_chunk, repeat, offload)
+        report = _offload_prefill(
+            model, device, dtype, seed, lengths, prefill_chunk, repeat, offload
+        )
         _report(report, json_out)
         return
     _report(

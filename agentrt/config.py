@@ -457,8 +457,7 @@ class OffloadConfig:
             )
         if self.prefill_plan not in PREFILL_PLANS:
             raise InvalidArgumentError(
-                f"prefill plan must be one of {', '.join(PREFILL_PLANS)}, "
-                f"got {self.prefill_plan!r}"
+                f"prefill plan must be one of {', '.join(PREFILL_PLANS)}, got {self.prefill_plan!r}"
             )
         if self.staging_bytes is not None and self.staging_bytes < 0:
             raise InvalidArgumentError("staging_bytes must be >= 0")

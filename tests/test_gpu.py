@@ -394,10 +394,15 @@ def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
     from agentrt.config import OffloadConfig
 
     ids = [(i * 7919) % 2000 + 10 for i in range(700)]
-    opts = dict(device="cuda", dtype="bfloat16", cache="off", prefill_chunk=256, linear_attn="torch")
+    opts = dict(
+        device="cuda", dtype="bfloat16", cache="off", prefill_chunk=256, linear_attn="torch"
+    )
     resident = Runtime.open("tiny", **opts)
     config = OffloadConfig(
-        mode="auto", expert_cache_slots=12, prefill_plan=plan, copy_bandwidth=1.0,
+        mode="auto",
+        expert_cache_slots=12,
+        prefill_plan=plan,
+        copy_bandwidth=1.0,
         cpu_bandwidth=1.0,
     )
     rt = Runtime.open("tiny", offload=config, **opts)

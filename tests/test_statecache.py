@@ -854,3 +854,35 @@ def test_blob_parts_round_trip_and_reject_a_damaged_table():
     for bad in [*damaged, bytes(middle), bytes(size)]:
         with pytest.raises(CorruptPayload):
             unpack(bad)
+
+
+def test_a_writer_behind_gets_the_checkpoints_after_the_response(tmp_path, monkeypatch):
+    """Back-to-back requests outpace a slow writer: checkpoints its queue has no room for at
+    prefill time are queued again after the response (waiting for room), not lost; every
+    boundary the prefill chose is stored in the end."""
+    from agentrt.statecache.keys import PrefixKeys
+    from agentrt.statecache.manager import StateCache
+
+    slow_write = StateCache._write
+
+    def slow(self, job):
+        time.sleep(0.05)
+        slow_write(self, job)
+
+    monkeypatch.setattr(StateCache, "_write", slow)
+    sem = Runtime.open(
+        "tiny",
+        cache="semantic",
+        state_cache=StateCacheConfig(state_dir=tmp_path / "state", min_distance=0, queue_size=1),
+    )
+    cache = sem.reuse.cache
+    msgs = agent_requests("w", 300)[0]
+    ids = _prompt_ids(sem, msgs)
+    wanted = cache.capture_positions(ids, 0)
+    assert len(wanted) >= 3  # more checkpoints than the queue holds
+    sem.chat(msgs, tools=TOOLS, max_tokens=2)
+    cache.flush()
+    assert cache.stats["deferred_saved"] > 0 and cache.stats["deferred_dropped"] == 0
+    keys = PrefixKeys(cache.fp, ids)
+    assert all(cache._stored(keys.key(pos)) for pos in wanted)
+    sem.close()

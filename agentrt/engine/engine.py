@@ -346,6 +346,7 @@ class Engine:
         if prefill_end is not None:
             gen.timings.capture_gpu_s = prefill_end.elapsed_time(capture_end) / 1000
         yield from self._decode_loop(state, logits, params, rng, gen, gen.started_at or t0, reuse)
+        reuse.after_generation(state)
 
     def _decode_loop(
         self, state, logits, params, rng, gen: Generation, t0: float, reuse

@@ -8,11 +8,13 @@
   checkpoints are captured at boundaries during prefill and after generated `</think>` /
   `</tool_call>` tokens.
 
-The engine calls `begin` before prefill, `after_prefill`, and `after_token` after each fed token.
+The engine calls `begin` before prefill, `after_prefill`, `after_token` after each fed token, and
+`after_generation` once the last token is out.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from agentrt.engine.state import SequenceState
@@ -58,6 +60,9 @@ class NoReuse:
     def after_token(self, state: SequenceState) -> None:
         pass
 
+    def after_generation(self, state: SequenceState) -> None:
+        """The request's last token was produced (work that must not delay its first)."""
+
     def close(self) -> None:
         pass
 
@@ -90,11 +95,18 @@ class PrefixReuse(NoReuse):
         return keep, self.source
 
 
+# longest the end of a request waits, in all, for the writer to take the checkpoints its prefill
+# could not queue
+DEFERRED_WAIT_S = 2.0
+
+
 class SemanticReuse(PrefixReuse):
     mode = "semantic"
 
     def __init__(self, cache: StateCache) -> None:
         self.cache = cache
+        # checkpoints of the last prefill the writer had no room for: (prompt, pos, kind)
+        self.deferred: list[tuple[Sequence[int], int, str]] = []
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         kv_valid = common_prefix(state.token_ids, prompt)  # KV there can be kept (cut back)
@@ -137,15 +149,31 @@ class SemanticReuse(PrefixReuse):
     def after_prefill(
         self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
     ) -> None:
+        self.deferred = []
         for pos, kind in positions.items():
             at, conv, rec = state.capture_for(pos)  # the prefill may have taken it earlier
             self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec, at=at)
+            if self.cache.last_full:  # the writer is behind: try again after the response
+                self.deferred.append((prompt, pos, kind))
 
     def after_token(self, state: SequenceState) -> None:
         kind = self.cache.boundaries.ends_with(state.token_ids)
         if kind is not None:
             conv, rec = state.linear_at(state.num_tokens)
             self.cache.save(state.token_ids, state.num_tokens, kind, state.kv_caches(), conv, rec)
+
+    def after_generation(self, state: SequenceState) -> None:
+        """Queue the checkpoints the prefill could not, waiting up to `DEFERRED_WAIT_S` in all
+        for the writer to make room (the prompt's KV and the captured linear states are still
+        in `state` until its next prefill): a later turn needs them more than this one's end
+        needs those seconds. What still does not fit is dropped, counted."""
+        deadline = time.perf_counter() + DEFERRED_WAIT_S
+        deferred, self.deferred = self.deferred, []
+        for prompt, pos, kind in deferred:
+            at, conv, rec = state.capture_for(pos)
+            left = max(0.0, deadline - time.perf_counter())
+            saved = self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec, at, left)
+            self.cache.stats["deferred_saved" if saved else "deferred_dropped"] += 1
 
     def close(self) -> None:
         self.cache.close()

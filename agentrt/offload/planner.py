@@ -111,12 +111,8 @@ def plan_ahead(
     (everything waits for the routing: `routed_s`, the routed plan's time, CPU share included)."""
     if num_missing == 0:
         return "none"
-    exposed = costs.exposed_s  # (copies queued ahead travel during it)
-    options = {
-        "stream": max(costs.copy_s(num_missing), exposed),
-        "none": routed_s,
-    }
+    options = {"stream": costs.copy_s(num_missing), "none": routed_s}
     if num_predicted:
-        ahead = max(costs.copy_s(num_predicted), exposed)
-        options["predicted"] = ahead + costs.copy_s(round(num_late))
+        late = costs.exposed_s + costs.copy_s(round(num_late))
+        options["predicted"] = costs.copy_s(num_predicted) + late
     return min(options, key=lambda k: (options[k], k != "stream"))

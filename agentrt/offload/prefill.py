@@ -279,8 +279,9 @@ class PrefillStreamer:
         else:
             copied = set(plan.copy)
             experts = [
-                e for e, c in enumerate(counts) if c and e not in covered
-                and (lookup[e] >= 0 or e in copied)
+                e
+                for e, c in enumerate(counts)
+                if c and e not in covered and (lookup[e] >= 0 or e in copied)
             ]
         fills = self._fills(layer, experts, set(plan.copy), plan.kind)
         self.queue.extend(fills)
@@ -424,7 +425,8 @@ class PrefillStreamer:
         scale = weights.reshape(-1).index_select(0, order).to(x.dtype)
         cpu_pairs = sum(counts[e] for e in plan.cpu)
         total = flat.numel()
-        return order, _Sorted(x_sorted, scale, torch.empty_like(x_sorted)), (total - cpu_pairs, total)
+        ys = _Sorted(x_sorted, scale, torch.empty_like(x_sorted))
+        return order, ys, (total - cpu_pairs, total)
 
     def _cpu_inputs(self, ys: _Sorted, rows: tuple[int, int]):
         """The CPU rows' hidden states and routing weights, on their way to the host (queued

@@ -4,7 +4,9 @@ Saving: the caller hands over live device tensors (KV caches and the linear-laye
 position); only the KV chunks the store lacks and the record's own tail/linear states are copied
 to host (pinned, non-blocking, ordered on the current stream), then a bounded queue feeds one
 writer thread that compresses and commits each checkpoint in one LMDB transaction. A full queue
-drops the checkpoint (counted); prefill never waits on disk.
+drops the checkpoint (counted) unless the caller waits for room (`save(wait=...)`, which the
+semantic reuse does after the response for checkpoints its prefill could not queue); prefill
+never waits on disk.
 
 Restoring: candidates are the boundaries of the new prompt (plus 256-token block edges for
 attention-only models), longest first; the first record whose payloads verify is decoded on
@@ -163,6 +165,7 @@ class StateCache:
         self.stats: Counter[str] = Counter()
         self.last_error: str | None = None
         self.dirty = False  # the last restore_into wrote into the caches and then failed
+        self.last_full = False  # the last `save` found the writer's queue or ring full
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # chunk keys present in LMDB
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
@@ -231,12 +234,30 @@ class StateCache:
         conv: Sequence[torch.Tensor],
         rec: Sequence[torch.Tensor],
         at: int | None = None,
+        wait: float = 0.0,
     ) -> bool:
         """Queue a checkpoint of the state after `ids[:pos]` (device tensors are copied now).
 
         `at` (at most `pos`, default `pos`): the caches' state is the one after `ids[:at]` (a
         capture the prefill took a little early, `Engine.capture_grid`). The record is still
-        found by the prefix `ids[:pos]` and restores `at` tokens."""
+        found by the prefix `ids[:pos]` and restores `at` tokens. When the writer is behind
+        (its queue or staging ring full), waits up to `wait` seconds for it to make room, then
+        drops the checkpoint (counted; `last_full` tells the caller, who may try again later)."""
+        deadline = time.perf_counter() + wait
+        self.last_full = False
+        while True:
+            outcome = self._try_save(ids, pos, kind, kv_caches, conv, rec, at)
+            if outcome != "full":
+                return outcome == "queued"
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                self.last_full = True
+                return False
+            with self._lock:  # woken after each job the writer finishes
+                self._written.wait(min(left, 0.05))
+
+    def _try_save(self, ids, pos, kind, kv_caches, conv, rec, at) -> str:
+        """One attempt of `save`: "queued", "skipped" (stored already) or "full"."""
         keys = PrefixKeys(self.fp, ids)
         key = keys.key(pos)
         at = pos if at is None else at
@@ -245,30 +266,30 @@ class StateCache:
         pos = at  # what is stored is the state there
         if self._stored(key):
             self.stats["skipped_existing"] += 1
-            return False
+            return "skipped"
         if self._queue.full():  # the writer is behind: drop it before copying anything
             self.stats["dropped_queue_full"] += 1
-            return False
+            return "full"
         chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
         new = self._new_chunks(chunk_keys)
         lo = min((chunk_keys.index(ck) * BLOCK for ck in new), default=(pos // BLOCK) * BLOCK)
         job = self._copy_out(key, pos, kind, chunk_keys, lo, kv_caches, conv, rec)
         if job is None:  # the writer is that far behind: drop it, as with a full queue
             self.stats["dropped_staging_full"] += 1
-            return False
+            return "full"
         job.new_chunks = new
         with self._lock:  # counted before the writer can see the job (it uncounts it)
             self._pending.update(new)
             self._queued[key] += 1
             try:
                 self._queue.put_nowait(job)  # never blocks, so holding the lock is fine
-                return True
+                return "queued"
             except queue.Full:  # filled since the check above (touches share the queue)
                 self._pending.difference_update(new)
                 self._uncount(key)
         self.stats["dropped_queue_full"] += 1
         self._release(job)
-        return False
+        return "full"
 
     def _uncount(self, key: bytes) -> None:
         """One queued job of `key` less (under `_lock`); wakes restores waiting for it."""
