@@ -23,7 +23,9 @@ import torch
 from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
 from agentrt.engine.placement import install, profile_for
+from agentrt.errors import InvalidArgumentError
 from agentrt.models.moe import RoutedExperts
+from agentrt.models.registry import config_of
 from agentrt.offload.cpu_kernel import kernel_for
 
 FIXED_PLANS = ("stream", "routed")
@@ -53,8 +55,11 @@ def offload_prefill(
     from agentrt.bench_offload import load_offloadable, text_ids
 
     dtype = dtype or EngineConfig.default_dtype(device)
-    model, store, cfg = load_offloadable(spec, device, dtype, seed)
     longest = max([*lengths, prefix_len + max(suffixes, default=0)])
+    context = config_of(spec).max_position_embeddings
+    if longest >= context:  # (before minutes of building the model)
+        raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
+    model, store, cfg = load_offloadable(spec, device, dtype, seed)
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
     kernel = kernel_for(cpu_kernel, store.dtype)
     profile = profile_for(store, torch.device(device), kernel=kernel)
@@ -208,6 +213,7 @@ class _Rows:
         row.update(tok_s=length / seconds, all_s=times)
         row.update(_per_run(before, _totals(experts), self.repeat))
         if experts is not None:  # (KV past its reservation takes slots from the cache)
+            row["plan_per_layer"] = dict(experts.prefill.last_plans)  # (of the last chunk)
             row["expert_cache_slots"] = experts.cache.num_slots
             row["context_tokens"] = state.num_tokens
         return row

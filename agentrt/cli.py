@@ -536,7 +536,12 @@ def _report(report: dict, json_out: str | None) -> None:
     "with every expert resident first (the floor's compute side).",
 )
 @click.option("--vram-budget", default=None, help="With --offload auto: e.g. 16GiB.")
-@click.option("--expert-cache-slots", type=click.IntRange(min=1), default=None)
+@click.option(
+    "--expert-cache-slots",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --offload auto: the expert cache's size in experts (overrides --vram-budget).",
+)
 @click.option(
     "--prefill-plan",
     default="auto,stream,routed",

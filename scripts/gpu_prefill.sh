@@ -23,7 +23,7 @@ if has prefill; then
   grep -A40 "^plan " "$OUT/prefill.log" || tail -30 "$OUT/prefill.log"
 fi
 if has ttft; then
-  VARIANTS=dropped NAME=ttft_offload TTFT_ARGS="--vram-budget 16GiB ${TTFT_ARGS:-}" \
+  VARIANTS=dropped NAME=ttft_offload PREFILL_CHUNK=8192 TTFT_ARGS="--vram-budget 16GiB ${TTFT_ARGS:-}" \
     timeout "${TTFT_TIMEOUT:-300}" bash scripts/gpu_ttft.sh | tail -14
 fi
 tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded --exclude '*.ptx' \

@@ -142,3 +142,38 @@ def test_prefill_leaves_the_decode_working_set(dense):
     assert any(key is not None for key in before)
     rt.engine.prefill(rt.engine.new_state(), ids)
     assert cache.owner == before
+
+
+def test_bench_prefill_reports_every_plan_against_its_floor():
+    """`bench prefill --offload auto`: the resident rows, then every plan's cold and suffix rows
+    with bytes copied, the CPU's share, the plans per layer, the floor; ratios from one run."""
+    from agentrt.bench_prefill import offload_prefill
+
+    report = offload_prefill(
+        "tiny",
+        "cpu",
+        None,
+        None,
+        ["auto", "stream", "routed"],
+        [96],
+        [16],
+        64,
+        48,
+        repeat=1,
+        slots=10,
+    )
+    runs = report["runs"]
+    assert [(r["plan"], r["kind"]) for r in runs] == [
+        (plan, kind)
+        for plan in ("resident", "auto", "stream", "routed")
+        for kind in ("cold", "suffix")
+    ]
+    for r in runs[2:]:
+        assert r["tokens"] in (96, 16) and r["seconds"] > 0
+        assert r["floor_s"] >= r["resident_s"] > 0 and r["vs_floor"] > 0
+        assert set(r["plan_per_layer"].values()) <= {"stream", "routed", "split", "predicted"}
+        assert 0.0 <= r["cpu_pair_share"] <= 1.0
+    stream = next(r for r in runs if r["plan"] == "stream" and r["kind"] == "cold")
+    assert set(stream["plans"]) == {"stream"} and stream["copy_gb"] > 0
+    assert {"cold96_auto_vs_best_fixed", "suffix16_auto_vs_stream"} <= set(report["ratios"])
+    assert report["bench"] == "prefill-offload" and report["staging_gib"] > 0
