@@ -188,7 +188,8 @@ def model_options(fn=None, *, cache_list: bool = False):
             help="CUDA, experts on the GPU: run prompts and suffixes of up to 4096 tokens as "
             "CUDA-graph replays of padded lengths (64-3072), one launch instead of thousands "
             "(suffix prefill 2-2.5x faster on an H200). The graphs are captured when the model "
-            "opens (seconds) and again when the KV cache grows past 32K-token steps.",
+            "opens, on KV reserved for the model's whole context (or as much as a quarter of "
+            "the free GPU memory holds), so no request captures them again.",
         ),
         *offload_options(),
     ]

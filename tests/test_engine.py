@@ -367,3 +367,16 @@ def test_common_prefix_matches_a_plain_scan():
         while want < min(len(a), len(b)) and a[want] == b[want]:
             want += 1
         assert common_prefix(a, b) == want == common_prefix(tuple(b), a)
+
+
+def test_graph_kv_covers_the_context_when_it_fits():
+    """KV for CUDA graphs is reserved up front (growth inside a request would recapture them):
+    the whole context when a quarter of free memory holds it, else whole 32K-token steps."""
+    from agentrt.engine.cuda_graph import PREFILL_RESERVE, graph_kv_tokens
+
+    per_token = 20 * 1024  # bytes of KV per position
+    assert graph_kv_tokens(262144, per_token, 100 * 2**30) == 262144
+    tight = graph_kv_tokens(262144, per_token, 8 * 2**30)  # 2 GiB for KV: three 32K steps
+    assert tight == 3 * PREFILL_RESERVE and tight * per_token <= 2 * 2**30
+    assert graph_kv_tokens(262144, per_token, 2**20) == PREFILL_RESERVE  # at least one step
+    assert graph_kv_tokens(4096, per_token, 2**20) == 4096  # never past the context

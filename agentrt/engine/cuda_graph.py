@@ -214,6 +214,22 @@ PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 2049, 256), *range(2176, 3073,
 # sparser set of cut buckets (its worst case was a 2.7K-token suffix padded to 3072 plus cuts).
 PREFILL_CUT_BUCKETS = None
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
+# KV reserved up front for the graphs (`graph_kv_tokens`) may take at most this share of the
+# device memory free when the engine opens
+GRAPH_KV_SHARE = 0.25
+
+
+def graph_kv_tokens(max_context: int, kv_bytes_per_token: int, free_bytes: int) -> int:
+    """KV positions to reserve before capturing graphs, so that no later growth (which would
+    invalidate them) happens inside a request: the model's whole context when its KV fits
+    `GRAPH_KV_SHARE` of the free device memory, else the most `PREFILL_RESERVE` steps that do
+    (at least one)."""
+    if max_context * kv_bytes_per_token <= GRAPH_KV_SHARE * free_bytes:
+        return max_context
+    steps = int(GRAPH_KV_SHARE * free_bytes // max(1, PREFILL_RESERVE * kv_bytes_per_token))
+    return min(max_context, max(1, steps) * PREFILL_RESERVE)
+
+
 PREFILL_MAX_PROMPT = 4096  # longer prompts run eagerly, in big chunks, nearer GPU-bound
 PREFILL_CUT_SLOTS = 2  # capture positions inside one replay (more split the prompt)
 

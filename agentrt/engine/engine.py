@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from agentrt.config import EngineConfig
-from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs
+from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs, graph_kv_tokens
 from agentrt.engine.reuse import NoReuse
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
@@ -88,12 +88,20 @@ class Engine:
         self.offload = None  # OffloadedExperts when routed experts live in a host store
         use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
-        use_prefill_graphs = config.prefill_graphs and self.device.type == "cuda"
-        self.prefill_graphs = PrefillGraphs(model, self.device) if use_prefill_graphs else None
+        self.prefill_graphs = None
+        if config.prefill_graphs and self.device.type == "cuda":
+            self.prefill_graphs = PrefillGraphs(model, self.device, reserve=self._graph_kv())
 
     @property
     def max_context(self) -> int:
         return self.cfg.max_position_embeddings
+
+    def _graph_kv(self) -> int:
+        """KV positions the prefill graphs are captured with (see `graph_kv_tokens`)."""
+        cfg, itemsize = self.cfg, self.dtype.itemsize
+        per_token = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * itemsize
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return graph_kv_tokens(self.max_context, per_token, free)
 
     def new_state(self, capacity: int = 0) -> SequenceState:
         host = frozenset(
