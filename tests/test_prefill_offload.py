@@ -177,3 +177,61 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
     assert set(stream["plans"]) == {"stream"} and stream["copy_gb"] > 0
     assert {"cold96_auto_vs_best_fixed", "suffix16_auto_vs_stream"} <= set(report["ratios"])
     assert report["bench"] == "prefill-offload" and report["staging_gib"] > 0
+
+
+def test_native_rows_kernel_matches_the_fp32_experts():
+    """Prefill's CPU experts in the native kernel (rows grouped by expert, each weight row read
+    once): each row's weighted expert output, as an fp32 reference computes it."""
+    import torch.nn.functional as F
+
+    from agentrt.offload.cpu_kernel import native_experts
+
+    kernel = native_experts()
+    if kernel is None:
+        pytest.skip("no C compiler (or the native kernel did not build)")
+    gen = torch.Generator().manual_seed(3)
+    hidden, inter, counts = 256, 96, [1, 3, 0, 8, 2]
+    make = lambda *s: (torch.randn(*s, generator=gen) * 0.05).to(torch.bfloat16)  # noqa: E731
+    gate_up = [make(2 * inter, hidden) for _ in counts]
+    down = [make(hidden, inter) for _ in counts]
+    x = (torch.randn(sum(counts), hidden, generator=gen)).to(torch.bfloat16)
+    w = torch.rand(sum(counts), generator=gen)
+    out = torch.full((sum(counts), hidden), float("nan"))
+    kernel.run_rows(gate_up, down, counts, x, w, out)
+    want, begin = [], 0
+    for e, count in enumerate(counts):
+        rows = x[begin : begin + count].float()
+        gate, up = (rows @ gate_up[e].float().T).chunk(2, dim=-1)
+        want.append((F.silu(gate) * up) @ down[e].float().T * w[begin : begin + count, None])
+        begin += count
+    want = torch.cat(want)
+    assert not out.isnan().any()
+    assert ((out - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_bf16_prefill_with_native_cpu_experts_stays_close_to_dense():
+    """bf16 on the CPU with the native kernel: the split's CPU experts (few rows each) run in
+    it, and the logits are as close to the fp32 model as the dense bf16 model's (the kernel
+    sums in fp32, so it may be closer)."""
+    from agentrt.offload.cpu_kernel import native_experts
+
+    if native_experts() is None:
+        pytest.skip("no C compiler (or the native kernel did not build)")
+    fp32 = Runtime.open("tiny", cache="off", prefill_chunk=48)
+    ids = fp32.tokenizer.encode(PROMPT)[:96]
+    ref = fp32.engine.prefill(fp32.engine.new_state(), ids, all_logits=True)
+    dense = Runtime.open("tiny", cache="off", dtype="bfloat16", prefill_chunk=48)
+    noise = (dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True) - ref).abs()
+    config = OffloadConfig(
+        mode="auto",
+        expert_cache_slots=10,
+        prefill_plan="routed",
+        cpu_kernel="native",
+        copy_bandwidth=1.0,
+        cpu_bandwidth=1.0,
+    )
+    rt = Runtime.open("tiny", cache="off", dtype="bfloat16", prefill_chunk=48, offload=config)
+    assert rt.engine.offload.prefill.cpu_kernel is not None
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - ref).abs().max().item() <= 1.5 * noise.max().item()
+    assert rt.engine.offload.prefill.totals.cpu > 0

@@ -1,5 +1,6 @@
-"""A native CPU kernel for a decode token's CPU experts (bf16 weights, fp32 sums), built with the
-system C compiler at first use and called through ctypes.
+"""A native CPU kernel for a decode token's CPU experts (bf16 weights, fp32 sums), and for
+prefill's (several rows per expert, each weight row read once), built with the system C
+compiler at first use and called through ctypes.
 
 torch's bf16 `F.linear` on one row reads the expert weights well below the memory bandwidth
 (`agentrt bench bw` on the H200 machine: 26-41 GB/s against a DRAM read of 88-94 GB/s; on the
@@ -98,6 +99,45 @@ void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* 
                 s += weights[e] * dot(row, act + (int64_t)e * inter, inter);
             }
             out[r] = s;
+        }
+    }
+}
+
+/* Prefill: rows grouped by expert (counts[e] consecutive rows of x [rows, hidden] each),
+   out[r] = w[r] * expert_e(x[r]) (fp32 [rows, hidden]). Each weight row is read once and dotted
+   with every row of its expert (their inputs stay in cache), so an expert of a few tokens costs
+   about one read of its weights. act: [rows * inter] bf16 scratch. */
+void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const int* counts, int n,
+                       const uint16_t* x, const float* w, float* out, int hidden, int inter,
+                       uint16_t* act) {
+    #pragma omp parallel
+    {
+        int64_t begin = 0;
+        for (int e = 0; e < n; e++) {
+            const uint16_t* gu = gate_up[e];
+            int64_t end = begin + counts[e];
+            #pragma omp for schedule(static)
+            for (int i = 0; i < inter; i++) {
+                const uint16_t* grow = gu + (int64_t)i * hidden;
+                const uint16_t* urow = gu + (int64_t)(inter + i) * hidden;
+                for (int64_t r = begin; r < end; r++) {
+                    float g = dot(grow, x + r * hidden, hidden);
+                    float u = dot(urow, x + r * hidden, hidden);
+                    act[r * inter + i] = f2bf(g / (1.f + expf(-g)) * u);
+                }
+            }
+            begin = end;
+        }
+        begin = 0;
+        for (int e = 0; e < n; e++) {
+            int64_t end = begin + counts[e];
+            #pragma omp for schedule(static)
+            for (int j = 0; j < hidden; j++) {
+                const uint16_t* drow = down[e] + (int64_t)j * inter;
+                for (int64_t r = begin; r < end; r++)
+                    out[r * hidden + j] = w[r] * dot(drow, act + r * inter, inter);
+            }
+            begin = end;
         }
     }
 }
@@ -261,6 +301,9 @@ class NativeExperts:
         self._fn.argtypes, self._fn.restype = [*args, _P, _P], None
         self._start = lib.experts_start
         self._start.argtypes, self._start.restype = [*args, _P, ctypes.c_int], ctypes.c_int
+        self._rows = lib.experts_rows_bf16
+        self._rows.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int, _P]
+        self._rows.restype = None
         self._wait = lib.experts_wait
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
         lib.experts_fast_path.restype = ctypes.c_int
@@ -288,6 +331,35 @@ class NativeExperts:
             h, _ = self._buffers(*down[0].shape, len(gate_up))
             args = self._args_of(gate_up, down, weights, x, out, accumulate)
             self._fn(*args, h.data_ptr())
+
+    def run_rows(
+        self,
+        gate_up: list[torch.Tensor],
+        down: list[torch.Tensor],
+        counts: list[int],
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Prefill's CPU experts: `x` (bf16 `[rows, H]`, contiguous) holds `counts[e]`
+        consecutive rows for expert e; `out` (fp32 `[rows, H]`) gets each row's expert output
+        times its `weights` (fp32 `[rows]`). On the calling thread's OpenMP team."""
+        n = len(gate_up)
+        hidden, inter = down[0].shape
+        act = torch.empty(x.shape[0] * inter, dtype=torch.bfloat16)
+        with self._lock:
+            self._rows(
+                (_P * n)(*[t.data_ptr() for t in gate_up]),
+                (_P * n)(*[t.data_ptr() for t in down]),
+                (ctypes.c_int * n)(*counts),
+                n,
+                x.data_ptr(),
+                weights.data_ptr(),
+                out.data_ptr(),
+                hidden,
+                inter,
+                act.data_ptr(),
+            )
 
     def start(self, gate_up, down, weights, x, out, accumulate: bool = False) -> None:
         """Post the call `run` makes to the thread pool and return at once; `finish` must

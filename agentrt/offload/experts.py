@@ -164,6 +164,7 @@ class OffloadedExperts:
             staging_bytes=0 if cpu_layers else staging_bytes,
             adaptive=self.adaptive,
             routers=self.routers,
+            cpu_kernel=self.cpu_kernel,
         )
 
     def buffers_key(self) -> tuple[int, ...]:
