@@ -399,7 +399,12 @@ class StateCacheConfig:
 # ----------------------------------------------------------------------------- offload config
 
 OFFLOAD_MODES = ("none", "auto", "static", "layer")
-PREFILL_PLANS = ("auto", "stream", "routed")  # `OffloadConfig.prefill_plan` (offload/planner.py)
+PREFILL_PLANS = (
+    "auto",
+    "stream",
+    "routed",
+    "predicted",
+)  # `OffloadConfig.prefill_plan` (offload/planner.py)
 CPU_KERNELS = ("auto", "torch", "native")  # `OffloadConfig.cpu_kernel` (offload/cpu_kernel.py)
 
 

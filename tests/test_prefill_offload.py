@@ -10,7 +10,14 @@ import torch
 
 from agentrt import Runtime
 from agentrt.config import OffloadConfig
-from agentrt.offload.planner import Costs, choose, plan_ahead, routed_plan, stream_plan
+from agentrt.offload.planner import (
+    Costs,
+    choose,
+    plan_ahead,
+    predicted_plan,
+    routed_plan,
+    stream_plan,
+)
 
 PROMPT = "def main():\n    print('hello')  # the agent edits files and runs tests\n" * 10
 
@@ -50,13 +57,22 @@ def test_choose_streams_unless_copying_only_the_routed_experts_saves_time():
 
 def test_plan_ahead_weighs_streaming_prediction_and_waiting():
     costs = Costs(100, 100.0, 100.0, 1.0, 0.5, exposed_s=2.0)
-    assert plan_ahead(0, 0, 0, 1.0, costs) == "none"  # nothing missing
-    # 10 missing: streaming takes 10 s; 3 predicted (3 s, ahead) + 1 late (1 s): 4 s
-    assert plan_ahead(10, 3, 1, 2.0 + 8.0, costs) == "predicted"
-    # waiting for the routing and copying 2 experts: 4 s, less than 3 s ahead + 2 late
-    assert plan_ahead(10, 3, 2, 4.0, costs) == "none"
-    # a long chunk: everything routed, everything predicted
-    assert plan_ahead(10, 10, 0, 12.0, costs) == "stream"
+    assert plan_ahead(0, None, 1.0, costs) == "none"  # nothing missing
+    assert plan_ahead(10, 6.0, 10.0, costs) == "predicted"  # streaming and waiting: 10 s
+    assert plan_ahead(10, 7.0, 4.0, costs) == "none"
+    assert plan_ahead(10, 12.0, 12.0, costs) == "stream"  # a long chunk: every expert routed
+    assert plan_ahead(10, None, 12.0, costs) == "stream"
+
+
+def test_predicted_plan_copies_ahead_the_experts_predicted_the_most_tokens():
+    predicted = {1: 1, 2: 1, 3: 20, 4: 20}
+    # four copies: 4 s; e1 to the CPU (1.5 s): 3 s; e2 too would leave the CPU at 3 s
+    ahead, seconds = predicted_plan(predicted, 0, COSTS, split=True)
+    assert ahead == (2, 3, 4) and seconds == pytest.approx(3.0)
+    ahead, seconds = predicted_plan(predicted, 2, COSTS, split=False)
+    assert ahead == (1, 2, 3, 4) and seconds == pytest.approx(6.0)  # plus 2 late copies
+    exposed = Costs(100, 100.0, 100.0, 1.0, 0.5, exposed_s=5.0)  # the CPU waits for routing
+    assert predicted_plan(predicted, 0, exposed, split=True)[1] == pytest.approx(6.5)
 
 
 def _config(plan: str, split: bool = True, slots: int = 10) -> OffloadConfig:
@@ -78,7 +94,7 @@ def dense():
 
 
 @pytest.mark.parametrize("split", [True, False])
-@pytest.mark.parametrize("plan", ["stream", "routed", "auto"])
+@pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "auto"])
 def test_every_plan_equals_the_dense_model(dense, plan, split):
     ids, want = dense
     rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config(plan, split))
@@ -91,24 +107,12 @@ def test_every_plan_equals_the_dense_model(dense, plan, split):
         assert kinds == {"stream"} and totals.cpu == 0
     if plan == "routed":
         assert kinds <= {"routed", "split"}
+    if plan == "predicted":  # (the first layer of each chunk has no prediction)
+        assert "predicted" in kinds and kinds <= {"routed", "split", "predicted"}
+        assert 0.0 <= rt.engine.offload.prefill.accuracy <= 1.0
     if not split:
         assert totals.cpu == 0
     rt.engine.offload.cache.check()
-
-
-def test_predicted_plans_equal_the_dense_model(dense, monkeypatch):
-    """The next layer's router on this layer's input picks the experts copied ahead; the
-    routed ones it missed come once the routing is known."""
-    from agentrt.offload import prefill
-
-    monkeypatch.setattr(prefill, "plan_ahead", lambda *args: "predicted")
-    ids, want = dense
-    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config("auto"))
-    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
-    assert (got - want).abs().max().item() < 1e-4
-    streamer = rt.engine.offload.prefill
-    assert streamer.totals.plans["predicted"] > 0
-    assert 0.0 <= streamer.accuracy <= 1.0
 
 
 def test_fills_left_by_a_pass_that_stopped_are_dropped():

@@ -9,8 +9,9 @@ missing ones reach them one of three ways:
   once the layer's routing is known: the copy engine idles through the layer's attention
   (`Costs.exposed_s`).
 - `predicted`: before the layer runs, copy the missing experts its router picks from the previous
-  layer's input (the residual stream changes little from one layer to the next); once its
-  routing is known, the experts it routed to beyond them come as in `routed`.
+  layer's input (the residual stream changes little from one layer to the next), those
+  predicted the most tokens (with `split`, the fewest-token ones are left to the CPU); once its
+  routing is known, the experts it routed to beyond them come as in `split` / `routed`.
 - `split`: `routed`, with the missing experts that received the fewest tokens computed on the
   CPU meanwhile (the q* idea per expert: a CPU expert reads its weights once and pays for each
   of its tokens; a copy costs the same whatever its tokens), as many as lower the slower side.
@@ -19,9 +20,9 @@ missing ones reach them one of three ways:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-PLANS = ("auto", "stream", "routed")
+PLANS = ("auto", "stream", "routed", "predicted")
 
 
 @dataclass(frozen=True)
@@ -91,28 +92,41 @@ def choose(
     costs: Costs,
     split: bool,
 ) -> LayerPlan:
-    """The plan `plan` asks for (`auto`: the cheaper of stream and routed, stream on a tie)."""
+    """The plan `plan` asks for (`auto`: the cheaper of stream and routed, stream on a tie;
+    `predicted`, with nothing copied ahead: routed)."""
     if plan == "stream":
         return stream_plan(missing, costs)
     routed = routed_plan(routed_missing, costs, split)
-    if plan == "routed":
+    if plan in ("routed", "predicted"):
         return routed
     stream = stream_plan(missing, costs)
     return stream if stream.seconds <= routed.seconds else routed
 
 
-def plan_ahead(
-    num_missing: int, num_predicted: int, num_late: float, routed_s: float, costs: Costs
-) -> str:
+def predicted_plan(
+    predicted: Mapping[int, int], num_late: float, costs: Costs, split: bool
+) -> tuple[tuple[int, ...], float]:
+    """What to copy ahead for a layer whose router, applied to the previous layer's input,
+    predicts `predicted` (missing expert -> tokens): those the CPU would take longest over
+    (the most tokens), balanced against the fewest-token ones left to the CPU once the routing
+    is known (as `routed_plan` balances them; all of them copy-only). Returns (the experts
+    copied ahead, the predicted seconds: the ahead copies, which travel during the exposed time,
+    against the exposed time plus the CPU's share; then the `num_late` unpredicted experts'
+    copies)."""
+    plan = routed_plan(predicted, replace(costs, exposed_s=0.0), split)
+    cpu = sum(costs.cpu_s(predicted[e]) for e in plan.cpu)
+    ahead = max(costs.copy_s(len(plan.copy)), costs.exposed_s + cpu)
+    return plan.copy, ahead + costs.copy_s(round(num_late))
+
+
+def plan_ahead(num_missing: int, predicted_s: float | None, routed_s: float, costs: Costs) -> str:
     """What to copy for the next layer before its routing is known: `stream` (its
-    `num_missing` missing experts), `predicted` (the `num_predicted` missing experts its router
-    picks from this layer's input; the `num_late` missing experts it is expected to route to
-    beyond them are copied once its routing is known, after the exposed time), or `none`
-    (everything waits for the routing: `routed_s`, the routed plan's time, CPU share included)."""
+    `num_missing` missing experts), `predicted` (what `predicted_plan` picks, taking
+    `predicted_s`; None: no prediction), or `none` (everything waits for the routing:
+    `routed_s`, the routed plan's time, CPU share included)."""
     if num_missing == 0:
         return "none"
     options = {"stream": costs.copy_s(num_missing), "none": routed_s}
-    if num_predicted:
-        late = costs.exposed_s + costs.copy_s(round(num_late))
-        options["predicted"] = costs.copy_s(num_predicted) + late
+    if predicted_s is not None:
+        options["predicted"] = predicted_s
     return min(options, key=lambda k: (options[k], k != "stream"))

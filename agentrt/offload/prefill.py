@@ -29,7 +29,14 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn
 from agentrt.offload.cache import ExpertCache
-from agentrt.offload.planner import Costs, LayerPlan, choose, plan_ahead, routed_plan
+from agentrt.offload.planner import (
+    Costs,
+    LayerPlan,
+    choose,
+    plan_ahead,
+    predicted_plan,
+    routed_plan,
+)
 from agentrt.offload.store import ExpertStore
 
 PARTS_PER_LAYER = 8  # a staging part holds this share of a layer's experts
@@ -248,7 +255,7 @@ class PrefillStreamer:
         """Tokens per expert of the next MoE layer as its router picks them from this layer's
         input (auto plans with routers only), else None."""
         nxt = self.next_layer.get(layer)
-        if self.routers is None or nxt is None or self.plan != "auto":
+        if self.routers is None or nxt is None or self.plan != "predicted":
             return None
         ids = torch.topk(F.linear(x, self.routers[nxt]), top_k, dim=-1).indices
         return torch.bincount(ids.reshape(-1), minlength=self.store.num_experts)
@@ -316,19 +323,22 @@ class PrefillStreamer:
         nxt = self.next_layer.get(layer)
         if nxt is not None and self.plan != "routed":
             missing, lookup = self._missing(nxt), self.cache.slot_of[nxt]
-            guess = [e for e, c in enumerate(predicted) if c and lookup[e] < 0]
-            choice = "stream"
-            if self.plan == "auto":  # (this layer's routing stands in for the next one's)
-                here, costs = self.cache.slot_of[layer], self.costs()
+            guess = {e: c for e, c in enumerate(predicted) if c and lookup[e] < 0}
+            choice, ahead = self.plan, ()
+            here, costs = self.cache.slot_of[layer], self.costs()
+            if self.plan == "predicted":
+                routed = sum(1 for e, c in enumerate(counts) if c and here[e] < 0)
+                late = routed * (1 - self.accuracy)
+                ahead, _ = predicted_plan(guess, late, costs, self.split)
+            elif self.plan == "auto":  # (this layer's routing stands in for the next one's)
                 routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
-                late = len(routed) * (1 - self.accuracy)
                 routed_s = routed_plan(routed, costs, self.split).seconds
-                choice = plan_ahead(len(missing), len(guess), late, routed_s, costs)
+                choice = plan_ahead(len(missing), None, routed_s, costs)
             if choice == "stream":
                 all_experts = list(range(self.store.num_experts))
                 self.queue.extend(self._fills(nxt, all_experts, set(missing), "stream"))
-            elif choice == "predicted":
-                self.queue.extend(self._fills(nxt, guess, set(guess), "predicted"))
+            elif choice == "predicted" and ahead:
+                self.queue.extend(self._fills(nxt, list(ahead), set(ahead), "predicted"))
         self._issue_ready()
 
     # ------------------------------------------------------------------ the staging ring
