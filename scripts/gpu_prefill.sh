@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Offloaded prefill on the GPU machine: the prefill GPU tests, then `agentrt bench prefill
 # --offload auto` with the qwen3.5-35b-a3b-shaped synthetic model under a 16 GiB budget, and
-# (STEPS=...,ttft) the TTFT replay of the reasoning-dropped sample traces under the same budget.
+# (STEPS=...,ttft) the TTFT replay of the reasoning-dropped sample traces under the same budget,
+# (long) a 64K-token prompt, (decode) offloaded decode after a 512- and a 32K-token prefill.
 # Carry .whl .tok .traces-dev (scripts/gpu_ttft.sh prepare) and .triton-cache.tgz if present.
 set -u
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ if has prefill; then
     --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB \
     --tokenizer .tok/qwen3 --lengths "${LENGTHS:-4096,8192}" --prefill-chunk 8192 \
     --suffixes "${SUFFIXES:-64,512,2048}" --prefix "${PREFIX:-32768}" --repeat "${REPEAT:-2}" \
-    --prefill-plan "${PLANS:-auto,stream,routed}" ${PREFILL_ARGS:-} \
+    --prefill-plan "${PLANS:-auto,stream,routed,predicted}" ${PREFILL_ARGS:-} \
     --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
   grep -A40 "^plan " "$OUT/prefill.log" || tail -30 "$OUT/prefill.log"
 fi
@@ -34,4 +35,12 @@ if has long; then  # a 64K-token cold prompt under the budget (KV takes slots fr
     --prefill-chunk 8192 --repeat 1 --prefill-plan stream --no-resident \
     --json "$OUT/prefill_64k.json" > "$OUT/prefill_64k.log" 2>&1
   grep -A3 "^plan " "$OUT/prefill_64k.log" || tail -20 "$OUT/prefill_64k.log"
+fi
+if has decode; then  # the decode hit rate and tok/s right after a short and a long prefill
+  for len in 512 32768; do
+    timeout "${DECODE_TIMEOUT:-200}" python3 -m agentrt.cli bench decode --offload auto \
+      --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB --prompt-len $len \
+      --tokens 64 --json "$OUT/decode_$len.json" > "$OUT/decode_$len.log" 2>&1
+    tail -4 "$OUT/decode_$len.log"
+  done
 fi
