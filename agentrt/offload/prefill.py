@@ -9,7 +9,8 @@ one buffer of a small staging ring (its cache hits are copied in from their slot
 device), and the part runs as two grouped GEMMs over the tokens sorted by position. While part
 i computes, the copy stream fills the ring's other buffers: the layer's next parts, and, when the
 next layer streams, its parts too, so its copies travel under this layer's compute and the next
-layer's attention. Missing experts planned for the CPU run on this thread at the same time.
+layer's attention. Missing experts planned for the CPU run on this thread at the same time
+(`prefill_cpu.py`).
 
 Prefill admits nothing to the expert cache (the decode working set stays), and the host store
 stays the truth: every (token, expert) pair's output equals the dense path's.
@@ -37,15 +38,12 @@ from agentrt.offload.planner import (
     predicted_plan,
     routed_plan,
 )
+from agentrt.offload.prefill_cpu import run_cpu_experts
 from agentrt.offload.store import ExpertStore
 
 PARTS_PER_LAYER = 8  # a staging part holds this share of a layer's experts
 STAGING_PARTS = 4  # buffers in the ring, by default (half a layer of experts)
 CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
-# CPU experts of at most this many rows run in the native kernel (where there is one): on the
-# 2-core dev machine it took 0.20-0.26 ms per expert of 1-4 rows against torch's 0.45-0.53, the
-# same at 8, and more above (it is bound by memory for few rows, by arithmetic for many)
-NATIVE_MAX_ROWS = 8
 
 
 def staging_parts(num_experts: int, staging_bytes: int | None, expert_bytes: int) -> int:
@@ -464,53 +462,16 @@ class PrefillStreamer:
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
-        out, begin = torch.empty_like(x_host), 0
+        out = torch.empty_like(x_host)
         with torch.inference_mode():
-            for experts, native in self._cpu_groups(plan.cpu, counts):
-                end = begin + sum(counts[e] for e in experts)
-                part = (x_host[begin:end], scale[begin:end], out[begin:end])
-                if native:
-                    self._native_rows(layer, experts, counts, *part)
-                else:
-                    self._torch_rows(layer, experts, counts, *part)
-                begin = end
+            run_cpu_experts(
+                self.store, self.cpu_kernel, layer, plan.cpu, counts, x_host, scale, out
+            )
         seconds = time.perf_counter() - t0
         if self.on_cuda:
             out = out.pin_memory()
         ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
         self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
-
-    def _cpu_groups(self, experts, counts) -> list[tuple[list[int], bool]]:
-        """Runs of consecutive CPU experts for one kernel each: the native kernel (where there
-        is one) for experts of at most `NATIVE_MAX_ROWS` rows, torch's for the others."""
-        groups: list[tuple[list[int], bool]] = []
-        for expert in experts:
-            native = self.cpu_kernel is not None and counts[expert] <= NATIVE_MAX_ROWS
-            if groups and groups[-1][1] == native:
-                groups[-1][0].append(expert)
-            else:
-                groups.append(([expert], native))
-        return groups
-
-    def _native_rows(self, layer, experts, counts, x, scale, out) -> None:
-        """Experts of few rows each through the native kernel (each weight row read once)."""
-        _, gate_up, down = self.store.expert_views(layer)
-        result = torch.empty(x.shape, dtype=torch.float32)
-        rows = [counts[e] for e in experts]
-        gu, dn = [gate_up[e] for e in experts], [down[e] for e in experts]
-        self.cpu_kernel.run_rows(gu, dn, rows, x.contiguous(), scale.float().contiguous(), result)
-        out.copy_(result)
-
-    def _torch_rows(self, layer, experts, counts, x, scale, out) -> None:
-        """Experts through torch's `F.linear`, one after another."""
-        _, gate_up, down = self.store.expert_views(layer)
-        begin = 0
-        for expert in experts:
-            end = begin + counts[expert]
-            gate, up = F.linear(x[begin:end], gate_up[expert]).chunk(2, dim=-1)
-            act = F.silu(gate) * up * scale[begin:end].unsqueeze(1)
-            out[begin:end] = F.linear(act, down[expert])
-            begin = end
 
     def _observe_cpu(self, num_experts: int, pairs: int, seconds: float) -> None:
         """Account the CPU side; measured runs also follow the rate at which the CPU experts
