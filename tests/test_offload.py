@@ -799,3 +799,40 @@ def test_calibration_falls_back_to_the_callers_thread_when_the_pool_cannot_start
     profile = calibrate(_store(layers=1, experts=4), torch.device("cpu"), count=4, kernel=kernel)
     assert profile.cpu > 0 and profile.cpu_overlapped > 0 and kernel.runs == 4 + 4 + 4
     assert profile_kernel(kernel) == "native"
+
+
+def test_a_shorter_context_gives_the_kv_room_back_to_the_expert_cache(model_spec, reference):
+    """Elastic both ways: a long request grows KV past its reservation and shrinks the expert
+    cache; a later request that needs less than half of that KV (a new, shorter session) shrinks
+    the KV again, and the cache grows back to its size before, with its experts copied back at
+    the next decode step. Outputs still equal the dense model's."""
+    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token, staging_bytes
+
+    ids, want_tokens, _ = reference
+    probe = Runtime.open(model_spec, cache="off", offload=CONFIGS["split"])
+    model, store = probe.engine.model, probe.engine.offload.store
+    grow = 1024  # (KV grows in steps of this many tokens)
+    budget = (
+        dense_bytes(model)
+        + grow * kv_bytes_per_token(model)
+        + 40 * store.expert_bytes
+        + staging_bytes(store, OffloadConfig(mode="auto"))
+    )
+    config = OffloadConfig(
+        mode="auto",
+        vram_budget=budget,
+        kv_reserve_tokens=grow,
+        workspace_bytes=0,
+        copy_bandwidth=1.0,
+        cpu_bandwidth=1.0,
+    )
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    cache = rt.engine.offload.cache
+    assert cache.num_slots == 40
+    long_prompt = (ids * (grow // len(ids) + 1))[: grow + 16]
+    rt.generate(long_prompt, max_tokens=2)
+    assert cache.num_slots < 40
+    assert rt.generate(ids, max_tokens=20) == want_tokens  # the short session
+    assert cache.num_slots == 40 and not cache.pending
+    assert all(c.capacity <= grow for c in rt._state.kv_caches())
+    cache.check()

@@ -161,6 +161,33 @@ class Engine:
             experts.cache.resize(slots)
             experts.cache.pending = keep[:slots]  # copied back at the next decode step
 
+    def _give_back_kv_room(self, state: SequenceState, num_tokens: int) -> None:
+        """With offloaded experts under a VRAM budget: KV that grew past its reservation and
+        that a request of `num_tokens` tokens needs less than half of (a shorter context, a new
+        session) goes back to the expert cache. The KV shrinks to the request's size in whole
+        growth steps (the live sequence is emptied if it was longer), the pool is rebuilt
+        larger, and its experts are copied back at the next decode step."""
+        experts, caches = self.offload, state.kv_caches()
+        if experts is None or experts.slots_for_kv is None or not caches:
+            return
+        if num_tokens > caches[0].capacity // 2:
+            return  # (a session that grows on keeps its KV)
+        step = max(caches[0].grow_tokens, 1)
+        target = max(-(-num_tokens // step) * step, step)
+        slots = experts.slots_for_kv(sum(cache.bytes_at(target) for cache in caches))
+        if slots <= experts.cache.num_slots:
+            return
+        if state.num_tokens > target:
+            state.reset()  # (its KV past `target` goes; a restore or a prefill refills it)
+        keep = experts.cache.ranked()
+        experts.cache.release()
+        try:
+            for cache in caches:
+                cache.shrink(target, state.num_tokens)
+        finally:
+            experts.cache.resize(slots)
+            experts.cache.pending = keep[:slots]
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (
             ids
@@ -333,6 +360,7 @@ class Engine:
         self.check_fits(gen.prompt_tokens)
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
+        self._give_back_kv_room(state, gen.prompt_tokens)  # (a much shorter context)
         self._make_kv_room(state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0

@@ -57,6 +57,18 @@ class KVCache:
         v[:, :used].copy_(self.v[:, :used])
         self.k, self.v = k, v
 
+    def shrink(self, capacity: int, used: int) -> None:
+        """Down to `capacity` positions (new, smaller buffers), keeping the first `used` ones
+        (at most `capacity`)."""
+        if capacity >= self.capacity:
+            return
+        used = min(used, capacity)
+        k = self.k.new_zeros((self.k.shape[0], capacity, self.k.shape[2]))
+        v = torch.zeros_like(k)
+        k[:, :used].copy_(self.k[:, :used])
+        v[:, :used].copy_(self.v[:, :used])
+        self.k, self.v = k, v
+
     def write(
         self, start: int, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
