@@ -137,15 +137,20 @@ def test_fills_left_by_a_pass_that_stopped_are_dropped():
 
 
 def test_prefill_leaves_the_decode_working_set(dense):
-    """Prefill admits and evicts nothing: the experts decode put in the cache stay."""
+    """Prefill evicts nothing: the experts decode put in the cache stay where they are; it only
+    fills free slots (on a fresh start), with the right weights."""
     ids, _ = dense
     rt = Runtime.open("tiny", cache="off", offload=_config("auto", slots=24))
-    rt.generate(ids[:8], max_tokens=8)  # decode fills the cache
-    cache = rt.engine.offload.cache
+    cache, store = rt.engine.offload.cache, rt.engine.offload.store
+    rt.engine.prefill(rt.engine.new_state(), ids)  # a fresh start: free slots fill up
+    assert not cache.free and rt.engine.offload.prefill.totals.admitted == 24
+    for slot, (layer, expert) in enumerate(cache.owner):
+        assert torch.equal(cache.slots[slot], store.flat[layer][expert])
+    rt.generate(ids[:8], max_tokens=8)  # decode replaces some
     before = list(cache.owner)
-    assert any(key is not None for key in before)
     rt.engine.prefill(rt.engine.new_state(), ids)
     assert cache.owner == before
+    cache.check()
 
 
 def test_bench_prefill_reports_every_plan_against_its_floor():

@@ -74,7 +74,8 @@ class ExpertCache:
         stream; returns how many were listed."""
         keys, self.pending = self.pending, []
         for layer, expert in reversed(keys):
-            if self.slot_of[layer][expert] >= 0:
+            if self.slot_of[layer][expert] >= 0:  # (already back: ranked as it was)
+                self.policy.touch((layer, expert))
                 continue
             slot = self.admit(layer, expert, exclude=set())
             if slot is None:

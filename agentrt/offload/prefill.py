@@ -12,8 +12,9 @@ next layer streams, its parts too, so its copies travel under this layer's compu
 layer's attention. Missing experts planned for the CPU run on this thread at the same time
 (`prefill_cpu.py`).
 
-Prefill admits nothing to the expert cache (the decode working set stays), and the host store
-stays the truth: every (token, expert) pair's output equals the dense path's.
+Prefill evicts nothing from the expert cache (the decode working set stays; it only fills slots
+that are free, as on a fresh start), and the host store stays the truth: every (token, expert)
+pair's output equals the dense path's.
 
 Owns: the staging ring, fills and their events, the per-layer plan record. Does not know: chat,
 sessions, decode (the caller routes single tokens elsewhere).
@@ -90,6 +91,7 @@ class PrefillTotals:
     cpu_pairs: int = 0  # (token, expert) pairs they computed
     pairs: int = 0  # every (token, expert) pair
     routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
+    admitted: int = 0  # copied experts also put into free slots of the expert cache
     cpu_seconds: float = 0.0
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
 
@@ -382,6 +384,7 @@ class PrefillStreamer:
         for pos, expert in enumerate(fill.experts):
             if pos not in copied and rows[pos]:
                 buf[pos].copy_(self.cache.slot_rows[lookup[expert]])
+        self._admit_free(fill, buf)
         end = begin + sum(rows)
         if end > begin:
             self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows)
@@ -393,6 +396,18 @@ class PrefillStreamer:
             self.freed[fill.buffer] = event
         self._issue_ready()
         return end
+
+    def _admit_free(self, fill: Fill, buf: torch.Tensor) -> None:
+        """While the expert cache has free slots (a fresh start), the part's copied experts
+        also go into them (a device copy from staging): nothing is evicted, and decode then
+        finds them."""
+        cache = self.cache
+        for pos in fill.copies:
+            if not cache.free:
+                return
+            slot = cache.admit(fill.layer, fill.experts[pos], exclude=set())
+            cache.slot_rows[slot].copy_(buf[pos])
+            self.totals.admitted += 1
 
     def _grouped_ffn(self, weights: torch.Tensor, ys: _Sorted, begin: int, end: int, rows) -> None:
         """The part's experts over sorted rows [begin, end): gate/up, SwiGLU scaled by the
