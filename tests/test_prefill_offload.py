@@ -144,6 +144,8 @@ def test_prefill_leaves_the_decode_working_set(dense):
     cache, store = rt.engine.offload.cache, rt.engine.offload.store
     rt.engine.prefill(rt.engine.new_state(), ids)  # a fresh start: free slots fill up
     assert not cache.free and rt.engine.offload.prefill.totals.admitted == 24
+    per_layer = [sum(slot >= 0 for slot in row) for row in cache.slot_of.values()]
+    assert max(per_layer) <= 3  # 24 slots over 8 layers: each layer its share
     for slot, (layer, expert) in enumerate(cache.owner):
         assert torch.equal(cache.slots[slot], store.flat[layer][expert])
     rt.generate(ids[:8], max_tokens=8)  # decode replaces some

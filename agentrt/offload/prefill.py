@@ -399,10 +399,15 @@ class PrefillStreamer:
 
     def _admit_free(self, fill: Fill, buf: torch.Tensor) -> None:
         """While the expert cache has free slots (a fresh start), the part's copied experts
-        also go into them (a device copy from staging): nothing is evicted, and decode then
-        finds them."""
+        also go into them (a device copy from staging), up to the layer's share of the slots
+        (so the first layers do not take them all): nothing is evicted, and decode then finds
+        them."""
         cache = self.cache
-        for pos in fill.copies:
+        if not cache.free or not fill.copies:
+            return
+        share = -(-cache.num_slots // len(self.layers))
+        room = share - sum(1 for slot in cache.slot_of[fill.layer] if slot >= 0)
+        for pos in fill.copies[: max(0, room)]:
             if not cache.free:
                 return
             slot = cache.admit(fill.layer, fill.experts[pos], exclude=set())
