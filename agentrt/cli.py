@@ -527,8 +527,20 @@ def _report(report: dict, json_out: str | None) -> None:
     callback=_csv_ints,
     help="Comma-separated prompt lengths.",
 )
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Tokens per prefill chunk (offloaded: each chunk streams the missing experts once).",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed runs per row (the median is reported).",
+)
 @click.option(
     "--offload",
     type=click.Choice(["none", "auto"]),
