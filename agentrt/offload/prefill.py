@@ -253,7 +253,7 @@ class PrefillStreamer:
 
     def _predict(self, layer: int, x: torch.Tensor, top_k: int) -> torch.Tensor | None:
         """Tokens per expert of the next MoE layer as its router picks them from this layer's
-        input (auto plans with routers only), else None."""
+        input (the `predicted` plan, with routers), else None."""
         nxt = self.next_layer.get(layer)
         if self.routers is None or nxt is None or self.plan != "predicted":
             return None
@@ -407,9 +407,12 @@ class PrefillStreamer:
             return
         share = -(-cache.num_slots // len(self.layers))
         room = share - sum(1 for slot in cache.slot_of[fill.layer] if slot >= 0)
+        lookup = cache.slot_of[fill.layer]
         for pos in fill.copies[: max(0, room)]:
             if not cache.free:
                 return
+            if lookup[fill.experts[pos]] >= 0:
+                continue
             slot = cache.admit(fill.layer, fill.experts[pos], exclude=set())
             cache.slot_rows[slot].copy_(buf[pos])
             self.totals.admitted += 1
