@@ -246,3 +246,28 @@ def test_bf16_prefill_with_native_cpu_experts_stays_close_to_dense():
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - ref).abs().max().item() <= 1.5 * noise.max().item()
     assert rt.engine.offload.prefill.totals.cpu > 0
+
+
+def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeypatch):
+    """A prefill that raises inside a layer (say, out of memory) leaves queued fills behind;
+    the next pass must not consume them: its logits equal the dense model's."""
+    from agentrt.offload.prefill import PrefillStreamer
+
+    ids, want = dense
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config("stream"))
+    real, calls = PrefillStreamer._grouped_ffn, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(self, *args)
+
+    monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    streamer = rt.engine.offload.prefill
+    assert not streamer.queue and not streamer.issued
+    monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", real)
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4

@@ -152,7 +152,7 @@ class Engine:
             raise PromptTooLongError(msg) from None
         if slots >= experts.cache.num_slots:
             return  # within the reservation
-        keep = experts.cache.ranked()
+        keep = experts.cache.worth_keeping()
         experts.cache.release()
         try:
             for cache in caches:
@@ -179,7 +179,7 @@ class Engine:
             return
         if state.num_tokens > target:
             state.reset()  # (its KV past `target` goes; a restore or a prefill refills it)
-        keep = experts.cache.ranked()
+        keep = experts.cache.worth_keeping()
         experts.cache.release()
         try:
             for cache in caches:
@@ -360,7 +360,8 @@ class Engine:
         self.check_fits(gen.prompt_tokens)
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
-        self._give_back_kv_room(state, gen.prompt_tokens)  # (a much shorter context)
+        # (a much shorter context: sized for the prompt and every token it may generate)
+        self._give_back_kv_room(state, gen.prompt_tokens + params.max_tokens)
         self._make_kv_room(state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0

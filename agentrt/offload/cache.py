@@ -68,6 +68,11 @@ class ExpertCache:
         """The resident experts, most valuable first (by the policy)."""
         return self.policy.rank(key for key in self.owner if key is not None)
 
+    def worth_keeping(self) -> list[Key]:
+        """What a resize should bring back: the experts still waiting for a refill (an earlier
+        resize's), then the resident ones, most valuable first."""
+        return list(dict.fromkeys([*self.pending, *self.ranked()]))
+
     def refill(self) -> int:
         """Copy in the experts listed in `pending` (least valuable first, so the policy ranks
         them as before; say, those a resize dropped), from the host store on the current

@@ -172,10 +172,26 @@ class PrefillStreamer:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
-        top_k = ids.shape[1]
         start = self._resident_start(layer)
         if start is not None:
             return self._run_resident(layer, start, x, ids, weights)
+        if layer == self.layers[0]:  # a new pass: nothing is queued ahead for its first layer
+            self._drop_ahead()
+        try:
+            return self._run_layer(layer, x, ids, weights)
+        except BaseException:  # (what it queued must not serve a later pass)
+            self._drop_ahead()
+            raise
+
+    def _drop_ahead(self) -> None:
+        """Forget queued fills (copies already issued may still run: the copy stream orders
+        them before any later fill of the same buffer)."""
+        self.queue.clear()
+        self.issued.clear()
+
+    def _run_layer(self, layer, x, ids, weights) -> torch.Tensor:
+        """`run` for a layer that is not resident in place."""
+        top_k = ids.shape[1]
         flat = ids.reshape(-1)
         num = self.store.num_experts
         counts = torch.bincount(flat, minlength=num)
@@ -189,6 +205,7 @@ class PrefillStreamer:
         self._plan_ahead(layer, counts_h, predicted_h)
         order, ys, cpu_rows = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
         x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
+        self._count(layer, plan, counts_h, flat.numel())  # (before parts fill free slots)
         begin = 0
         for fill in parts:
             begin = self._run_part(fill, counts_h, ys, begin)
@@ -196,7 +213,6 @@ class PrefillStreamer:
             self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
         out = _unsort(ys.out, order, top_k).sum(1)
         self._layer_end = (layer, self._mark(), routed_at, plan, self.overhead_s)
-        self._count(layer, plan, counts_h, flat.numel())
         return out
 
     def _resident_start(self, layer: int) -> int | None:
@@ -266,8 +282,7 @@ class PrefillStreamer:
         fill of the same buffer)."""
         pending = [*self.issued, *self.queue]
         if pending and pending[0].layer != layer:
-            self.queue.clear()
-            self.issued.clear()
+            self._drop_ahead()
             return []
         return [f for f in pending if f.layer == layer]
 
@@ -403,7 +418,7 @@ class PrefillStreamer:
         (so the first layers do not take them all): nothing is evicted, and decode then finds
         them."""
         cache = self.cache
-        if not cache.free or not fill.copies:
+        if not cache.free or not fill.copies or cache.pending:  # (a refill will use them)
             return
         share = -(-cache.num_slots // len(self.layers))
         room = share - sum(1 for slot in cache.slot_of[fill.layer] if slot >= 0)

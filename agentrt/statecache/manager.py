@@ -247,17 +247,19 @@ class StateCache:
         self.last_full = False
         while True:
             outcome = self._try_save(ids, pos, kind, kv_caches, conv, rec, at)
-            if outcome != "full":
+            if not outcome.endswith("_full"):
                 return outcome == "queued"
             left = deadline - time.perf_counter()
-            if left <= 0:
+            if left <= 0:  # (counted once, however many tries)
+                self.stats[f"dropped_{outcome}"] += 1
                 self.last_full = True
                 return False
             with self._lock:  # woken after each job the writer finishes
                 self._written.wait(min(left, 0.05))
 
     def _try_save(self, ids, pos, kind, kv_caches, conv, rec, at) -> str:
-        """One attempt of `save`: "queued", "skipped" (stored already) or "full"."""
+        """One attempt of `save`: "queued", "skipped" (stored already), "queue_full" or
+        "staging_full" (the writer is behind)."""
         keys = PrefixKeys(self.fp, ids)
         key = keys.key(pos)
         at = pos if at is None else at
@@ -267,16 +269,14 @@ class StateCache:
         if self._stored(key):
             self.stats["skipped_existing"] += 1
             return "skipped"
-        if self._queue.full():  # the writer is behind: drop it before copying anything
-            self.stats["dropped_queue_full"] += 1
-            return "full"
+        if self._queue.full():  # the writer is behind: give up before copying anything
+            return "queue_full"
         chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
         new = self._new_chunks(chunk_keys)
         lo = min((chunk_keys.index(ck) * BLOCK for ck in new), default=(pos // BLOCK) * BLOCK)
         job = self._copy_out(key, pos, kind, chunk_keys, lo, kv_caches, conv, rec)
-        if job is None:  # the writer is that far behind: drop it, as with a full queue
-            self.stats["dropped_staging_full"] += 1
-            return "full"
+        if job is None:  # the writer is that far behind, as with a full queue
+            return "staging_full"
         job.new_chunks = new
         with self._lock:  # counted before the writer can see the job (it uncounts it)
             self._pending.update(new)
@@ -287,9 +287,8 @@ class StateCache:
             except queue.Full:  # filled since the check above (touches share the queue)
                 self._pending.difference_update(new)
                 self._uncount(key)
-        self.stats["dropped_queue_full"] += 1
         self._release(job)
-        return "full"
+        return "queue_full"
 
     def _uncount(self, key: bytes) -> None:
         """One queued job of `key` less (under `_lock`); wakes restores waiting for it."""
