@@ -208,17 +208,13 @@ def test_slots_follow_the_vram_budget():
         slots_for_budget(model, store, OffloadConfig(mode="auto", vram_budget=2**20))
 
 
-def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
-    """Elastic (DESIGN §5): under a VRAM budget, KV that outgrows its reservation shrinks the
-    expert cache by what it takes, and outputs still equal the dense model's; a prompt whose
-    KV would leave no room for one token's experts is refused before anything changes."""
+def _elastic_config(model_spec, reserve: int, slots: int) -> tuple[OffloadConfig, int]:
+    """An auto config whose budget holds the model's dense weights, KV for `reserve` tokens,
+    the prefill staging and `slots` experts (no workspace); and the staging's bytes."""
     from agentrt.engine.placement import dense_bytes, kv_bytes_per_token, staging_bytes
-    from agentrt.errors import PromptTooLongError
 
-    ids, want_tokens, want_logits = reference
     probe = Runtime.open(model_spec, cache="off", offload=CONFIGS["split"])
     model, store = probe.engine.model, probe.engine.offload.store
-    reserve, slots = 64, 40  # KV for 64 tokens, then 40 slots (and the prefill staging)
     staging = staging_bytes(store, OffloadConfig(mode="auto"))
     budget = (
         dense_bytes(model)
@@ -234,7 +230,22 @@ def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
         copy_bandwidth=1.0,
         cpu_bandwidth=1.0,
     )
+    return config, staging
+
+
+def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
+    """Elastic (DESIGN §5): under a VRAM budget, KV that outgrows its reservation shrinks the
+    expert cache by what it takes, and outputs still equal the dense model's; a prompt whose
+    KV would leave no room for one token's experts is refused before anything changes."""
+    from agentrt.engine.placement import dense_bytes
+    from agentrt.errors import PromptTooLongError
+
+    ids, want_tokens, want_logits = reference
+    reserve, slots = 64, 40  # KV for 64 tokens, then 40 slots (and the prefill staging)
+    config, staging = _elastic_config(model_spec, reserve, slots)
+    budget = config.vram_budget
     rt = Runtime.open(model_spec, cache="off", offload=config)
+    model, store = rt.engine.model, rt.engine.offload.store
     cache = rt.engine.offload.cache
     assert cache.num_slots == slots
     logits = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
@@ -806,26 +817,9 @@ def test_a_shorter_context_gives_the_kv_room_back_to_the_expert_cache(model_spec
     cache; a later request that needs less than half of that KV (a new, shorter session) shrinks
     the KV again, and the cache grows back to its size before, with its experts copied back at
     the next decode step. Outputs still equal the dense model's."""
-    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token, staging_bytes
-
     ids, want_tokens, _ = reference
-    probe = Runtime.open(model_spec, cache="off", offload=CONFIGS["split"])
-    model, store = probe.engine.model, probe.engine.offload.store
     grow = 1024  # (KV grows in steps of this many tokens)
-    budget = (
-        dense_bytes(model)
-        + grow * kv_bytes_per_token(model)
-        + 40 * store.expert_bytes
-        + staging_bytes(store, OffloadConfig(mode="auto"))
-    )
-    config = OffloadConfig(
-        mode="auto",
-        vram_budget=budget,
-        kv_reserve_tokens=grow,
-        workspace_bytes=0,
-        copy_bandwidth=1.0,
-        cpu_bandwidth=1.0,
-    )
+    config, _ = _elastic_config(model_spec, grow, 40)
     rt = Runtime.open(model_spec, cache="off", offload=config)
     cache = rt.engine.offload.cache
     assert cache.num_slots == 40
