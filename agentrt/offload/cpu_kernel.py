@@ -347,15 +347,14 @@ class NativeExperts:
         n = len(gate_up)
         hidden, inter = down[0].shape
         act = torch.empty(x.shape[0] * inter, dtype=torch.bfloat16)
+        rows = (ctypes.c_int * n)(*counts)
+        tensors = (x, weights, out)
         with self._lock:
             self._rows(
-                (_P * n)(*[t.data_ptr() for t in gate_up]),
-                (_P * n)(*[t.data_ptr() for t in down]),
-                (ctypes.c_int * n)(*counts),
+                *_pointers(gate_up, down),
+                rows,
                 n,
-                x.data_ptr(),
-                weights.data_ptr(),
-                out.data_ptr(),
+                *(t.data_ptr() for t in tensors),
                 hidden,
                 inter,
                 act.data_ptr(),
@@ -406,8 +405,7 @@ class NativeExperts:
         hidden, inter = down[0].shape
         _, act = self._buffers(hidden, inter, n)
         return (
-            (_P * n)(*[t.data_ptr() for t in gate_up]),
-            (_P * n)(*[t.data_ptr() for t in down]),
+            *_pointers(gate_up, down),
             (ctypes.c_float * n)(*weights),
             n,
             x.data_ptr(),
@@ -425,6 +423,11 @@ class NativeExperts:
             act = torch.empty(max(n, 8) * inter, dtype=torch.bfloat16)
             self._scratch[(hidden, inter)] = (h, act)
         return h, act
+
+
+def _pointers(*groups: list[torch.Tensor]) -> list:
+    """Each list of tensors as a C array of their data pointers."""
+    return [(_P * len(group))(*[t.data_ptr() for t in group]) for group in groups]
 
 
 @functools.cache
