@@ -114,6 +114,14 @@ def load_offloadable(spec: str, device: str, dtype: str, seed: int):
     return model, store, cfg
 
 
+def resident_experts(store: ExpertStore, device: str) -> RoutedExperts:
+    """Every expert of the store copied to `device` (the all-resident baseline)."""
+    return RoutedExperts(
+        {layer: store.gate_up(layer).to(device) for layer in store.layers},
+        {layer: store.down(layer).to(device) for layer in store.layers},
+    )
+
+
 def offload_decode(
     spec: str,
     device: str,
@@ -217,11 +225,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         torch.cuda.reset_peak_memory_stats()
     if setting["offload"] == "none":
         experts = None
-        resident = RoutedExperts(
-            {layer: store.gate_up(layer).to(device) for layer in store.layers},
-            {layer: store.down(layer).to(device) for layer in store.layers},
-        )
-        model.set_experts(resident)
+        model.set_experts(resident_experts(store, device))
     else:
         experts = install(model, store, device, config)
     engine = Engine(model, EngineConfig(device=device, dtype=dtype, cuda_graphs=graphs))

@@ -24,7 +24,6 @@ from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
 from agentrt.engine.placement import install, profile_for
 from agentrt.errors import InvalidArgumentError
-from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of
 from agentrt.offload.cpu_kernel import kernel_for
 
@@ -52,7 +51,7 @@ def offload_prefill(
 ) -> dict[str, Any]:
     """The report of `bench prefill --offload auto` (see the module docstring)."""
     from agentrt.bench import machine
-    from agentrt.bench_offload import load_offloadable, text_ids
+    from agentrt.bench_offload import load_offloadable, resident_experts, text_ids
 
     dtype = dtype or EngineConfig.default_dtype(device)
     longest = max([*lengths, prefix_len + max(suffixes, default=0)])
@@ -68,12 +67,7 @@ def offload_prefill(
     runs = []
     if resident:
         print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
-        model.set_experts(
-            RoutedExperts(
-                {layer: store.gate_up(layer).to(device) for layer in store.layers},
-                {layer: store.down(layer).to(device) for layer in store.layers},
-            )
-        )
+        model.set_experts(resident_experts(store, device))
         engine = _engine(model, device, dtype, chunk, linear_attn)
         runs += rows.time(engine, "resident", None, warm_all=True)
         model.set_experts(store.as_routed())

@@ -403,7 +403,7 @@ def test_measured_bandwidths_keep_probing_the_cpu_side():
         rng = random.Random(0)
         for _ in range(4 * PROBE_EVERY):
             pairs = {e: [i] for i, e in enumerate(rng.sample(range(16), 4))}
-            gpu, cpu, _ = experts._plan_decode(0, pairs)
+            gpu, cpu = experts._plan_decode(0, pairs)
             assert sorted(gpu + cpu) == sorted(pairs)
         cache.check()
         runs[adaptive] = cache.stats[0].cpu

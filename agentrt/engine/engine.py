@@ -16,6 +16,7 @@ import torch
 
 from agentrt.config import EngineConfig
 from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs, graph_kv_tokens
+from agentrt.engine.placement import kv_bytes_per_token
 from agentrt.engine.reuse import NoReuse
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
@@ -98,10 +99,8 @@ class Engine:
 
     def _graph_kv(self) -> int:
         """KV positions the prefill graphs are captured with (see `graph_kv_tokens`)."""
-        cfg, itemsize = self.cfg, self.dtype.itemsize
-        per_token = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
-        return graph_kv_tokens(self.max_context, per_token, free)
+        return graph_kv_tokens(self.max_context, kv_bytes_per_token(self.model), free)
 
     def new_state(self, capacity: int = 0) -> SequenceState:
         host = frozenset(
@@ -152,14 +151,12 @@ class Engine:
             raise PromptTooLongError(msg) from None
         if slots >= experts.cache.num_slots:
             return  # within the reservation
-        keep = experts.cache.worth_keeping()
-        experts.cache.release()
-        try:
+
+        def grow() -> None:
             for cache in caches:
                 cache.reserve(num_tokens, state.num_tokens)
-        finally:  # a pool again even when growing failed (say, out of memory)
-            experts.cache.resize(slots)
-            experts.cache.pending = keep[:slots]  # copied back at the next decode step
+
+        experts.cache.rebuild(slots, grow)  # (its experts come back at the next decode step)
 
     def _give_back_kv_room(self, state: SequenceState, num_tokens: int) -> None:
         """With offloaded experts under a VRAM budget: KV that grew past its reservation and
@@ -179,14 +176,12 @@ class Engine:
             return
         if state.num_tokens > target:
             state.reset()  # (its KV past `target` goes; a restore or a prefill refills it)
-        keep = experts.cache.worth_keeping()
-        experts.cache.release()
-        try:
+
+        def shrink() -> None:
             for cache in caches:
                 cache.shrink(target, state.num_tokens)
-        finally:
-            experts.cache.resize(slots)
-            experts.cache.pending = keep[:slots]
+
+        experts.cache.rebuild(slots, shrink)
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (

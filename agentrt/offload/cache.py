@@ -4,6 +4,7 @@ stays the truth: evicting a slot loses nothing, nor does rebuilding the pool at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,19 @@ class ExpertCache:
     def ranked(self) -> list[Key]:
         """The resident experts, most valuable first (by the policy)."""
         return self.policy.rank(key for key in self.owner if key is not None)
+
+    def rebuild(self, num_slots: int, between: Callable[[], None]) -> None:
+        """A pool of `num_slots` in place of this one, with `between` (say, KV growing or
+        shrinking) run after this pool's memory is freed and before the new one is made (the
+        new one is made even if `between` fails); the experts worth keeping that fit are
+        listed in `pending`, for `refill`."""
+        keep = self.worth_keeping()
+        self.release()
+        try:
+            between()
+        finally:
+            self.resize(num_slots)
+            self.pending = keep[:num_slots]
 
     def worth_keeping(self) -> list[Key]:
         """What a resize should bring back: the experts still waiting for a refill (an earlier

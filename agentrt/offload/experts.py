@@ -9,8 +9,8 @@ process runs on that one thread (a second thread would bring a second OpenMP tea
 for the same cores), except in graph decode's host steps, below. Every (token,
 expert) pair's output lands in the same place it would in the dense path, and the weighted sum
 over the k experts is the same, so the result equals the dense computation. Many-token steps
-(prefill) go to `prefill.PrefillStreamer`, layer by layer through a staging ring, admitting
-nothing, so prefill does not evict the decode working set.
+(prefill) go to `prefill.PrefillStreamer`, layer by layer through a staging ring; it fills only
+free slots, so prefill does not evict the decode working set.
 `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
 
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
@@ -192,7 +192,7 @@ class OffloadedExperts:
             plan_gpu, plan_cpu = [], list(pairs)
         else:
             self._read_copy_timing()  # `tolist` synchronised: earlier copies are done
-            plan_gpu, plan_cpu, _ = self._plan_decode(layer, pairs)
+            plan_gpu, plan_cpu = self._plan_decode(layer, pairs)
             if num_tokens == 1 and not self.on_cuda:  # (on a GPU, graph decode prefetches)
                 self._prefetch_after(layer, self._predict(layer, x, top_k).tolist(), pairs)
         out = torch.empty(len(flat), x.shape[1], dtype=x.dtype, device=x.device)
@@ -252,7 +252,7 @@ class OffloadedExperts:
         stats.misses += len(misses)
         stats.copied += len(copied)
         stats.cpu += len(cpu)
-        return hits + copied, cpu, []
+        return hits + copied, cpu
 
     def _copy_in(self, layer: int, experts: list[int], exclude: set, synced: bool = False):
         """Copy experts into victim slots; returns those that got a slot. Unless `synced`, the
@@ -512,7 +512,7 @@ class OffloadedExperts:
         if layer in self.cpu_layers:
             gpu, cpu = [], ids
         else:
-            gpu, cpu, _ = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
+            gpu, cpu = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
         w = io.w_np.tolist()
         prefetch = self.routers is not None and layer in self.next_layer
         running = False  # the native kernel's pool computes while this thread works on

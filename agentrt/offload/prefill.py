@@ -152,6 +152,11 @@ class PrefillStreamer:
         self._grouped = _grouped_mm_fn()
 
     @property
+    def token_flops(self) -> float:
+        """FLOPs of one token through one expert (three projections of `inter x hidden`)."""
+        return 6.0 * self.store.inter * self.store.hidden
+
+    @property
     def staging_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
@@ -162,7 +167,7 @@ class PrefillStreamer:
             copy_bw=self.bw.copy,
             cpu_bw=self.cpu_bw,
             cpu_flops=self.cpu_flops,
-            token_flops=6.0 * s.inter * s.hidden,
+            token_flops=self.token_flops,
             exposed_s=self.exposed_s + self.overhead_s,
         )
 
@@ -518,7 +523,7 @@ class PrefillStreamer:
         self.totals.cpu_pairs += pairs
         if not self.adaptive or not num_experts:
             return
-        matmuls = pairs * 6.0 * self.store.inter * self.store.hidden / self.cpu_flops
+        matmuls = pairs * self.token_flops / self.cpu_flops
         rate = num_experts * self.store.expert_bytes / max(seconds - matmuls, seconds * 0.1)
         self.cpu_bw = 0.7 * self.cpu_bw + 0.3 * rate
 
