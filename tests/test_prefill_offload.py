@@ -131,7 +131,9 @@ def test_fills_left_by_a_pass_that_stopped_are_dropped():
     reference = RoutedExperts({first: store.gate_up(first)}, {first: store.down(first)})
     want = reference.looped(first, x, ids, weights)
     streamer.run(first, x, ids, weights)
-    assert any(f.layer != first for f in (*streamer.issued, *streamer.queue))  # queued ahead
+    assert any(
+        f.layer != first for f in (*streamer.ring.issued, *streamer.ring.queue)
+    )  # queued ahead
     got = streamer.run(first, x, ids, weights)  # the next pass
     assert (got - want).abs().max().item() < 1e-5
 
@@ -267,7 +269,7 @@ def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeyp
     with pytest.raises(RuntimeError, match="out of memory"):
         rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     streamer = rt.engine.offload.prefill
-    assert not streamer.queue and not streamer.issued
+    assert not streamer.ring.queue and not streamer.ring.issued
     monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", real)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4

@@ -25,7 +25,7 @@ from agentrt.offload.calibrate import (
 from agentrt.offload.cpu_kernel import kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
-from agentrt.offload.prefill import staging_bytes_for
+from agentrt.offload.ring import staging_bytes_for
 from agentrt.offload.store import ExpertStore
 
 

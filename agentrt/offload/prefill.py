@@ -5,8 +5,8 @@ Per layer: the chunk's routing is counted on the device and read once (one sync 
 planner (`planner.py`) picks how the missing experts come: streamed, routed-only, or partly on
 the CPU. The experts the device computes are laid out in *parts* of a few experts each; a part's
 missing experts are copied from the pinned host store in as few copies as their runs allow into
-one buffer of a small staging ring (its cache hits are copied in from their slots on the
-device), and the part runs as two grouped GEMMs over the tokens sorted by position. While part
+one buffer of a small staging ring (`ring.py`; its cache hits are copied in from their slots on
+the device), and the part runs as two grouped GEMMs over the tokens sorted by position. While part
 i computes, the copy stream fills the ring's other buffers: the layer's next parts, and, when the
 next layer streams, its parts too, so its copies travel under this layer's compute and the next
 layer's attention. Missing experts planned for the CPU run on this thread at the same time
@@ -16,14 +16,14 @@ Prefill evicts nothing from the expert cache (the decode working set stays; it o
 that are free, as on a fresh start), and the host store stays the truth: every (token, expert)
 pair's output equals the dense path's.
 
-Owns: the staging ring, fills and their events, the per-layer plan record. Does not know: chat,
-sessions, decode (the caller routes single tokens elsewhere).
+Owns: the per-layer plans, the layout of a layer's pairs, the measured costs, the counters.
+Does not know: chat, sessions, decode (the caller routes single tokens elsewhere).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -40,44 +40,10 @@ from agentrt.offload.planner import (
     routed_plan,
 )
 from agentrt.offload.prefill_cpu import run_cpu_experts
+from agentrt.offload.ring import Fill, StagingRing
 from agentrt.offload.store import ExpertStore
 
-PARTS_PER_LAYER = 8  # a staging part holds this share of a layer's experts
-STAGING_PARTS = 4  # buffers in the ring, by default (half a layer of experts)
 CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
-
-
-def staging_parts(num_experts: int, staging_bytes: int | None, expert_bytes: int) -> int:
-    """Buffers the ring gets from `staging_bytes` (default: `STAGING_PARTS`), at least two."""
-    part = part_size(num_experts)
-    if staging_bytes is None:
-        return STAGING_PARTS
-    if staging_bytes == 0:  # (every layer resident or on the CPU: the baselines)
-        return 0
-    return max(2, staging_bytes // (part * expert_bytes))
-
-
-def part_size(num_experts: int) -> int:
-    return max(1, -(-num_experts // PARTS_PER_LAYER))
-
-
-def staging_bytes_for(num_experts: int, expert_bytes: int, staging_bytes: int | None) -> int:
-    """Device bytes the ring takes."""
-    parts = staging_parts(num_experts, staging_bytes, expert_bytes)
-    return parts * part_size(num_experts) * expert_bytes
-
-
-@dataclass(eq=False)
-class Fill:
-    """One part of one layer: its experts in buffer order, the positions copied from the host
-    (the others are cache hits, copied from their slots when the part runs)."""
-
-    layer: int
-    experts: list[int]
-    copies: list[int]
-    kind: str = "routed"  # the plan it belongs to (stream and predicted ones are queued ahead)
-    buffer: int = -1
-    ready: object = None  # event on the copy stream after the copies (None: done)
 
 
 @dataclass
@@ -123,16 +89,7 @@ class PrefillStreamer:
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = copy_stream
-        self.part = part_size(store.num_experts)
-        num = staging_parts(store.num_experts, staging_bytes, store.expert_bytes)
-        self.buffers = [
-            torch.zeros(self.part, store.expert_numel, dtype=store.dtype, device=self.device)
-            for _ in range(num)
-        ]
-        self.freed: list[object] = [None] * num  # event after the last reader of each buffer
-        self.queue: deque[Fill] = deque()  # fills not yet issued, in order
-        self.issued: deque[Fill] = deque()  # issued, not yet consumed
-        self.next_buffer = 0
+        self.ring = StagingRing(store, staging_bytes, self.device, copy_stream)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
         self.cpu_flops = CPU_FLOPS
@@ -158,7 +115,7 @@ class PrefillStreamer:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return self.ring.num_bytes
 
     def costs(self) -> Costs:
         s = self.store
@@ -181,18 +138,12 @@ class PrefillStreamer:
         if start is not None:
             return self._run_resident(layer, start, x, ids, weights)
         if layer == self.layers[0]:  # a new pass: nothing is queued ahead for its first layer
-            self._drop_ahead()
+            self.ring.drop()
         try:
             return self._run_layer(layer, x, ids, weights)
         except BaseException:  # (what it queued must not serve a later pass)
-            self._drop_ahead()
+            self.ring.drop()
             raise
-
-    def _drop_ahead(self) -> None:
-        """Forget queued fills (copies already issued may still run: the copy stream orders
-        them before any later fill of the same buffer)."""
-        self.queue.clear()
-        self.issued.clear()
 
     def _run_layer(self, layer, x, ids, weights) -> torch.Tensor:
         """`run` for a layer that is not resident in place."""
@@ -281,20 +232,10 @@ class PrefillStreamer:
         ids = torch.topk(F.linear(x, self.routers[nxt]), top_k, dim=-1).indices
         return torch.bincount(ids.reshape(-1), minlength=self.store.num_experts)
 
-    def _ahead_for(self, layer: int) -> list[Fill]:
-        """The fills queued ahead for `layer` (those left by a pass that stopped part-way are
-        dropped: their copies may still run, and the copy stream orders them before any later
-        fill of the same buffer)."""
-        pending = [*self.issued, *self.queue]
-        if pending and pending[0].layer != layer:
-            self._drop_ahead()
-            return []
-        return [f for f in pending if f.layer == layer]
-
     def _layer_plan(self, layer: int, counts: list[int]) -> tuple[list[Fill], LayerPlan]:
         """This layer's parts and plan: what was queued ahead (stream; or the predicted
         experts, with the routed ones beyond them planned now), else the planner's plan."""
-        ahead, lookup = self._ahead_for(layer), self.cache.slot_of[layer]
+        ahead, lookup = self.ring.ahead_for(layer), self.cache.slot_of[layer]
         if ahead and ahead[0].kind == "stream":
             return ahead, LayerPlan("stream", tuple(self._missing(layer)))
         covered = {e for fill in ahead for e in fill.experts}
@@ -317,24 +258,14 @@ class PrefillStreamer:
                 for e, c in enumerate(counts)
                 if c and e not in covered and (lookup[e] >= 0 or e in copied)
             ]
-        fills = self._fills(layer, experts, set(plan.copy), plan.kind)
-        self.queue.extend(fills)
+        fills = self.ring.fills(layer, experts, set(plan.copy), plan.kind)
+        self.ring.queue.extend(fills)
         return ahead + fills, plan
 
     def _observe_prediction(self, right: int, routed: int) -> None:
         """Follow the share of routed missing experts that were copied ahead on prediction."""
         if routed:
             self.accuracy = 0.8 * self.accuracy + 0.2 * right / routed
-
-    def _fills(self, layer: int, experts: list[int], copied: set[int], kind: str) -> list[Fill]:
-        """`experts` in parts of `part`, those in `copied` copied from the host store (the
-        others are cache hits)."""
-        fills = []
-        for i in range(0, len(experts), self.part):
-            chunk = experts[i : i + self.part]
-            copies = [p for p, e in enumerate(chunk) if e in copied]
-            fills.append(Fill(layer, chunk, copies, kind))
-        return fills
 
     def _plan_ahead(self, layer: int, counts: list[int], predicted: list[int]) -> None:
         """Queue the next layer's fills now where it should stream or take its predicted
@@ -356,49 +287,15 @@ class PrefillStreamer:
                 choice = plan_ahead(len(missing), None, routed_s, costs)
             if choice == "stream":
                 all_experts = list(range(self.store.num_experts))
-                self.queue.extend(self._fills(nxt, all_experts, set(missing), "stream"))
+                self.ring.queue.extend(self.ring.fills(nxt, all_experts, set(missing), "stream"))
             elif choice == "predicted" and ahead:
-                self.queue.extend(self._fills(nxt, list(ahead), set(ahead), "predicted"))
-        self._issue_ready()
-
-    # ------------------------------------------------------------------ the staging ring
-
-    def _issue_ready(self) -> None:
-        """Issue queued fills while the ring has a buffer whose last reader has been queued."""
-        if self.queue and not self.buffers:
-            raise RuntimeError("offloaded prefill needs a staging area (staging_bytes is 0)")
-        while self.queue and len(self.issued) < len(self.buffers):
-            fill = self.queue.popleft()
-            self._issue(fill)
-            self.issued.append(fill)
-
-    def _issue(self, fill: Fill) -> None:
-        """Copy the fill's missing experts into the next buffer of the ring (runs of
-        consecutive experts as one copy), on the copy stream after the buffer's last reader."""
-        fill.buffer = self.next_buffer
-        self.next_buffer = (self.next_buffer + 1) % len(self.buffers)
-        buf, source = self.buffers[fill.buffer], self.store.flat[fill.layer]
-        runs = _runs([(p, fill.experts[p]) for p in fill.copies])
-        if self.copy_stream is None:
-            for pos, expert, n in runs:
-                buf[pos : pos + n].copy_(source[expert : expert + n])
-            return
-        with torch.cuda.stream(self.copy_stream):
-            if self.freed[fill.buffer] is not None:
-                self.copy_stream.wait_event(self.freed[fill.buffer])
-            for pos, expert, n in runs:
-                buf[pos : pos + n].copy_(source[expert : expert + n], non_blocking=True)
-            fill.ready = torch.cuda.Event()
-            fill.ready.record(self.copy_stream)
+                self.ring.queue.extend(self.ring.fills(nxt, list(ahead), set(ahead), "predicted"))
+        self.ring.issue_ready()
 
     def _run_part(self, fill: Fill, counts: list[int], ys: _Sorted, begin: int) -> int:
         """Wait for the part's copies, bring its hits in from their slots, run it; returns the
         sorted row after its rows."""
-        while not any(f is fill for f in self.issued):  # (the ring was full when queued)
-            self._issue_ready()
-        buf = self.buffers[fill.buffer]
-        if fill.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(fill.ready)
+        buf = self.ring.take(fill)
         copied, lookup = set(fill.copies), self.cache.slot_of[fill.layer]
         rows = [counts[e] for e in fill.experts]
         for pos, expert in enumerate(fill.experts):
@@ -408,13 +305,7 @@ class PrefillStreamer:
         end = begin + sum(rows)
         if end > begin:
             self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows)
-        assert self.issued[0] is fill  # parts run in the order they were queued
-        self.issued.popleft()
-        if self.on_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self.freed[fill.buffer] = event
-        self._issue_ready()
+        self.ring.release(fill)
         return end
 
     def _admit_free(self, fill: Fill, buf: torch.Tensor) -> None:
@@ -555,17 +446,6 @@ class _Sorted:
 
 def _ema(old: float, new: float, weight: float) -> float:
     return new if old == 0 else (1 - weight) * old + weight * new
-
-
-def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(position, expert) pairs -> (position, expert, length) runs where both advance by one."""
-    runs: list[list[int]] = []
-    for pos, expert in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == expert:
-            runs[-1][2] += 1
-        else:
-            runs.append([pos, expert, 1])
-    return [tuple(r) for r in runs]
 
 
 def _looped(x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
