@@ -69,7 +69,7 @@ def offload_prefill(
         print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
         model.set_experts(resident_experts(store, device))
         engine = _engine(model, device, dtype, chunk, linear_attn)
-        runs += rows.time(engine, "resident", None, warm_all=True)
+        runs += rows.time(engine, "resident", None)
         model.set_experts(store.as_routed())
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
@@ -162,10 +162,11 @@ class _Rows:
         self.lengths, self.suffixes, self.prefix_len = lengths, suffixes, prefix_len
         self.ids, self.repeat, self.device = ids, repeat, device
 
-    def time(self, engine: Engine, plan: str, experts, warm_all: bool = False) -> list[dict]:
-        """`warm_all`: warm up with every length (the first engine of the invocation compiles
-        and tunes the kernels for each shape), else with the shortest."""
-        self._warm_up(engine, warm_all)
+    def time(self, engine: Engine, plan: str, experts) -> list[dict]:
+        """The rows of one engine, after a warm-up with every length (the first engine of the
+        invocation compiles and tunes the kernels for each shape; `auto` measures its costs
+        per size of chunk: two passes of each)."""
+        self._warm_up(engine, 2 if plan == "auto" else 1)
         out = []
         for length in self.lengths:
             state = engine.new_state()  # (KV grows as the engine grows it: elastic under a budget)
@@ -178,13 +179,11 @@ class _Rows:
                 out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
         return out
 
-    def _warm_up(self, engine: Engine, warm_all: bool) -> None:
-        """Kernels, autotuning and allocator pools, before anything is timed."""
-        lengths = {min(self.lengths or [512]), min(self.suffixes or [64])}
-        if warm_all:
-            lengths |= set(self.lengths) | set(self.suffixes)
-        for length in sorted(lengths):
-            engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
+    def _warm_up(self, engine: Engine, passes: int) -> None:
+        """Kernels, autotuning, allocator pools and measured costs, before anything is timed."""
+        for length in sorted(set(self.lengths) | set(self.suffixes)):
+            for _ in range(passes):
+                engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
         _sync(self.device)
 
     def _row(self, engine, plan, experts, kind, length, state, snap) -> dict:
@@ -208,9 +207,20 @@ class _Rows:
         row.update(_per_run(before, _totals(experts), self.repeat))
         if experts is not None:  # (KV past its reservation takes slots from the cache)
             row["plan_per_layer"] = dict(experts.prefill.last_plans)  # (of the last chunk)
+            row["streamer"] = _streamer_state(experts.prefill)
             row["expert_cache_slots"] = experts.cache.num_slots
             row["context_tokens"] = state.num_tokens
         return row
+
+
+def _streamer_state(streamer) -> dict:
+    """What the streamer measured by the end of a row (the costs its plans used)."""
+    return {
+        "cpu_gb_s": streamer.cpu_bw / 1e9,
+        "exposed_ms": 1e3 * streamer.exposed_s,
+        "overhead_ms": {2**b: 1e3 * v for b, v in sorted(streamer.overheads.items())},
+        "prediction_accuracy": streamer.accuracy,
+    }
 
 
 def _totals(experts) -> dict | None:
@@ -230,6 +240,7 @@ def _per_run(before: dict | None, after: dict | None, repeat: int) -> dict:
         "cpu_pair_share": diff["cpu_pairs"] / pairs,
         "routed_missing": diff["routed_missing"],
         "plans": {k: v for k, v in plans.items() if v},
+        "host_s": {k: diff[f"{k}_seconds"] for k in ("wait", "cpu", "cpu_wait", "host")},
     }
 
 

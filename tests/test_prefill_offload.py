@@ -41,6 +41,11 @@ def test_routed_plan_sends_the_fewest_token_experts_to_the_cpu_while_it_helps():
     assert routed_plan(routed, COSTS, split=False).cpu == ()
     slow = Costs(100, 100.0, 1.0, 1.0, 0.5)  # the CPU reads 100x slower than it copies
     assert routed_plan(routed, slow, split=True).kind == "routed"
+    # 2 s of dispatch before the CPU experts can start: e1 alone (CPU side 3.5 s, copies 5 s)
+    # helps, e2 too would not (CPU 5 s against copies 4 s... max 5 s = no gain)
+    late = Costs(100, 100.0, 100.0, 1.0, 0.5, dispatch_s=2.0)
+    plan = routed_plan(routed, late, split=True)
+    assert plan.cpu == (1,) and plan.seconds == pytest.approx(5.0)
 
 
 def test_choose_streams_unless_copying_only_the_routed_experts_saves_time():
@@ -203,7 +208,7 @@ def test_native_rows_kernel_matches_the_fp32_experts():
     if kernel is None:
         pytest.skip("no C compiler (or the native kernel did not build)")
     gen = torch.Generator().manual_seed(3)
-    hidden, inter, counts = 256, 96, [1, 3, 0, 8, 2]
+    hidden, inter, counts = 200, 96, [1, 3, 0, 8, 2, 13, 5]  # (200: a tail past 64 lanes)
     make = lambda *s: (torch.randn(*s, generator=gen) * 0.05).to(torch.bfloat16)  # noqa: E731
     gate_up = [make(2 * inter, hidden) for _ in counts]
     down = [make(hidden, inter) for _ in counts]

@@ -4,8 +4,9 @@ Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-
 shapes
 `qwen3.5-35b-a3b`, `qwen3-30b-a3b`. A checkpoint can be written to disk in HF format (config.json +
 safetensors, sharded per layer for large sizes, fused expert tensors) or built straight into device
-memory for benchmarks (no disk copy). Every tensor has its own seed derived from (seed, name), so a
-tensor never depends on generation order. On CPU the values come from integer draws of torch's
+memory for benchmarks (no disk copy). Written files are owner-only (0600; directories it creates,
+0700). Every tensor has its own seed derived from (seed, name), so a tensor never depends on
+generation order. On CPU the values come from integer draws of torch's
 Mersenne Twister scaled to a uniform distribution, so files are byte-identical on every machine;
 on CUDA, in-memory builds use the device generator (deterministic per device, not equal to CPU).
 Real-size figures made with these weights are NOT the real models' quality or routing statistics.
@@ -25,6 +26,7 @@ from agentrt.config import FULL, LINEAR, ModelConfig
 from agentrt.errors import InvalidArgumentError
 from agentrt.models import FP32_PARAMS, build_empty, torch_dtype
 from agentrt.models.layers import CausalLM
+from agentrt.private import private_dir, private_output, write_private
 
 INIT_STD = 0.02
 _Q35_35B = dict(
@@ -235,8 +237,7 @@ def write_checkpoint(
     Small models go into one `model.safetensors`; large ones into one shard per layer plus an
     index, generated and written shard by shard so memory holds one layer at a time.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = private_dir(out_dir)
     raw = hf_config(size)
     raw.update(config_overrides or {})
     if dtype:
@@ -259,8 +260,8 @@ def write_checkpoint(
             progress(i + 1, len(shards))
     if len(shards) > 1:
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        write_private(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+    write_private(out / "config.json", json.dumps(raw, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -273,7 +274,8 @@ def _write_shard(path: Path, entries, cfg: ModelConfig, target: torch.dtype, see
         init_value(name, t, seed, cfg.arch == "qwen3_5_moe")
         keep_fp32 = name.rsplit(".", 1)[-1] in FP32_PARAMS
         tensors[name] = t if keep_fp32 else t.to(target)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    with private_output(path) as tmp:  # 0600; save_file truncates it, keeping the mode
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
 def build_empty_meta(cfg: ModelConfig) -> CausalLM:

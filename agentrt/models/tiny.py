@@ -1,5 +1,6 @@
 """The embedded default model `tiny`: a small random-weight hybrid `qwen3_5_moe` with a tokenizer
-and chat template of the project's own, built on first use into the user cache directory.
+and chat template of the project's own, built on first use into the user cache directory
+(owner-only: 0700 directories, 0600 files).
 
 The tokenizer is a byte-level BPE trained with the `tokenizers` library on a corpus generated here
 from fixed word lists by a counter-based PRNG (splitmix64), so the corpus, the tokenizer and the
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agentrt.config import home_dir
+from agentrt.private import private_dir, write_private
 
 TINY_VERSION = 1
 VOCAB_SIZE = 2048
@@ -142,8 +144,8 @@ def write_tokenizer(out: Path) -> dict[str, int]:
     tok = train_tokenizer()
     if tok.get_vocab_size() > VOCAB_SIZE:
         raise RuntimeError("tiny tokenizer outgrew the model vocabulary")
-    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    write_private(out / "tokenizer.json", tok.to_str(pretty=True) + "\n")
+    write_private(out / "tokenizer_config.json", json.dumps(tokenizer_config(), indent=2) + "\n")
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
 
@@ -151,7 +153,7 @@ def build_tiny(out: Path, size: str = "tiny") -> Path:
     """Build the tiny model (weights + tokenizer + template) into `out`."""
     from agentrt.models.synthetic import write_checkpoint
 
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     ids = write_tokenizer(out)
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     overrides = {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]}
@@ -168,7 +170,7 @@ def ensure_tiny(quiet: bool = False) -> Path:
     final = tiny_dir()
     if (final / "config.json").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(final.parent)
     if not quiet:
         print(
             f"agentrt: building the embedded 'tiny' model in {final} (first use) ...",

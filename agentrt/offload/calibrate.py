@@ -21,6 +21,7 @@ import torch
 
 from agentrt.offload.cpu_kernel import kernel_name
 from agentrt.offload.store import ExpertStore
+from agentrt.private import private_dir, write_private
 
 # torch's OpenMP workers spin about this long at most after a parallel region (GOMP_SPINCOUNT,
 # KMP_BLOCKTIME as the CLI sets them: `cputhreads`); on the same cores they would slow the
@@ -79,8 +80,8 @@ def load_profile(path: Path) -> Profile | None:
 
 
 def save_profile(profile: Profile, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(profile), indent=2) + "\n")
+    private_dir(path.parent)
+    write_private(path, json.dumps(asdict(profile), indent=2) + "\n")
 
 
 def _time_copies(

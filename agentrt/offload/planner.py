@@ -30,7 +30,8 @@ class Costs:
     """Measured rates: `copy_bw` host->device bytes/s, `cpu_bw` CPU expert weight reads in bytes/s
     (next to running copies), `cpu_flops` the CPU experts' matmul rate, `token_flops` one token
     through one expert, `exposed_s` the device time from one layer's experts to the next's
-    routing (what a routed plan cannot hide)."""
+    routing (what a routed plan cannot hide), `dispatch_s` the host time a layer takes to
+    dispatch the device's work, before this thread can run CPU experts."""
 
     expert_bytes: int
     copy_bw: float
@@ -38,6 +39,7 @@ class Costs:
     cpu_flops: float
     token_flops: float
     exposed_s: float = 0.0
+    dispatch_s: float = 0.0
 
     def copy_s(self, num_experts: int) -> float:
         return num_experts * self.expert_bytes / self.copy_bw if num_experts else 0.0
@@ -68,9 +70,10 @@ def stream_plan(missing: Sequence[int], costs: Costs) -> LayerPlan:
 
 def routed_plan(routed_missing: Mapping[int, int], costs: Costs, split: bool) -> LayerPlan:
     """Copy the routed missing experts (`expert -> tokens`); with `split`, move those with the
-    fewest tokens to the CPU while that lowers max(copy time, CPU time)."""
+    fewest tokens to the CPU while that lowers max(copy time, dispatch + CPU time) (the CPU
+    experts run once the layer's device work is dispatched)."""
     order = sorted(routed_missing, key=lambda e: (routed_missing[e], e))
-    num_copy, cpu_time, on_cpu = len(order), 0.0, []
+    num_copy, cpu_time, on_cpu = len(order), costs.dispatch_s, []
     if split:
         for expert in order:
             now = max(costs.copy_s(num_copy), cpu_time)
@@ -115,7 +118,7 @@ def predicted_plan(
     copies)."""
     plan = routed_plan(predicted, replace(costs, exposed_s=0.0), split)
     cpu = sum(costs.cpu_s(predicted[e]) for e in plan.cpu)
-    ahead = max(costs.copy_s(len(plan.copy)), costs.exposed_s + cpu)
+    ahead = max(costs.copy_s(len(plan.copy)), costs.exposed_s + costs.dispatch_s + cpu)
     return plan.copy, ahead + costs.copy_s(round(num_late))
 
 

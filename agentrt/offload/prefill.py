@@ -39,11 +39,15 @@ from agentrt.offload.planner import (
     predicted_plan,
     routed_plan,
 )
-from agentrt.offload.prefill_cpu import run_cpu_experts
+from agentrt.offload.prefill_cpu import cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
 from agentrt.offload.store import ExpertStore
 
 CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
+# each streamed layer forgets this share of the overhead measured for plans that wait for the
+# routing (chunks of its size), so a cost measured once (a first call's) does not keep auto from
+# trying them again; a real overhead is measured again when it does
+OVERHEAD_DECAY = 0.98
 
 
 @dataclass
@@ -58,7 +62,10 @@ class PrefillTotals:
     pairs: int = 0  # every (token, expert) pair
     routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
     admitted: int = 0  # copied experts also put into free slots of the expert cache
-    cpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # time the CPU experts computed
+    cpu_wait_seconds: float = 0.0  # host time this thread waited for (or ran) them
+    wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
+    host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
 
     def as_dict(self) -> dict:
@@ -99,7 +106,10 @@ class PrefillStreamer:
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 else None
         self.accuracy = 0.8  # share of routed missing experts the prediction covered (EMA)
         self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
-        self.overhead_s = 0.0  # routed layers' measured time beyond their plans' (EMA)
+        self.dispatch_s = 0.0  # host time of a layer besides its sync and CPU experts (EMA)
+        # routed layers' measured time beyond their plans' (EMA), per size of chunk
+        self.overheads: dict[int, float] = {}
+        self.bucket = 0  # the size class of the chunk being run (`_bucket`)
         # (layer, its experts' end, its routing, its plan, the overhead it was planned with):
         # events, or host times off CUDA
         self._layer_end: tuple | None = None
@@ -126,7 +136,14 @@ class PrefillStreamer:
             cpu_flops=self.cpu_flops,
             token_flops=self.token_flops,
             exposed_s=self.exposed_s + self.overhead_s,
+            dispatch_s=self.dispatch_s,
         )
+
+    @property
+    def overhead_s(self) -> float:
+        """What plans that wait for the routing took beyond their cost model, for chunks of
+        this size."""
+        return self.overheads.get(self.bucket, 0.0)
 
     # ------------------------------------------------------------------ one layer
 
@@ -139,22 +156,32 @@ class PrefillStreamer:
             return self._run_resident(layer, start, x, ids, weights)
         if layer == self.layers[0]:  # a new pass: nothing is queued ahead for its first layer
             self.ring.drop()
+        t = self.totals
+        t0, blocked = time.perf_counter(), t.cpu_wait_seconds + t.wait_seconds
         try:
             return self._run_layer(layer, x, ids, weights)
         except BaseException:  # (what it queued must not serve a later pass)
             self.ring.drop()
             raise
+        finally:
+            host = time.perf_counter() - t0 - (t.cpu_wait_seconds + t.wait_seconds - blocked)
+            t.host_seconds += host
+            if self.last_plan.kind in ("routed", "split"):  # (streamed layers wait on copies)
+                self.dispatch_s = _ema(self.dispatch_s, host, 0.2)
 
     def _run_layer(self, layer, x, ids, weights) -> torch.Tensor:
         """`run` for a layer that is not resident in place."""
         top_k = ids.shape[1]
+        self.bucket = _bucket(x.shape[0])
         flat = ids.reshape(-1)
         num = self.store.num_experts
         counts = torch.bincount(flat, minlength=num)
         predicted = self._predict(layer, x, top_k)
         routed_at = self._mark()
         both = torch.cat([counts, predicted]) if predicted is not None else counts
+        t0 = time.perf_counter()
         both_h = both.tolist()  # the one sync of the layer
+        self.totals.wait_seconds += time.perf_counter() - t0
         counts_h, predicted_h = both_h[:num], both_h[num:]
         self._observe_exposed(layer, routed_at)
         parts, plan = self._layer_plan(layer, counts_h)
@@ -168,7 +195,7 @@ class PrefillStreamer:
         if plan.cpu:
             self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
         out = _unsort(ys.out, order, top_k).sum(1)
-        self._layer_end = (layer, self._mark(), routed_at, plan, self.overhead_s)
+        self._layer_end = (layer, self._mark(), routed_at, plan, self.overhead_s, self.bucket)
         return out
 
     def _resident_start(self, layer: int) -> int | None:
@@ -207,12 +234,13 @@ class PrefillStreamer:
         last, self._layer_end = self._layer_end, None
         if last is None or self.next_layer.get(last[0]) != layer:
             return
-        _, end, routed_then, plan, overhead_then = last
+        _, end, routed_then, plan, overhead_then, bucket = last
         self.exposed_s = _ema(self.exposed_s, self._seconds(end, routed_at), 0.2)
         if plan.kind not in ("stream", "resident"):
             taken = self._seconds(routed_then, routed_at)
             model = plan.seconds - overhead_then  # (the plan's cost counted the overhead)
-            self.overhead_s = _ema(self.overhead_s, max(0.0, taken - model), 0.3)
+            old = self.overheads.get(bucket, 0.0)
+            self.overheads[bucket] = _ema(old, max(0.0, taken - model), 0.3)
 
     def _seconds(self, start, end) -> float:
         if self.on_cuda:
@@ -275,16 +303,18 @@ class PrefillStreamer:
         if nxt is not None and self.plan != "routed":
             missing, lookup = self._missing(nxt), self.cache.slot_of[nxt]
             guess = {e: c for e, c in enumerate(predicted) if c and lookup[e] < 0}
-            choice, ahead = self.plan, ()
+            choice, ahead, predicted_s = self.plan, (), None
             here, costs = self.cache.slot_of[layer], self.costs()
-            if self.plan == "predicted":
-                routed = sum(1 for e, c in enumerate(counts) if c and here[e] < 0)
-                late = routed * (1 - self.accuracy)
-                ahead, _ = predicted_plan(guess, late, costs, self.split)
-            elif self.plan == "auto":  # (this layer's routing stands in for the next one's)
-                routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
+            # (this layer's routing stands in for the next one's)
+            routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
+            if guess:
+                late = len(routed) * (1 - self.accuracy)
+                ahead, predicted_s = predicted_plan(guess, late, costs, self.split)
+            if self.plan == "auto":
                 routed_s = routed_plan(routed, costs, self.split).seconds
-                choice = plan_ahead(len(missing), None, routed_s, costs)
+                choice = plan_ahead(len(missing), predicted_s, routed_s, costs)
+                if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
+                    self.overheads[self.bucket] *= OVERHEAD_DECAY
             if choice == "stream":
                 all_experts = list(range(self.store.num_experts))
                 self.ring.queue.extend(self.ring.fills(nxt, all_experts, set(missing), "stream"))
@@ -364,7 +394,7 @@ class PrefillStreamer:
             for expert in fill.experts:
                 position[expert] = at
                 at += 1
-        for expert in plan.cpu:
+        for expert in cpu_order(plan.cpu, counts):
             position[expert] = at
             at += 1
         pos = torch.tensor(position, dtype=torch.long)
@@ -391,17 +421,18 @@ class PrefillStreamer:
         return pinned[0], pinned[1], event
 
     def _run_cpu(self, layer, plan: LayerPlan, counts, x_cpu, ys: _Sorted, rows) -> None:
-        """The CPU experts over their rows (in position order), weighted, into `ys.out`."""
+        """The CPU experts over their rows (in `cpu_order`), weighted, into `ys.out` (this
+        thread runs them once the device's parts are dispatched)."""
         x_host, scale, ready = x_cpu
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
         out = torch.empty_like(x_host)
+        experts = cpu_order(plan.cpu, counts)
         with torch.inference_mode():
-            run_cpu_experts(
-                self.store, self.cpu_kernel, layer, plan.cpu, counts, x_host, scale, out
-            )
+            run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
         seconds = time.perf_counter() - t0
+        self.totals.cpu_wait_seconds += seconds
         if self.on_cuda:
             out = out.pin_memory()
         ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
@@ -442,6 +473,11 @@ class _Sorted:
     x_sorted: torch.Tensor  # [Tk, H] inputs of the pairs, sorted by position
     scale: torch.Tensor  # [Tk] their routing weights
     out: torch.Tensor  # [Tk, H] their weighted outputs
+
+
+def _bucket(tokens: int) -> int:
+    """The size class of a chunk of `tokens` tokens (powers of two)."""
+    return max(0, tokens - 1).bit_length()
 
 
 def _ema(old: float, new: float, weight: float) -> float:

@@ -1,9 +1,9 @@
 """The CPU side of offloaded prefill: missing experts of a few tokens each, computed on the host
-while the copies run. Rows come grouped by expert, in the order of the experts given; each row's
-output is its expert's output times its routing weight. Experts of at most `NATIVE_MAX_ROWS`
-rows run in the native kernel where there is one (`cpu_kernel.NativeExperts.run_rows`: each
-weight row read once for all of the expert's rows), the others through torch's `F.linear`.
-Knows nothing of devices, plans or copies."""
+while the copies run. Rows come grouped by expert, in `cpu_order`; each row's output is its
+expert's output times its routing weight. Experts of at most `NATIVE_MAX_ROWS` rows run in the
+native kernel where there is one (`cpu_kernel.NativeExperts.run_rows`: each weight row read
+once and dotted with four of the expert's rows at a time), the others through torch's
+`F.linear`. Knows nothing of devices, plans or copies."""
 
 from __future__ import annotations
 
@@ -12,46 +12,38 @@ import torch.nn.functional as F
 
 from agentrt.offload.store import ExpertStore
 
-# on the 2-core dev machine the native kernel took 0.20-0.26 ms per expert of 1-4 rows against
-# torch's 0.45-0.53, the same at 8, and more above (bound by memory for few rows, by arithmetic
-# for many)
-NATIVE_MAX_ROWS = 8
+# experts of more rows run through torch's F.linear: on the H200 machine's 16 cores the native
+# kernel took 0.07-0.27 ms per expert of 1-24 rows (Qwen3.5-35B-A3B shapes) against torch's
+# 0.24-0.35, and the same at 32 rows
+NATIVE_MAX_ROWS = 24
+
+
+def cpu_order(experts, counts: list[int]) -> list[int]:
+    """The order a layer's CPU experts' rows are laid out in: fewest rows first (those the
+    native kernel takes come first, as one run)."""
+    return sorted(experts, key=lambda e: (counts[e], e))
 
 
 def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out):
-    """`out[rows]` = weighted outputs of `experts` (of `layer`) over their rows of `x`
-    (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's)."""
-    begin = 0
-    for group, native in _groups(kernel, experts, counts):
-        end = begin + sum(counts[e] for e in group)
-        run = _native_rows if native else _torch_rows
-        run(store, kernel, layer, group, counts, x[begin:end], scale[begin:end], out[begin:end])
-        begin = end
+    """`out[rows]` = weighted outputs of `experts` (of `layer`, in `cpu_order`) over their rows
+    of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's)."""
+    native = [e for e in experts if kernel is not None and counts[e] <= NATIVE_MAX_ROWS]
+    split = sum(counts[e] for e in native)
+    if native:
+        _, gate_up, down = store.expert_views(layer)
+        result = torch.empty(x[:split].shape, dtype=torch.float32)
+        gu, dn = [gate_up[e] for e in native], [down[e] for e in native]
+        weights = scale[:split].float().contiguous()
+        kernel.run_rows(
+            gu, dn, [counts[e] for e in native], x[:split].contiguous(), weights, result
+        )
+        out[:split].copy_(result)
+    rest = list(experts[len(native) :])
+    if rest:
+        _torch_rows(store, layer, rest, counts, x[split:], scale[split:], out[split:])
 
 
-def _groups(kernel, experts, counts) -> list[tuple[list[int], bool]]:
-    """Runs of consecutive experts for one kernel each: native for few rows, else torch's."""
-    groups: list[tuple[list[int], bool]] = []
-    for expert in experts:
-        native = kernel is not None and counts[expert] <= NATIVE_MAX_ROWS
-        if groups and groups[-1][1] == native:
-            groups[-1][0].append(expert)
-        else:
-            groups.append(([expert], native))
-    return groups
-
-
-def _native_rows(store, kernel, layer, experts, counts, x, scale, out) -> None:
-    """Experts of few rows each through the native kernel, in one call."""
-    _, gate_up, down = store.expert_views(layer)
-    result = torch.empty(x.shape, dtype=torch.float32)
-    rows = [counts[e] for e in experts]
-    gu, dn = [gate_up[e] for e in experts], [down[e] for e in experts]
-    kernel.run_rows(gu, dn, rows, x.contiguous(), scale.float().contiguous(), result)
-    out.copy_(result)
-
-
-def _torch_rows(store, kernel, layer, experts, counts, x, scale, out) -> None:
+def _torch_rows(store, layer, experts, counts, x, scale, out) -> None:
     """Experts through torch's `F.linear`, one after another."""
     _, gate_up, down = store.expert_views(layer)
     begin = 0

@@ -1,0 +1,111 @@
+"""Private files and directories: what agentrt keeps per user (state cache, model cache,
+calibration profiles, native kernels, traces) is created owner-only, 0700 directories and 0600
+files, whatever the umask.
+
+Directories that already exist keep their mode; `private_dir(..., warn_open=True)` says once per
+process, on stderr, when one is readable or writable by group or others, with the `chmod` that
+fixes it. Files are written to a temporary name beside their target and renamed into place, so a
+reader never sees half a file. This module imports nothing of agentrt: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import stat
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_OPEN_BITS = stat.S_IRWXG | stat.S_IRWXO
+
+
+def private_dir(path: str | Path, warn_open: bool = False) -> Path:
+    """Create `path` and its missing parents as 0700 directories; return it. An existing
+    directory is left as it is (with `warn_open`, a group/other-accessible one is reported)."""
+    path = Path(path).expanduser()
+    missing = _missing(path)
+    for part in reversed(missing):
+        _make_dir(part)
+    if warn_open and not missing:
+        check_private(path)
+    return path
+
+
+def _missing(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _make_dir(path: Path) -> None:
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:  # another process made it first: its mode is not ours to change
+        return
+    os.chmod(path, DIR_MODE)  # the umask may have taken bits off (never added any)
+
+
+def check_private(path: str | Path) -> None:
+    """Warn once (stderr) when directory `path` is readable or writable by group/others."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & _OPEN_BITS:
+        _warn_open(str(Path(path).resolve()), stat.S_IMODE(mode))
+
+
+@functools.cache
+def _warn_open(path: str, mode: int) -> None:
+    print(
+        f"agentrt: warning: {path} (mode {mode:o}) is accessible to other users and holds "
+        f"state derived from conversations; restrict it with: chmod 700 {shlex.quote(path)}",
+        file=sys.stderr,
+    )
+
+
+@contextmanager
+def private_output(path: str | Path) -> Iterator[Path]:
+    """A new empty 0600 file beside `path` for a writer that takes a file name (it truncates,
+    so the mode stays); renamed onto `path` when the block ends, removed if it raises."""
+    fd, tmp = _temp_beside(Path(path))
+    os.close(fd)
+    with _replacing(tmp, Path(path)):
+        yield tmp
+
+
+def write_private(path: str | Path, data: bytes | str) -> Path:
+    """Write `data` (str as UTF-8) to `path` as a 0600 file, atomically; return the path."""
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    with _replacing(tmp, path), os.fdopen(fd, "wb") as out:
+        out.write(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def _temp_beside(path: Path) -> tuple[int, Path]:
+    """A new file next to `path`, opened for writing, mode exactly 0600."""
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # the umask may have taken bits off (never added any)
+    return fd, tmp
+
+
+@contextmanager
+def _replacing(tmp: Path, path: Path) -> Iterator[None]:
+    """Move `tmp` onto `path` when the block succeeds; remove it when it raises."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
