@@ -17,7 +17,7 @@ from agentrt.session.tokens import GeneratedIds
 def test_tools(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.py").write_text("def alpha():\n    return 1\n")
-    tools = Tools(tmp_path, command_timeout=5)
+    tools = Tools(tmp_path, command_timeout=5, approve="auto")
     assert "pkg/" in tools.call("list_dir", '{"path": "."}')
     assert "return 1" in tools.call("read_file", '{"path": "pkg/a.py"}')
     assert "pkg/a.py:1:" in tools.call("grep", '{"pattern": "def alpha"}')
@@ -211,7 +211,7 @@ def test_tools_do_not_follow_links_out_and_survive_bad_arguments(tmp_path):
 def test_run_command_timeout_kills_the_whole_group(tmp_path):
     import subprocess
 
-    tools = Tools(tmp_path, command_timeout=1)
+    tools = Tools(tmp_path, command_timeout=1, approve="auto")
     marker = f"agentrt-sleep-{tmp_path.name}"
     assert "timed out" in tools.call(
         "run_command", json.dumps({"command": f"bash -c 'exec -a {marker} sleep 30' & wait"})

@@ -2,22 +2,21 @@
 grep, run a command with a timeout in the working directory, outputs truncated), turns through
 the same `Runtime.chat` (and so the same state cache), until a final answer or the turn limit.
 Invalid tool calls (unknown tool, bad arguments) go back to the model as tool errors.
-Each request can be recorded as a trace."""
+Each request can be recorded as a trace. How a command is approved, sandboxed and run belongs
+to `agentrt.session.sandbox`."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MAX_OUTPUT = 8000
+from agentrt.session.sandbox import Approver, Sandbox, truncate
+
 SYSTEM = (
     "You are a software agent working in the directory {cwd}. Use the tools to inspect files and "
     "run commands, one step at a time. When you have the answer, reply without calling a tool."
@@ -63,25 +62,25 @@ TOOL_SCHEMAS = [
 ]
 
 
-def truncate(text: str, limit: int = MAX_OUTPUT) -> str:
-    if len(text) <= limit:
-        return text
-    return (
-        text[: limit // 2]
-        + f"\n[... {len(text) - limit} characters omitted ...]\n"
-        + text[-limit // 2 :]
-    )
-
-
 @dataclass
 class Tools:
-    """Tool implementations confined to `cwd`."""
+    """Tool implementations confined to `cwd`. Commands need approval (`approve`: ask on the
+    terminal, `auto`, or `never`) and run in a sandbox where bwrap works (`sandbox`: auto,
+    bwrap, none), without network unless `allow_network`."""
 
     cwd: Path
     command_timeout: float = 30.0
+    approve: str = "ask"
+    sandbox: str = "auto"
+    allow_network: bool = False
+    approver: Approver = field(init=False, repr=False)
+    box: Sandbox = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.cwd = Path(self.cwd).resolve()
+        self.approver = Approver(self.approve)
+        quiet = self.approve == "never"  # no command will run: no notice about the sandbox
+        self.box = Sandbox.open(self.sandbox, self.allow_network, quiet=quiet)
 
     def _inside(self, path: Path) -> bool:
         return self.cwd in (path, *path.parents)
@@ -125,30 +124,18 @@ class Tools:
         return "\n".join(hits) or "(no matches)"
 
     def run_command(self, command: str, timeout: int | None = None) -> str:
-        """A real shell in the working directory (not a sandbox); on timeout the whole process
-        group is killed."""
+        """`/bin/sh -c command` in the working directory once approved (a refusal is the
+        result), sandboxed where bwrap works, in a clean environment; on timeout the whole
+        process group is killed."""
         if not isinstance(command, str) or not command.strip():
             raise ToolError("'command' must be a non-empty string")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ToolError("'timeout' must be a positive number of seconds")
+        refusal = self.approver.refusal(command, self.box.describe(self.cwd))
+        if refusal is not None:
+            return refusal
         limit = min(float(timeout or self.command_timeout), self.command_timeout)
-        proc = subprocess.Popen(
-            command,
-            shell=True,
-            cwd=self.cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return f"[timed out after {limit:g} s]"
-        return truncate(f"[exit code {proc.returncode}]\n{out}")
+        return self.box.run(command, self.cwd, limit)
 
     def call(self, name: str, arguments: str) -> str:
         fn: Callable | None = {
