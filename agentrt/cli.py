@@ -2,7 +2,7 @@
 (`error: ...`) and exit with status 2, never a traceback.
 
 Commands: `chat`, `serve`, `run`, `replay`, `trace ...`, `model make|info`,
-`bench prefill|decode|accuracy|statecache|ttft|bw`, `cache ls|stats|gc|clear`.
+`bench prefill|decode|accuracy|statecache|soak|ttft|bw`, `cache ls|stats|gc|clear`.
 """
 
 from __future__ import annotations
@@ -840,7 +840,53 @@ def bench_statecache(
     _report(result, json_out)
 
 
+@bench.command("soak")
+@click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--clients", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=1), default=30.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--disconnect",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of requests whose client leaves mid-stream.",
+)
+@click.option(
+    "--turns",
+    type=click.IntRange(min=1),
+    default=6,
+    show_default=True,
+    help="Requests per conversation (each repeats the growing history).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@json_option
+def bench_soak(json_out, **opts) -> None:
+    """Concurrent streaming clients against `agentrt serve` for a while: errors, TTFT, RSS."""
+    from agentrt.bench_soak import SoakConfig, soak
+
+    _report(soak(SoakConfig(**opts), lambda text: click.echo(text, err=True)), json_out)
+
+
 # ----------------------------------------------------------------------------- serve
+
+
+def _origin(value: str) -> str:
+    """`scheme://host[:port]` as browsers send it in `Origin` (or `*`, any origin)."""
+    if value == "*":
+        return value
+    from urllib.parse import urlsplit
+
+    url = urlsplit(value.strip())
+    bare = url.path in ("", "/") and not (url.query or url.fragment or "@" in url.netloc)
+    if url.scheme not in ("http", "https") or not url.netloc or not bare:
+        raise click.BadParameter(f"{value!r} is not an origin like https://example.com:8443")
+    return f"{url.scheme}://{url.netloc.lower()}"
+
+
+def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_origin(v) for v in values)
 
 
 @main.command()
@@ -849,11 +895,25 @@ def bench_statecache(
     "--host",
     default="127.0.0.1",
     show_default=True,
-    help="Interface to bind (loopback by default).",
+    help="Interface to bind (loopback by default; any other needs --api-key).",
 )
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option(
     "--api-key", default=None, envvar="AGENTRT_API_KEY", help="Require 'Authorization: Bearer KEY'."
+)
+@click.option(
+    "--insecure-no-auth",
+    is_flag=True,
+    help="Allow a non-loopback --host without --api-key (anyone who can reach it may use it).",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    callback=_origins,
+    metavar="ORIGIN",
+    help="A browser origin (https://host[:port]) allowed to call the API; repeatable. "
+    "None: no CORS headers.",
 )
 @click.option(
     "--queue-size",
@@ -863,13 +923,27 @@ def bench_statecache(
     help="Requests waiting beyond this get HTTP 429.",
 )
 @click.option("--max-request-mb", type=click.FloatRange(min=0.001), default=32.0, show_default=True)
-def serve(host, port, api_key, queue_size, max_request_mb, **opts) -> None:
-    """Serve the OpenAI chat-completions API (point any OpenAI-compatible agent at it)."""
-    from agentrt.server.app import ServerConfig
+def serve(
+    host, port, api_key, insecure_no_auth, cors_origins, queue_size, max_request_mb, **opts
+) -> None:
+    """Serve the OpenAI chat-completions API (point any OpenAI-compatible agent at it).
+
+    Loopback only unless --api-key (or --insecure-no-auth) is given; no CORS unless --cors-origin.
+    """
+    from agentrt.server.app import ServerConfig, check_exposure
     from agentrt.server.app import serve as run_server
 
+    config = ServerConfig(
+        host,
+        port,
+        api_key,
+        int(max_request_mb * 2**20),
+        queue_size,
+        insecure_no_auth=insecure_no_auth,
+        cors_origins=cors_origins,
+    )
+    check_exposure(config)  # before the model loads
     rt = open_runtime(opts, require_tokenizer=True)
-    config = ServerConfig(host, port, api_key, int(max_request_mb * 2**20), queue_size)
     click.echo(
         f"agentrt: serving {rt.model_name} (cache={rt.cache}) on http://{host}:{port}/v1", err=True
     )
@@ -896,20 +970,48 @@ def serve(host, port, api_key, queue_size, max_request_mb, **opts) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--command-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True)
 @click.option(
+    "--approve",
+    type=click.Choice(["ask", "auto", "never"]),
+    default="ask",
+    show_default=True,
+    help="Before each command: ask on the terminal (without one, refuse), run without asking "
+    "(auto), or refuse every command (never).",
+)
+@click.option(
+    "--sandbox",
+    type=click.Choice(["auto", "bwrap", "none"]),
+    default="auto",
+    show_default=True,
+    help="Run commands in bubblewrap (read-only system, only --workdir writable, private /tmp, "
+    "no network): auto = where bwrap works; bwrap = required; none = straight on the host.",
+)
+@click.option("--allow-network", is_flag=True, help="Let sandboxed commands reach the network.")
+@click.option(
     "--trace",
     "trace_out",
     type=click.Path(dir_okay=False),
     default=None,
     help="Save every request as a trace (.jsonl or .jsonl.zst).",
 )
-def run(task, workdir, max_turns, max_tokens, command_timeout, trace_out, **opts) -> None:
-    """Run the built-in tool-calling agent on TASK and print the transcript as it happens."""
+def run(
+    task,
+    workdir,
+    max_turns,
+    max_tokens,
+    command_timeout,
+    approve,
+    sandbox,
+    allow_network,
+    trace_out,
+    **opts,
+) -> None:
+    """Run the built-in tool-calling agent on TASK and print the transcript as it happens.
+    Commands run in a clean environment (no secret-looking variables), each approved first."""
     from agentrt.session.agent import Tools, run_agent
 
+    tools = Tools(workdir, command_timeout, approve, sandbox, allow_network)  # before loading
     rt = open_runtime(opts, require_tokenizer=True)
-    result = run_agent(
-        rt, task, Tools(workdir, command_timeout), max_turns, max_tokens, _print_turn
-    )
+    result = run_agent(rt, task, tools, max_turns, max_tokens, _print_turn)
     if trace_out:
         _save_run_trace(result, task, trace_out)
     state = "finished" if result.finished else f"stopped at the turn limit ({max_turns})"
@@ -1058,7 +1160,7 @@ def trace_show(path, show_requests) -> None:
     click.echo(f"{len(t.requests)} requests; history size {lo}..{hi} chars")
     if show_requests:
         for r, c in zip(t.requests, chars, strict=True):
-            roles = "".join(m.get("role", "?")[0] for m in r.messages)
+            roles = "".join(str(m.get("role") or "?")[0] for m in r.messages)
             when = r.t if r.t is not None else "-"
             click.echo(
                 f"  {r.id:<32} t={when:<8} msgs={len(r.messages):<4} {c:>8} chars  {roles[-24:]}"

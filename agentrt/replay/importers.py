@@ -13,6 +13,8 @@ Only OpenAI chat fields are kept in messages (framework bookkeeping such as `ext
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,61 @@ MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reason
 FORMATS = ("tau-bench", "openhands", "mini-swe-agent")
 
 
+def _json_int(text: str) -> int | float:
+    """A JSON integer; beyond 64 bits (which a trace cannot hold) a float, as JSON readers do."""
+    value = int(text) if len(text) <= 21 else None
+    return value if value is not None and -(2**63) <= value < 2**64 else float(text)
+
+
 def _load_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_int=_json_int)
+        json.dumps(data, ensure_ascii=False).encode()  # lone surrogate escapes cannot be written
+        return data
     except OSError as exc:
         raise TraceError(f"cannot read {path}: {exc.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeError) as exc:
         raise TraceError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deeply") from None
+
+
+def _is_objects(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, dict) for v in value)
+
+
+def _messages(value: Any, where: str) -> list[dict[str, Any]]:
+    """`value` if it is a list of message objects whose tool calls are objects (with a
+    `function` object), else TraceError naming `where`."""
+    if not _is_objects(value):
+        raise TraceError(f"{where}: expected a list of message objects")
+    for i, msg in enumerate(value):
+        calls = msg.get("tool_calls")
+        if calls and not (
+            _is_objects(calls) and all(isinstance(c.get("function") or {}, dict) for c in calls)
+        ):
+            raise TraceError(f"{where}[{i}]: tool_calls must be a list of call objects")
+    return value
+
+
+def _tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+    if value and not _is_objects(value):
+        raise TraceError(f"{where}: tools must be a list of objects")
+    return value or None
+
+
+def _dig(value: Any, *keys: str) -> Any:
+    """value[k1][k2]..., or None where a step is not an object (recorded extras are optional)."""
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _file_name(text: str) -> str:
+    """A trace file name made from recorded ids (no path separators or control characters)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:120]
 
 
 def clean_message(msg: dict[str, Any]) -> dict[str, Any]:
@@ -52,12 +102,13 @@ def _clean_call(call: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _response(msg: dict[str, Any], usage: dict | None = None) -> Response:
+def _response(msg: dict[str, Any], usage: Any = None) -> Response:
+    reasoning = msg.get("reasoning_content")
     return Response(
         content=msg.get("content") if isinstance(msg.get("content"), str) else None,
-        reasoning_content=msg.get("reasoning_content") or None,
+        reasoning_content=reasoning if isinstance(reasoning, str) and reasoning else None,
         tool_calls=clean_message(msg).get("tool_calls"),
-        usage=usage,
+        usage=usage if isinstance(usage, dict) else None,
     )
 
 
@@ -80,14 +131,14 @@ def infer_tools(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     props: dict[str, dict[str, str]] = {}
     for msg in messages:
         for call in msg.get("tool_calls") or []:
-            fn = call.get("function", {})
+            fn = call.get("function") or {}
             name = fn.get("name")
-            if not name:
+            if not name or not isinstance(name, str):
                 continue
             try:
                 raw = fn.get("arguments") or "{}"
                 args = json.loads(raw) if isinstance(raw, str) else raw
-            except ValueError:
+            except (ValueError, RecursionError):
                 args = {}
             entry = props.setdefault(name, {})
             for key, value in args.items() if isinstance(args, dict) else []:
@@ -138,9 +189,10 @@ def import_tau_bench(path: Path) -> list[Trace]:
         raise TraceError(f"{path}: expected a list of tau-bench trajectories with a 'traj' field")
     traces = []
     for entry in data:
-        traj = entry["traj"]
+        traj = _messages(entry["traj"], f"{path}: task {entry.get('task_id')} traj")
         tools = infer_tools(traj)
         name = f"tau-bench-{path.stem}-task{entry.get('task_id')}-trial{entry.get('trial', 0)}"
+        name = _file_name(name)
         header = Header(
             FORMAT,
             "tau-bench",
@@ -154,11 +206,14 @@ def import_mini_swe_agent(path: Path) -> list[Trace]:
     data = _load_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise TraceError(f"{path}: expected a mini-swe-agent .traj.json with 'messages'")
-    messages = data["messages"]
+    messages = _messages(data["messages"], f"{path}: messages")
     tools_file = path.with_name("tools.json")
-    tools = _load_json(tools_file) if tools_file.is_file() else infer_tools(messages)
-    usages = [((m.get("extra") or {}).get("response") or {}).get("usage") for m in messages]
-    name = f"mini-swe-agent-{data.get('instance_id') or path.stem}"
+    if tools_file.is_file():
+        tools = _tools(_load_json(tools_file), str(tools_file))
+    else:
+        tools = infer_tools(messages)
+    usages = [_dig(m, "extra", "response", "usage") for m in messages]
+    name = _file_name(f"mini-swe-agent-{data.get('instance_id') or path.stem}")
     header = Header(FORMAT, "mini-swe-agent", f"{path.name} ({data.get('trajectory_format', '')})")
     return [Trace(header, _turn_requests(messages, tools, name, usages), f"{name}.jsonl")]
 
@@ -167,7 +222,17 @@ def _openhands_call(path: Path) -> dict[str, Any]:
     data = _load_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise TraceError(f"{path}: expected an OpenHands LLM log with 'messages'")
+    _messages(data["messages"], f"{path}: messages")
+    _tools(data.get("tools"), str(path))
+    _messages([_recorded_message(data)], f"{path}: response message")
     return data
+
+
+def _recorded_message(call: dict[str, Any]) -> dict[str, Any]:
+    """The response message an OpenHands call recorded ({} when absent or malformed)."""
+    choices = _dig(call, "response", "choices")
+    message = _dig(choices[0] if isinstance(choices, list) and choices else None, "message")
+    return message if isinstance(message, dict) else {}
 
 
 def import_openhands(paths: list[Path]) -> list[Trace]:
@@ -184,9 +249,10 @@ def import_openhands(paths: list[Path]) -> list[Trace]:
 
 def _stamp(call: dict[str, Any]) -> float:
     try:
-        return float(call.get("timestamp") or 0)
-    except (TypeError, ValueError):
+        stamp = float(call.get("timestamp") or 0)
+    except (TypeError, ValueError, OverflowError):
         return 0.0
+    return stamp if math.isfinite(stamp) else 0.0
 
 
 def _openhands_session(name: str, files: list[Path]) -> Trace:
@@ -194,19 +260,17 @@ def _openhands_session(name: str, files: list[Path]) -> Trace:
     start = _stamp(calls[0])
     requests = []
     for i, call in enumerate(calls):
-        choice = ((call.get("response") or {}).get("choices") or [{}])[0]
-        usage = (call.get("response") or {}).get("usage")
         requests.append(
             Request(
                 f"openhands-{name}-{i}",
                 [clean_message(m) for m in call["messages"]],
                 call.get("tools") or None,
                 t=round(max(_stamp(call) - start, 0.0), 3),
-                response=_response(choice.get("message") or {}, usage),
+                response=_response(_recorded_message(call), _dig(call, "response", "usage")),
             )
         )
     header = Header(FORMAT, "openhands", f"OpenHands LLM-call log {name} ({len(calls)} calls)")
-    return Trace(header, requests, f"openhands-{name}.jsonl")
+    return Trace(header, requests, f"openhands-{_file_name(name)}.jsonl")
 
 
 def import_traces(fmt: str, inputs: list[Path]) -> list[Trace]:

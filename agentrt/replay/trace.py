@@ -1,7 +1,8 @@
 """The trace format: `.jsonl` (optionally `.jsonl.zst`), a header line then one request per line,
 each exactly as the agent framework sent it (DESIGN §2). msgspec schemas; malformed lines raise
 `TraceError` naming the file and line. Also the transforms that model what frameworks do to
-context: drop earlier reasoning, truncate old tool outputs."""
+context: drop earlier reasoning, truncate old tool outputs. Trace files are written owner-only
+(0600), atomically."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import msgspec
 
 from agentrt.errors import AgentrtError
+from agentrt.private import private_dir, write_private
 
 FORMAT = 1
 
@@ -87,7 +89,7 @@ def read_trace(path: str | Path) -> Trace:
     first_no, first = lines[0]
     try:
         header = _header_decoder.decode(first)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise TraceError(
             f'{path}:{first_no}: bad header ({exc}); expected {{"agentrt_trace": 1, ...}}'
         ) from None
@@ -97,21 +99,22 @@ def read_trace(path: str | Path) -> Trace:
     for number, line in lines[1:]:
         try:
             requests.append(_request_decoder.decode(line))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise TraceError(f"{path}:{number}: {exc}") from None
     return Trace(header, requests, str(path))
 
 
 def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Write `trace` (zstd-compressed for a `.zst` name) as an owner-only 0600 file, atomically;
+    missing directories are created 0700 (traces hold users' conversations)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     body = b"\n".join(msgspec.json.encode(x) for x in [trace.header, *trace.requests]) + b"\n"
     if path.name.endswith(".zst"):
         import zstandard
 
         body = zstandard.ZstdCompressor(level=10).compress(body)
-    path.write_bytes(body)
-    return path
+    return write_private(path, body)
 
 
 # ----------------------------------------------------------------------------- transforms

@@ -1,12 +1,20 @@
 """The Starlette application: routes, API-key check, body size limit, OpenAI-style errors,
 chat completions (JSON or server-sent events), models, health and Prometheus metrics.
-Bad input always becomes a 4xx answer; the process keeps serving."""
+Bad input always becomes a 4xx answer; the process keeps serving.
+
+Safe by default: `check_exposure` refuses a non-loopback bind without an API key (unless
+`insecure_no_auth`), keys are compared in constant time and never logged, and no CORS headers
+are sent unless `cors_origins` names the browser origins allowed to call the API."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import random
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -14,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentrt.errors import AgentrtError, PromptTooLongError
+from agentrt.errors import AgentrtError, InvalidArgumentError, PromptTooLongError
 from agentrt.server import schema
 from agentrt.server.worker import DONE, EngineWorker, Job, QueueFull
 
@@ -30,9 +40,41 @@ KEEPALIVE_S = 5.0  # an SSE comment goes out when nothing else has for this long
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_request_bytes: int = 32 * 2**20
     queue_size: int = 16
+    insecure_no_auth: bool = False  # allow a non-loopback bind without an API key
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; none: no CORS
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is `localhost`, an address in 127.0.0.0/8 or ::1 (names are not resolved)."""
+    name = host.strip().strip("[]").rstrip(".").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: ServerConfig) -> bool:
+    """Raise when `config` serves beyond this machine with no API key and `insecure_no_auth`
+    is not set; return whether it serves beyond this machine with no key (allowed)."""
+    if config.api_key or is_loopback(config.host):
+        return False
+    if not config.insecure_no_auth:
+        raise InvalidArgumentError(
+            f"refusing to serve on {config.host} without --api-key (anyone who can reach it "
+            "could use the model); pass --api-key KEY, bind 127.0.0.1, or --insecure-no-auth"
+        )
+    return True
+
+
+def key_matches(given: str, expected: str) -> bool:
+    """Constant-time comparison of a presented key with the configured one. Header values come
+    as latin-1 text (their raw bytes), the configured key as UTF-8 text."""
+    return hmac.compare_digest(given.encode("latin-1"), expected.encode("utf-8", "surrogateescape"))
 
 
 def error(
@@ -123,7 +165,8 @@ class ChatServer:
     def _authorized(self, request: Request) -> bool:
         if not self.config.api_key:
             return True
-        return request.headers.get("authorization", "") == f"Bearer {self.config.api_key}"
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and key_matches(given.strip(), self.config.api_key)
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -305,9 +348,26 @@ class ChatServer:
         ]
         return "\n".join(lines) + "\n"
 
+    def _state_cache_lines(self) -> str:
+        """The semantic state cache's counters (`StateCache.stats`: checkpoints written and
+        dropped, hits, misses, corrupt records deleted, bytes written) and the bytes its RAM
+        tier holds, when it is on."""
+        cache = getattr(self.runtime.reuse, "cache", None)
+        if cache is None:
+            return ""
+        stats = dict(cache.stats)  # (one atomic copy: the writer thread adds keys)
+        lines = ["# TYPE agentrt_state_cache_stats_total counter"]
+        for name, value in sorted(stats.items()):
+            lines.append(f'agentrt_state_cache_stats_total{{stat="{name}"}} {_number(value)}')
+        lines.append("# TYPE agentrt_state_cache_ram_bytes gauge")
+        lines.append(f"agentrt_state_cache_ram_bytes {cache.ram.bytes}")
+        return "\n".join(lines) + "\n"
+
     async def metrics_text(self, request: Request) -> Response:
         return PlainTextResponse(
-            self.metrics.render(self.worker.depth()) + self._offload_lines(),
+            self.metrics.render(self.worker.depth())
+            + self._offload_lines()
+            + self._state_cache_lines(),
             media_type="text/plain; version=0.0.4",
         )
 
@@ -335,14 +395,40 @@ def build_app(runtime, config: ServerConfig) -> tuple[Starlette, ChatServer]:
         Route("/metrics", server.metrics_text, methods=["GET"]),
     ]
     handlers = {404: _not_found, 405: _not_allowed, 500: _crashed, Exception: _crashed}
-    return Starlette(routes=routes, exception_handlers=handlers), server
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=_cors(config))
+    return app, server
+
+
+def _cors(config: ServerConfig) -> list[Middleware]:
+    """CORS for the named origins only (preflight included); none named, no CORS headers."""
+    if not config.cors_origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+    ]
 
 
 def serve(runtime, config: ServerConfig) -> None:
     import uvicorn
 
+    if check_exposure(config):
+        print(f"agentrt: warning: serving on {config.host} with no API key", file=sys.stderr)
     app, server = build_app(runtime, config)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler
+    # it found: this one exits through the `finally` blocks (the worker stops, and the caller
+    # flushes queued checkpoints) instead of dying at once
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.worker.stop()
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)

@@ -93,6 +93,8 @@ def decode(body: bytes) -> ChatRequest:
         raise BadRequest(f"invalid request: {exc}", _param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     check(req)
     return req
 
@@ -102,6 +104,8 @@ def check(req: ChatRequest) -> None:
         raise BadRequest("messages must not be empty", "messages")
     if req.n not in (None, 1):
         raise BadRequest("only n=1 is supported", "n")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise BadRequest("seed must fit in 64 bits", "seed")
     for name, value, lo, hi in (
         ("temperature", req.temperature, 0.0, 2.0),
         ("top_p", req.top_p, 0.0, 1.0),
@@ -177,7 +181,8 @@ def _check_tool_choice(choice: str | dict | None, names: set[str]) -> None:
         return
     if isinstance(choice, dict):
         fn = choice.get("function")
-        if choice.get("type") == "function" and isinstance(fn, dict) and fn.get("name") in names:
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") == "function" and isinstance(name, str) and name in names:
             return
     raise BadRequest(
         "tool_choice must be 'none', 'auto', 'required' or name one of the tools", "tool_choice"

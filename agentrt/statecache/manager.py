@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +138,20 @@ class _RamTier:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _raise_first(jobs: list[Future]) -> None:
+    """Raise the first failure among finished `jobs`, and let go of them first: reachable from
+    the raising frame, a future would tie the failure's traceback to itself, a cycle that keeps
+    the workers' LMDB read transactions, and their reader slots, until a garbage collection
+    (a run of corrupt payloads used up `max_readers` before one came)."""
+    failure = next((e for e in map(Future.exception, jobs) if e is not None), None)
+    jobs.clear()
+    if failure is not None:
+        try:
+            raise failure
+        finally:
+            failure = None
 
 
 class StateCache:
@@ -518,7 +532,12 @@ class StateCache:
         key = keys.key(pos)
         entry = self.ram.get(key)  # (kind, blob tensors, tokens held) from this process
         source = "ram" if entry is not None else "lmdb"
-        record = self.store.get_record(key) if entry is None else None
+        try:
+            record = self.store.get_record(key) if entry is None else None
+        except CorruptPayload:  # an unreadable header: the record is dropped like a bad payload
+            self.stats["corrupt_deleted"] += 1
+            self.store.delete(key)
+            return None
         if entry is not None:
             kind, pos = entry[0], entry[2]
         elif record is not None and self._valid(record, pos):
@@ -565,12 +584,14 @@ class StateCache:
 
     def _valid(self, record: Record, pos: int) -> bool:
         """The record of the prefix of `pos` tokens is this model's, in this format, and holds
-        the state after those tokens or after at most 63 fewer (`save(at=...)`)."""
+        the state after those tokens or after at most 63 fewer (`save(at=...)`). ("block" is
+        never stored: it names bare KV chunks, which would restore without the record's blob.)"""
         return (
             record.fingerprint == self.fp
             and record.version == FORMAT_VERSION
             and pos - MAX_EARLY <= record.n_tokens <= pos
             and record.n_tokens > 0
+            and record.kind != "block"
         )
 
     def _fill(
@@ -659,8 +680,7 @@ class StateCache:
                         jobs.append(self._pool.submit(task))
                 finally:
                     wait(jobs)  # none may write into the buffers after this returns
-            for job in jobs:
-                job.result()  # the first failure, if any
+            _raise_first(jobs)
         except BaseException:
             if load is not None:
                 load.release(self.device)

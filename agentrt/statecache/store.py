@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from agentrt.private import FILE_MODE, private_dir
 from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
 
 T = TypeVar("T")
@@ -29,7 +30,8 @@ _TOTAL = b"payload_bytes"
 
 
 def _u64(value: bytes | None) -> int:
-    return _U64.unpack(value)[0] if value else 0
+    """A stored counter; absent or damaged (not 8 bytes) reads as 0."""
+    return _U64.unpack(value)[0] if value is not None and len(value) == _U64.size else 0
 
 
 class _ResizeLock:
@@ -93,9 +95,16 @@ class _SharedEnv:
     def __init__(self, path: Path, map_size: int) -> None:
         # writemap: checkpoints are written into the map directly instead of through malloc'd
         # pages and write(2); commits still sync data before the meta page (crash safe), and
-        # every process opening a state dir uses the same flag (LMDB requires that)
+        # every process opening a state dir uses the same flag (LMDB requires that);
+        # data.mdb and lock.mdb are owner-only (checkpoints come from users' conversations)
         self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=8, max_readers=512, subdir=True, writemap=True
+            str(path),
+            map_size=map_size,
+            max_dbs=8,
+            max_readers=512,
+            subdir=True,
+            writemap=True,
+            mode=FILE_MODE,
         )
         self.lock = _ResizeLock()
         self.users = 0
@@ -122,7 +131,7 @@ class Store:
     """One state directory."""
 
     def __init__(self, path: Path, max_bytes: int) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path, warn_open=True)
         self.path = path
         self.max_bytes = max_bytes
         self.map_limit = int(max_bytes * 1.5) + _MIN_MAP
@@ -289,8 +298,9 @@ class Store:
             return "missing_chunk"  # nothing written: the empty transaction commits harmlessly
         for ck in absent:
             txn.put(ck, chunks[ck], db=self.chunks)
-        for ck in record.chunk_keys:
-            txn.put(ck, _U64.pack(_u64(txn.get(ck, db=self.refs)) + 1), db=self.refs)
+        for ck in record.chunk_keys:  # (a damaged count saturates; `collect_orphans` frees)
+            refs = min(_u64(txn.get(ck, db=self.refs)) + 1, 2**64 - 1)
+            txn.put(ck, _U64.pack(refs), db=self.refs)
         txn.put(key, blob, db=self.blobs)
         txn.put(key, encode_record(record), db=self.records)
         added = len(blob) + sum(len(chunks[ck]) for ck in absent)
@@ -348,6 +358,8 @@ class Store:
 
     def evict(self, target_bytes: int) -> int:
         """Delete the lowest-scoring records until stored payloads fit `target_bytes`."""
+        if self.total_bytes() > (self.path / "data.mdb").stat().st_size:
+            self._recount()  # a damaged total would otherwise evict everything, every write
         now, removed = time.time(), 0
         ranked = sorted(self.list_records(), key=lambda kr: self.score(kr[1], now))
         for key, _ in ranked:
@@ -355,6 +367,16 @@ class Store:
                 break
             removed += self.delete(key)
         return removed
+
+    def _recount(self) -> None:
+        """Set the payload total to the bytes of the stored chunks and blobs."""
+
+        def count(txn):
+            dbs = (self.chunks, self.blobs)
+            total = sum(len(value) for db in dbs for _, value in txn.cursor(db=db))
+            txn.put(_TOTAL, _U64.pack(total), db=self.meta)
+
+        self._txn(count, write=True)
 
     def collect_orphans(self) -> int:
         """Remove chunks no record references (left by interrupted bookkeeping)."""
