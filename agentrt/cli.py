@@ -598,7 +598,7 @@ def bench_prefill(
     """Prefill throughput (tok/s) for each prompt length and linear-attention kernel; with
     --offload auto, offloaded prefill per plan against its floor
     max(missing expert bytes / B_P, resident compute time)."""
-    from agentrt import bench as b
+    from agentrt.bench import engine as b
 
     prepare_cpu_threads(device, [offload["offload"]])
     device = resolve_device(device)
@@ -616,7 +616,7 @@ def bench_prefill(
 
 
 def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict) -> dict:
-    from agentrt.bench_prefill import offload_prefill
+    from agentrt.bench.prefill import offload_prefill
 
     if o["vram_budget"] is None and o["expert_cache_slots"] is None:
         raise click.UsageError("--offload auto needs --vram-budget or --expert-cache-slots")
@@ -741,7 +741,7 @@ def bench_decode(
         raise click.BadParameter("only with --offload", param_hint="--py-profile")
     if offload:
         prepare_cpu_threads(device, offload)
-        from agentrt import bench_offload as bo
+        from agentrt.bench import offload as bo
 
         runs = bo.settings(
             offload, [v == "on" for v in split], expert_policy, [v == "on" for v in prefetch]
@@ -764,7 +764,7 @@ def bench_decode(
         )
         _report(report, json_out)
         return
-    from agentrt import bench as b
+    from agentrt.bench import engine as b
 
     _report(
         b.decode(
@@ -779,7 +779,7 @@ def bench_decode(
 @click.option("--length", type=click.IntRange(min=2), default=300, show_default=True)
 def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, length) -> None:
     """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
-    from agentrt import bench as b
+    from agentrt.bench import engine as b
 
     _report(
         b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out
@@ -829,7 +829,7 @@ def bench_statecache(
     rounds,
 ):
     """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead."""
-    from agentrt import bench as b
+    from agentrt.bench import statecache as b
 
     dev = resolve_device(device)
 
@@ -864,7 +864,7 @@ def bench_statecache(
 @json_option
 def bench_soak(json_out, **opts) -> None:
     """Concurrent streaming clients against `agentrt serve` for a while: errors, TTFT, RSS."""
-    from agentrt.bench_soak import SoakConfig, soak
+    from agentrt.bench.soak import SoakConfig, soak
 
     _report(soak(SoakConfig(**opts), lambda text: click.echo(text, err=True)), json_out)
 
@@ -1270,7 +1270,7 @@ def replay_cmd(
 @json_option
 def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_out, **opts) -> None:
     """Replay TRACES in every --cache mode with one loaded model; TTFT per mode and ratios."""
-    from agentrt import bench as b
+    from agentrt.bench import ttft as b
 
     rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
     result = b.ttft(
@@ -1318,7 +1318,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
 def bench_bw(model, device, dtype, count, cpu_kernel, json_out) -> None:
     """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""
     prepare_cpu_threads(device, ["auto"])  # the CPU side as offloaded decode runs it
-    from agentrt import bench as b
+    from agentrt.bench import ttft as b
 
     _report(b.bandwidth(model, resolve_device(device), dtype, count, cpu_kernel), json_out)
 

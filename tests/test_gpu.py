@@ -134,7 +134,7 @@ def test_fla_head_norms_tune_once_per_size_class():
 
 
 def _tiny_report(kernel: str):
-    from agentrt import bench
+    from agentrt.bench import engine as bench
 
     return bench.accuracy("tiny", "cuda", "bfloat16", [kernel], 300, 0)["runs"][0]
 

@@ -1,5 +1,6 @@
-"""Layering rules of DESIGN §1: imports flow cli -> server/replay -> session -> engine ->
-models/offload/statecache, and `import agentrt` stays light."""
+"""Layering rules: imports flow cli -> bench -> server/replay -> session -> engine ->
+models/offload/statecache -> the modules at the package root, and `import agentrt` stays
+light."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ FORBIDDEN = {
     "engine": {"session", "server", "replay", "cli", "bench"},
     "session": {"server", "replay", "cli", "bench"},
     "server": {"replay", "cli", "bench"},
-    "replay": {"server", "cli"},
+    "replay": {"server", "cli", "bench"},
+    "bench": {"cli"},
 }
+# modules at the package root (besides the CLI and the package's lazy `Runtime` export) sit
+# below every layer
+ROOT_FORBIDDEN = {"models", "offload", "statecache", "engine", "session", "server", "replay"}
+ROOT_FORBIDDEN |= {"cli", "bench"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -37,6 +43,15 @@ def test_import_direction():
         for path in (PKG / layer).rglob("*.py"):
             hits = _imports(path) & forbidden
             bad += [f"{path.relative_to(PKG)} imports agentrt.{h}" for h in hits]
+    assert not bad, bad
+
+
+def test_root_modules_sit_below_every_layer():
+    bad = []
+    for path in PKG.glob("*.py"):
+        if path.name in ("cli.py", "__init__.py"):
+            continue
+        bad += [f"{path.name} imports agentrt.{h}" for h in _imports(path) & ROOT_FORBIDDEN]
     assert not bad, bad
 
 

@@ -767,7 +767,7 @@ def test_the_layer_chain_ceiling_adds_the_gpu_time_to_the_cpu_share():
     """A token's CPU experts sit on the chain of layers (T >= t_gpu + C / B_H') while copies
     may overlap everything (N - C <= B_P' T): T >= (t_gpu B_H' + N) / (B_P' + B_H'), never
     under N / DRAM nor t_gpu; copy-only, N / B_P."""
-    from agentrt.bench_offload import _add_ceilings, chain_seconds
+    from agentrt.bench.offload import _add_ceilings, chain_seconds
 
     assert chain_seconds(1.0, 0.01, 50.0, 70.0, 1e3) == pytest.approx((0.01 * 70 + 1) / 120)
     assert chain_seconds(1.0, 0.0, 50.0, 70.0, 100.0) == pytest.approx(1 / 100)  # DRAM

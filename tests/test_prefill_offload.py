@@ -165,7 +165,7 @@ def test_prefill_leaves_the_decode_working_set(dense):
 def test_bench_prefill_reports_every_plan_against_its_floor():
     """`bench prefill --offload auto`: the resident rows, then every plan's cold and suffix rows
     with bytes copied, the CPU's share, the plans per layer, the floor; ratios from one run."""
-    from agentrt.bench_prefill import offload_prefill
+    from agentrt.bench.prefill import offload_prefill
 
     report = offload_prefill(
         "tiny",

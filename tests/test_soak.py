@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from agentrt.bench_soak import SoakConfig, soak
+from agentrt.bench.soak import SoakConfig, soak
 
 SECONDS = float(os.environ.get("AGENTRT_SOAK_SECONDS", "20"))
 MAX_GROWTH_MIB = 128  # anonymous memory beyond the RAM tier's growth (measured: ~13 in 60 s)

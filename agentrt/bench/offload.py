@@ -142,7 +142,7 @@ def offload_decode(
     """The report of `bench decode --offload` (see the module docstring). `py_profile`: a text
     file that gets, per setting and round, the costliest Python functions of `PROFILE_STEPS`
     more decode steps run under cProfile after the timed ones (not timed)."""
-    from agentrt.bench import machine
+    from agentrt.bench.engine import machine
 
     dtype = dtype or EngineConfig.default_dtype(device)
     model, store, cfg = load_offloadable(spec, device, dtype, seed)

@@ -50,8 +50,8 @@ def offload_prefill(
     linear_attn: str = "auto",
 ) -> dict[str, Any]:
     """The report of `bench prefill --offload auto` (see the module docstring)."""
-    from agentrt.bench import machine
-    from agentrt.bench_offload import load_offloadable, resident_experts, text_ids
+    from agentrt.bench.engine import machine
+    from agentrt.bench.offload import load_offloadable, resident_experts, text_ids
 
     dtype = dtype or EngineConfig.default_dtype(device)
     longest = max([*lengths, prefix_len + max(suffixes, default=0)])
@@ -293,6 +293,6 @@ def _sync(device: str) -> None:
 
 
 def _free(device: str) -> None:
-    from agentrt.bench_offload import _free as free
+    from agentrt.bench.offload import _free as free
 
     free(device)

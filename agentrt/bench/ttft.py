@@ -1,0 +1,136 @@
+"""`agentrt bench ttft` (worst-case time to first token over replayed traces) and `agentrt bench
+bw` (host memory and PCIe bandwidths)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentrt.bench.engine import machine
+from agentrt.config import EngineConfig
+from agentrt.models import torch_dtype
+
+
+def ttft(rt, load, modes, variants, max_tokens, run, warmup: int = 8) -> dict[str, Any]:
+    """Replay the same traces in every cache mode (fresh state directory each) on one runtime.
+
+    `load(drop_reasoning)` returns the traces; `run(traces, target, label)` returns a report.
+    First, untimed, the first `warmup` requests of the first trace run once in semantic mode
+    (kernel compilation and autotuning, CUDA-graph capture, pinned buffers), so that one-time
+    start-up costs land in no mode's figures.
+    """
+    import tempfile
+    from pathlib import Path
+
+    import msgspec
+
+    from agentrt.config import StateCacheConfig
+    from agentrt.replay.replay import local_target
+
+    if warmup:
+        first = load(False)[0]
+        first = msgspec.structs.replace(first, requests=first.requests[:warmup])
+        with tempfile.TemporaryDirectory(prefix="agentrt-warmup-") as state_dir:
+            rt.set_cache("semantic", StateCacheConfig(state_dir=Path(state_dir)))
+            run([first], local_target(rt), "warm-up")
+            rt.set_cache("off")
+    reports: dict[str, list[dict]] = {}
+    for variant in variants:
+        traces = load(variant == "dropped")
+        reports[variant] = []
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="agentrt-ttft-") as state_dir:
+                rt.set_cache(mode, StateCacheConfig(state_dir=Path(state_dir)))
+                rep = run(traces, local_target(rt), f"{variant}/{mode}")
+                cache = getattr(rt.reuse, "cache", None)
+                if cache is not None:  # hits per tier, drops, write errors: what TTFT hides
+                    cache.flush()
+                    rep["state_cache_stats"] = dict(cache.stats)
+                rt.set_cache("off")
+            reports[variant].append(rep)
+    return {
+        "bench": "ttft",
+        "machine": machine(),
+        "max_tokens": max_tokens,
+        "warmup_requests": warmup,
+        "prefill_chunk": rt.engine.config.prefill_chunk,
+        "prefill_graphs": rt.engine.prefill_graphs is not None,
+        "reports": reports,
+        "ratios": _ttft_ratios(reports),
+    }
+
+
+def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
+    """How many times lower semantic TTFT is than each baseline (p50, p99, max), per variant."""
+    out = {}
+    for variant, reps in reports.items():
+        by_mode = {r["summary"]["cache"]: r["summary"]["ttft_s"] for r in reps}
+        if "semantic" not in by_mode:
+            continue
+        for base in ("off", "prefix"):
+            if base in by_mode:
+                for stat in ("p50", "p99", "max"):
+                    sem = by_mode["semantic"][stat]
+                    out[f"{variant}:{base}/semantic:{stat}"] = (
+                        by_mode[base][stat] / sem if sem > 0 else 0.0
+                    )
+    return out
+
+
+# ----------------------------------------------------------------------------- bandwidths
+
+
+def bandwidth(
+    spec: str, device: str, dtype: str | None, count: int, cpu_kernel: str = "auto"
+) -> dict[str, Any]:
+    """Measure and save the copy / CPU-expert bandwidth profile for `spec`'s expert shape, the
+    CPU side through the kernel `cpu_kernel` selects (auto, torch or native)."""
+    from dataclasses import asdict
+
+    from agentrt.config import home_dir
+    from agentrt.models.registry import config_of
+    from agentrt.offload.calibrate import (
+        calibrate,
+        dram_read_bandwidth,
+        profile_kernel,
+        profile_path,
+        save_profile,
+    )
+    from agentrt.offload.cpu_kernel import kernel_for, kernel_name
+    from agentrt.offload.store import ExpertStore
+
+    dtype = dtype or EngineConfig.default_dtype(device)
+    kernel = kernel_for(cpu_kernel, torch_dtype(dtype), strict=True)
+    cpu_kernel = kernel_name(kernel)
+    cfg = config_of(spec)
+    store = ExpertStore(
+        cfg.moe_layers[:1],
+        cfg.num_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        torch_dtype(dtype),
+        pin=device.startswith("cuda"),
+    )
+    torch.nn.init.uniform_(store.flat[store.layers[0]], -0.02, 0.02)
+    profile = calibrate(store, torch.device(device), count, kernel)
+    dram = dram_read_bandwidth()
+    key = profile_kernel(kernel)  # (`-pool` where the kernel runs on its thread pool)
+    path = profile_path(
+        home_dir() / "profiles", torch.device(device), store.dtype, store.expert_bytes, key
+    )
+    save_profile(profile, path)
+    gb = {k: round(v / 1e9, 2) for k, v in asdict(profile).items() if isinstance(v, float)}
+    return {
+        "bench": "bw",
+        "model": spec,
+        "device": device,
+        "dtype": dtype,
+        "profile": asdict(profile),
+        "gb_per_s": gb,
+        "dram_read_gb_s": round(dram / 1e9, 2),
+        "cpu_kernel": cpu_kernel,
+        "cpu_kernel_fraction_of_dram_read": profile.cpu / dram,
+        "saved_to": str(path),
+        "machine": machine(),
+    }
