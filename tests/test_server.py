@@ -259,7 +259,31 @@ def test_metrics_and_health(server, client):
     assert json.loads(server.raw("/health", method="GET", key=None)[1])["status"] == "ok"
 
 
-def test_client_disconnect_stops_generation(server):
+def _count_decode_steps(monkeypatch) -> list[int]:
+    """Counts the engine's decode steps (one per generated token after the first)."""
+    from agentrt.engine import Engine
+
+    steps, real = [0], Engine.decode_step
+
+    def counted(self, state, token_id):
+        steps[0] += 1
+        return real(self, state, token_id)
+
+    monkeypatch.setattr(Engine, "decode_step", counted)
+    return steps
+
+
+def _settled(steps: list[int], worker, seconds: float = 20) -> int:
+    """The decode steps once the worker's queue is empty and no step ran for 0.5 s."""
+    deadline, last = time.time() + seconds, -1
+    while time.time() < deadline and (worker.depth() or steps[0] != last):
+        last = steps[0]
+        time.sleep(0.5)
+    return steps[0]
+
+
+def test_client_disconnect_stops_generation(server, monkeypatch):
+    steps = _count_decode_steps(monkeypatch)
     req = urllib.request.Request(
         server.base + "/v1/chat/completions",
         _chat_body(max_tokens=100000, stream=True),
@@ -268,32 +292,41 @@ def test_client_disconnect_stops_generation(server):
     resp = urllib.request.urlopen(req, timeout=30)
     resp.readline()  # the stream has started
     resp.close()
-    deadline = time.time() + 20
-    while server.chat.worker.depth() and time.time() < deadline:
-        time.sleep(0.1)
-    assert server.chat.worker.depth() == 0  # generation stopped long before 100000 tokens
+    generated = _settled(steps, server.chat.worker)
+    assert server.chat.worker.depth() == 0
+    # stopped early: far below max_tokens, and below the context left after the prompt
+    assert generated < server.chat.runtime.engine.max_context // 2
     assert server.raw("/v1/chat/completions", _chat_body())[0] == 200
 
 
 def test_full_queue_answers_429(tmp_path):
+    """One request running and one waiting fill a queue of 1: the next gets 429, both others
+    200."""
     from agentrt import Runtime
 
     rt = Runtime.open("tiny", cache="off")
     srv = _Server(rt, queue_size=1)
-    statuses = []
+    worker, statuses = srv.chat.worker, []
 
     def fire():
-        statuses.append(
-            srv.raw("/v1/chat/completions", _chat_body(max_tokens=3000, temperature=1), key=None)[0]
-        )
+        body = _chat_body(max_tokens=400, temperature=1, seed=1)
+        statuses.append(srv.raw("/v1/chat/completions", body, key=None)[0])
 
-    threads = [threading.Thread(target=fire) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    def start_and_wait(depth: int) -> threading.Thread:
+        thread = threading.Thread(target=fire)
+        thread.start()
+        deadline = time.time() + 30
+        while worker.depth() < depth and time.time() < deadline:
+            time.sleep(0.01)
+        return thread
+
+    running, waiting = start_and_wait(1), start_and_wait(2)
+    assert worker.depth() == 2
+    beyond = srv.raw("/v1/chat/completions", _chat_body(), key=None)[0]
+    running.join()
+    waiting.join()
     srv.stop()
-    assert 429 in statuses and 200 in statuses
+    assert beyond == 429 and statuses == [200, 200]
 
 
 def test_prompt_longer_than_context_is_a_400(tmp_path):
@@ -315,17 +348,17 @@ def test_prompt_longer_than_context_is_a_400(tmp_path):
     assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
 
 
-def test_non_streaming_disconnect_stops_generation(server):
+def test_non_streaming_disconnect_stops_generation(server, monkeypatch):
+    steps = _count_decode_steps(monkeypatch)
     sock = socket.create_connection(("127.0.0.1", server.port))
     body = _chat_body(max_tokens=100000, temperature=1)
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
     sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     time.sleep(1.0)
     sock.close()
-    deadline = time.time() + 20
-    while server.chat.worker.depth() and time.time() < deadline:
-        time.sleep(0.1)
+    generated = _settled(steps, server.chat.worker)
     assert server.chat.worker.depth() == 0
+    assert 0 < generated < server.chat.runtime.engine.max_context // 2  # stopped early
 
 
 def test_stream_starts_before_the_first_token_and_keeps_alive(server, monkeypatch):
