@@ -1,5 +1,4 @@
-"""Frozen configuration dataclasses, and the one place where `AGENTRT_*` environment variables
-are read.
+"""Frozen configuration dataclasses (environment variables are read in `env.py`).
 
 `ModelConfig` is the architecture-neutral description of a checkpoint that every model file builds
 from (`ModelConfig.from_hf` reads a Hugging Face `config.json`, including the nested `text_config`
@@ -15,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agentrt.env import home_dir
 from agentrt.errors import InvalidArgumentError, ModelFormatError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_moe")
@@ -27,24 +27,6 @@ _MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_moe": "qwen3_moe",
 }
-
-
-# ----------------------------------------------------------------------------- environment
-
-
-def env_str(name: str, default: str | None = None) -> str | None:
-    """Read `AGENTRT_<name>` from the environment (the only place env variables are read)."""
-    return os.environ.get(f"AGENTRT_{name}", default)
-
-
-def home_dir() -> Path:
-    """Root of agentrt's per-user files (models cache, state cache, calibration profiles)."""
-    explicit = env_str("HOME")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "agentrt"
 
 
 # ----------------------------------------------------------------------------- model config

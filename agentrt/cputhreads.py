@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 from collections.abc import Callable
 
+from agentrt.env import set_all, switched_off, variable
 from agentrt.libs import loaded_libraries
 
 
@@ -63,11 +63,11 @@ def spin_between_steps(enable: bool) -> bool:
     Leaves alone a process that already imported torch (too late: libgomp reads its environment
     once) or whose environment sets either variable, or `AGENTRT_OMP_SPIN=0`. Returns whether it
     set them."""
-    if not enable or "torch" in sys.modules or os.environ.get("AGENTRT_OMP_SPIN") == "0":
+    if not enable or "torch" in sys.modules or switched_off("OMP_SPIN"):
         return False
-    if any(name in os.environ for name in SPIN_ENV):
+    if any(variable(name) is not None for name in SPIN_ENV):
         return False
-    os.environ.update(SPIN_ENV)
+    set_all(SPIN_ENV)
     return True
 
 
@@ -88,7 +88,7 @@ MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 256 << 20
 def keep_freed_buffers() -> bool:
     """Raise glibc's mmap and trim thresholds (once per process; `AGENTRT_MALLOC_TUNE=0` leaves
     them alone, as does a libc other than glibc). Returns whether both were set."""
-    if not sys.platform.startswith("linux") or os.environ.get("AGENTRT_MALLOC_TUNE") == "0":
+    if not sys.platform.startswith("linux") or switched_off("MALLOC_TUNE"):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

@@ -55,6 +55,18 @@ def test_root_modules_sit_below_every_layer():
     assert not bad, bad
 
 
+def test_environment_is_read_in_env_only():
+    """`agentrt/env.py` is the one module that touches `os.environ` / `os.getenv`."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "env.py" and path.parent == PKG:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                bad.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert not bad, bad
+
+
 def test_every_module_has_a_docstring():
     missing = [
         str(p.relative_to(PKG))

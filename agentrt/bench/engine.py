@@ -19,6 +19,7 @@ import torch
 
 from agentrt.config import EngineConfig
 from agentrt.engine import Engine, SamplingParams
+from agentrt.env import snapshot
 from agentrt.models import copy_model, torch_dtype
 from agentrt.models.registry import open_model
 
@@ -30,7 +31,7 @@ def machine() -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         # how idle OpenMP workers wait (agentrt.cputhreads sets them for offloaded decode)
-        "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
+        "omp_env": {k: v for k, v in snapshot().items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
     }
     if os.path.isdir("/proc/self/task"):  # more than one OpenMP team shows as extra threads
         info["process_threads"] = len(os.listdir("/proc/self/task"))

@@ -16,7 +16,6 @@ import dataclasses
 import http.client
 import json
 import math
-import os
 import random
 import re
 import shutil
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrt.env import snapshot
 from agentrt.errors import AgentrtError
 
 SYSTEM = (
@@ -95,7 +95,7 @@ class ServerProcess:
         self.log = log
         cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--model", model, "--device", device]
         cmd += ["--port", str(self.port), "--cache", "semantic", "--state-dir", str(state_dir)]
-        env = {k: v for k, v in os.environ.items() if k != "AGENTRT_API_KEY"}  # clients send none
+        env = {k: v for k, v in snapshot().items() if k != "AGENTRT_API_KEY"}  # clients send none
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
 

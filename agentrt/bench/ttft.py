@@ -88,7 +88,7 @@ def bandwidth(
     CPU side through the kernel `cpu_kernel` selects (auto, torch or native)."""
     from dataclasses import asdict
 
-    from agentrt.config import home_dir
+    from agentrt.env import home_dir
     from agentrt.models.registry import config_of
     from agentrt.offload.calibrate import (
         calibrate,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import OffloadConfig, home_dir
+from agentrt.config import OffloadConfig
+from agentrt.env import home_dir
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.layers import CausalLM, MoEBlock
 from agentrt.offload.cache import ExpertCache

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentrt.config import home_dir
+from agentrt.env import home_dir
 from agentrt.private import private_dir, write_private
 
 TINY_VERSION = 1

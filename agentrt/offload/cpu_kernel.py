@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import CPU_KERNELS, home_dir
+from agentrt.config import CPU_KERNELS
+from agentrt.env import home_dir, switched_off, variable
 from agentrt.errors import AgentrtError
 from agentrt.private import FILE_MODE, private_dir
 
@@ -74,7 +75,7 @@ class NativeExperts:
         self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
         threads = min(torch.get_num_threads(), _usable_cores())
         self.pool_threads = max(1, threads - 1)  # (a core for the caller)
-        self.pooled = threads >= 4 and os.environ.get("AGENTRT_CPU_POOL") != "0"
+        self.pooled = threads >= 4 and not switched_off("CPU_POOL")
         os.register_at_fork(after_in_child=self._forget_calls)
 
     def run(
@@ -201,7 +202,7 @@ def native_experts() -> NativeExperts | None:
     C compiler or if the build or the load fails (the reason goes to stderr once)."""
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = variable("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         print("agentrt: no C compiler: CPU experts use torch's kernels", file=sys.stderr)
         return None

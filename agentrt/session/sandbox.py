@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from agentrt.env import snapshot
 from agentrt.errors import InvalidArgumentError
 
 APPROVE_MODES = ("ask", "auto", "never")
@@ -199,7 +200,7 @@ class Sandbox:
 
     def run(self, command: str, workdir: Path, timeout: float) -> str:
         """Run `command` in `workdir`; its exit code and capped output, or a timeout note."""
-        return run_capped(self.argv(command, workdir), workdir, self.env(os.environ), timeout)
+        return run_capped(self.argv(command, workdir), workdir, self.env(snapshot()), timeout)
 
 
 # ----------------------------------------------------------------------------- running

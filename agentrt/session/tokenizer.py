@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from agentrt.env import set_defaults
 from agentrt.errors import ChatTemplateError, ModelFormatError
 
 _GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -26,8 +27,7 @@ def _declared_class(path: Path) -> str | None:
 
 def load_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLike | None = None):
     """Load the tokenizer in `path`; `chat_template`: a Jinja file overriding its template."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    set_defaults({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelFormatError(f"tokenizer directory {path} does not exist")
