@@ -257,21 +257,18 @@ static int start_pool(int threads) {
     }
     return 0;
 }
-/* post a call to the pool (threads: its size at the first call; later calls keep it) */
-static int post(const job_t* j, int threads) {
+/* threads: the pool's size, at its first call (later calls keep it) */
+int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
+                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
+                  uint16_t* act, int threads) {
     if (!holds(&finished, generation, 1)) return -2;
     if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
-    job = *j;
+    job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
+    job = j;
     started_at = now();
     __atomic_store_n(&pending, pool_size, __ATOMIC_RELAXED);
     publish(&generation, generation + 1);
     return 0;
-}
-int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
-                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
-                  uint16_t* act, int threads) {
-    job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
-    return post(&j, threads);
 }
 /* whether the build has the AVX512-BF16 dot products (else a plain loop, slower than torch's) */
 int experts_fast_path(void) {

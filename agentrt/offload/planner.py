@@ -133,3 +133,14 @@ def plan_ahead(num_missing: int, predicted_s: float | None, routed_s: float, cos
     if predicted_s is not None:
         options["predicted"] = predicted_s
     return min(options, key=lambda k: (options[k], k != "stream"))
+
+
+def size_class(tokens: int) -> int:
+    """The size class of a chunk of `tokens` tokens (powers of two), which measured costs are
+    kept per."""
+    return max(0, tokens - 1).bit_length()
+
+
+def ema(old: float, new: float, weight: float) -> float:
+    """An exponential moving average's next value (the first sample as it is)."""
+    return new if old == 0 else (1 - weight) * old + weight * new

@@ -35,9 +35,11 @@ from agentrt.offload.planner import (
     Costs,
     LayerPlan,
     choose,
+    ema,
     plan_ahead,
     predicted_plan,
     routed_plan,
+    size_class,
 )
 from agentrt.offload.prefill_cpu import cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
@@ -62,8 +64,7 @@ class PrefillTotals:
     pairs: int = 0  # every (token, expert) pair
     routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
     admitted: int = 0  # copied experts also put into free slots of the expert cache
-    cpu_seconds: float = 0.0  # time the CPU experts computed
-    cpu_wait_seconds: float = 0.0  # host time this thread waited for (or ran) them
+    cpu_seconds: float = 0.0  # host time in the CPU experts (their inputs' arrival included)
     wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
     host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
@@ -157,22 +158,22 @@ class PrefillStreamer:
         if layer == self.layers[0]:  # a new pass: nothing is queued ahead for its first layer
             self.ring.drop()
         t = self.totals
-        t0, blocked = time.perf_counter(), t.cpu_wait_seconds + t.wait_seconds
+        t0, blocked = time.perf_counter(), t.cpu_seconds + t.wait_seconds
         try:
             return self._run_layer(layer, x, ids, weights)
         except BaseException:  # (what it queued must not serve a later pass)
             self.ring.drop()
             raise
         finally:
-            host = time.perf_counter() - t0 - (t.cpu_wait_seconds + t.wait_seconds - blocked)
+            host = time.perf_counter() - t0 - (t.cpu_seconds + t.wait_seconds - blocked)
             t.host_seconds += host
             if self.last_plan.kind in ("routed", "split"):  # (streamed layers wait on copies)
-                self.dispatch_s = _ema(self.dispatch_s, host, 0.2)
+                self.dispatch_s = ema(self.dispatch_s, host, 0.2)
 
     def _run_layer(self, layer, x, ids, weights) -> torch.Tensor:
         """`run` for a layer that is not resident in place."""
         top_k = ids.shape[1]
-        self.bucket = _bucket(x.shape[0])
+        self.bucket = size_class(x.shape[0])
         flat = ids.reshape(-1)
         num = self.store.num_experts
         counts = torch.bincount(flat, minlength=num)
@@ -235,12 +236,12 @@ class PrefillStreamer:
         if last is None or self.next_layer.get(last[0]) != layer:
             return
         _, end, routed_then, plan, overhead_then, bucket = last
-        self.exposed_s = _ema(self.exposed_s, self._seconds(end, routed_at), 0.2)
+        self.exposed_s = ema(self.exposed_s, self._seconds(end, routed_at), 0.2)
         if plan.kind not in ("stream", "resident"):
             taken = self._seconds(routed_then, routed_at)
             model = plan.seconds - overhead_then  # (the plan's cost counted the overhead)
             old = self.overheads.get(bucket, 0.0)
-            self.overheads[bucket] = _ema(old, max(0.0, taken - model), 0.3)
+            self.overheads[bucket] = ema(old, max(0.0, taken - model), 0.3)
 
     def _seconds(self, start, end) -> float:
         if self.on_cuda:
@@ -296,31 +297,36 @@ class PrefillStreamer:
             self.accuracy = 0.8 * self.accuracy + 0.2 * right / routed
 
     def _plan_ahead(self, layer: int, counts: list[int], predicted: list[int]) -> None:
-        """Queue the next layer's fills now where it should stream or take its predicted
-        experts (their copies then start as soon as a buffer of the ring is free), and issue
-        what the ring can take."""
+        """Queue the next layer's fills now (copies start once a buffer of the ring is free)
+        where it streams or takes predicted experts; issue what the ring can take."""
         nxt = self.next_layer.get(layer)
         if nxt is not None and self.plan != "routed":
-            missing, lookup = self._missing(nxt), self.cache.slot_of[nxt]
-            guess = {e: c for e, c in enumerate(predicted) if c and lookup[e] < 0}
-            choice, ahead, predicted_s = self.plan, (), None
-            here, costs = self.cache.slot_of[layer], self.costs()
-            # (this layer's routing stands in for the next one's)
-            routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
-            if guess:
-                late = len(routed) * (1 - self.accuracy)
-                ahead, predicted_s = predicted_plan(guess, late, costs, self.split)
-            if self.plan == "auto":
-                routed_s = routed_plan(routed, costs, self.split).seconds
-                choice = plan_ahead(len(missing), predicted_s, routed_s, costs)
-                if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
-                    self.overheads[self.bucket] *= OVERHEAD_DECAY
+            choice, ahead = self._ahead_choice(layer, nxt, counts, predicted)
             if choice == "stream":
-                all_experts = list(range(self.store.num_experts))
-                self.ring.queue.extend(self.ring.fills(nxt, all_experts, set(missing), "stream"))
-            elif choice == "predicted" and ahead:
+                experts, missing = list(range(self.store.num_experts)), set(self._missing(nxt))
+                self.ring.queue.extend(self.ring.fills(nxt, experts, missing, "stream"))
+            elif ahead:
                 self.ring.queue.extend(self.ring.fills(nxt, list(ahead), set(ahead), "predicted"))
         self.ring.issue_ready()
+
+    def _ahead_choice(self, layer, nxt, counts, predicted) -> tuple[str, tuple[int, ...]]:
+        """What the next layer copies before its routing: `stream`, `predicted` (and which
+        experts) or `none`; this layer's routing stands in for the next one's."""
+        if self.plan == "stream":
+            return "stream", ()
+        here, costs = self.cache.slot_of[layer], self.costs()
+        routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
+        if self.plan == "predicted":
+            lookup = self.cache.slot_of[nxt]
+            guess = {e: c for e, c in enumerate(predicted) if c and lookup[e] < 0}
+            late = len(routed) * (1 - self.accuracy)
+            ahead = predicted_plan(guess, late, costs, self.split)[0] if guess else ()
+            return "predicted", ahead
+        routed_s = routed_plan(routed, costs, self.split).seconds
+        choice = plan_ahead(len(self._missing(nxt)), None, routed_s, costs)
+        if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
+            self.overheads[self.bucket] *= OVERHEAD_DECAY
+        return choice, ()
 
     def _run_part(self, fill: Fill, counts: list[int], ys: _Sorted, begin: int) -> int:
         """Wait for the part's copies, bring its hits in from their slots, run it; returns the
@@ -432,7 +438,6 @@ class PrefillStreamer:
         with torch.inference_mode():
             run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
         seconds = time.perf_counter() - t0
-        self.totals.cpu_wait_seconds += seconds
         if self.on_cuda:
             out = out.pin_memory()
         ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
@@ -473,15 +478,6 @@ class _Sorted:
     x_sorted: torch.Tensor  # [Tk, H] inputs of the pairs, sorted by position
     scale: torch.Tensor  # [Tk] their routing weights
     out: torch.Tensor  # [Tk, H] their weighted outputs
-
-
-def _bucket(tokens: int) -> int:
-    """The size class of a chunk of `tokens` tokens (powers of two)."""
-    return max(0, tokens - 1).bit_length()
-
-
-def _ema(old: float, new: float, weight: float) -> float:
-    return new if old == 0 else (1 - weight) * old + weight * new
 
 
 def _looped(x, gate_up, down, rows: list[int], scale) -> torch.Tensor:

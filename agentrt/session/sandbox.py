@@ -12,6 +12,7 @@ chat or the tool registry.
 from __future__ import annotations
 
 import functools
+import contextlib
 import os
 import re
 import shutil
@@ -102,7 +103,7 @@ class Approver:
 
     def _ask(self, command: str, where: str) -> str | None:
         print(f"\nagentrt: the model wants to run ({where}):\n  $ {command}", file=sys.stderr)
-        print("Run it? [y]es / [N]o / [a]lways this session: ", end="", file=sys.stderr)
+        print("Run it? [y]es / [N]o / [a]lways for this run: ", end="", file=sys.stderr)
         sys.stderr.flush()
         try:
             answer = input().strip().lower()
@@ -262,8 +263,6 @@ def run_capped(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) 
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # (the group may be gone already)
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the group is already gone
     proc.wait()
