@@ -581,6 +581,12 @@ def _report(report: dict, json_out: str | None) -> None:
 @_on_off("--split", "off: no missing expert runs on the CPU.")
 @click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="With --offload auto: one more run of each offloaded row under cProfile; its "
+    "costliest functions (host time) go into the row's JSON.",
+)
 @_cpu_kernel_option("CPU expert kernel (calibration).")
 def bench_prefill(
     model,
@@ -638,6 +644,7 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
         resident=o["resident"],
         cpu_kernel=o["cpu_kernel"],
         linear_attn=o["linear_attn"],
+        profile=o["profile"],
     )
 
 

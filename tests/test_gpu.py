@@ -421,6 +421,27 @@ def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
         assert set(totals.plans) == {"stream"}
 
 
+@pytest.mark.parametrize("plan", ["stream", "routed"])
+def test_offloaded_prefill_on_cuda_in_fp32_equals_resident(plan):
+    """fp32 offloaded prefill on the GPU: the staging ring's raw copies from the host store and
+    from cache slots (hits after the first chunk admitted experts) bring the right experts, to
+    fp32 rounding of the resident model's logits."""
+    from agentrt import Runtime
+    from agentrt.config import OffloadConfig
+
+    ids = [(i * 7919) % 2000 + 10 for i in range(700)]
+    opts = dict(device="cuda", dtype="float32", cache="off", prefill_chunk=256, linear_attn="torch")
+    resident = Runtime.open("tiny", **opts)
+    config = OffloadConfig(mode="auto", expert_cache_slots=12, prefill_plan=plan)
+    rt = Runtime.open("tiny", offload=config, **opts)
+    assert rt.engine.offload.prefill.calls is not None  # (the raw path is the one under test)
+    want = resident.engine.prefill(resident.engine.new_state(), ids, all_logits=True)
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    stats = rt.engine.offload.cache.stats.values()
+    assert sum(s.hits for s in stats) > 0 and rt.engine.offload.prefill.totals.copied > 0
+
+
 def test_native_cpu_kernel_in_bf16_graph_decode():
     """bf16 graph decode with CPU misses (the split) through the native CPU kernel stays as close
     to the resident model as it does through torch's kernels (bf16 rounding differs between the

@@ -179,6 +179,7 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
         48,
         repeat=1,
         slots=10,
+        profile=True,
     )
     runs = report["runs"]
     assert [(r["plan"], r["kind"]) for r in runs] == [
@@ -191,6 +192,10 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
         assert r["floor_s"] >= r["resident_s"] > 0 and r["vs_floor"] > 0
         assert set(r["plan_per_layer"].values()) <= {"stream", "routed", "split", "predicted"}
         assert 0.0 <= r["cpu_pair_share"] <= 1.0
+        # the profiled run's costliest functions, costliest first
+        own = [f["own_ms"] for f in r["profile"]]
+        assert len(own) == 30 and own == sorted(own, reverse=True) and own[0] > 0
+        assert all(f["calls"] > 0 and f["cumulative_ms"] >= f["own_ms"] for f in r["profile"])
     stream = next(r for r in runs if r["plan"] == "stream" and r["kind"] == "cold")
     assert set(stream["plans"]) == {"stream"} and stream["copy_gb"] > 0
     assert {"cold96_auto_vs_best_fixed", "suffix16_auto_vs_stream"} <= set(report["ratios"])

@@ -13,9 +13,12 @@ Synthetic models carry random weights with real shapes: figures say nothing abou
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +51,7 @@ def offload_prefill(
     resident: bool = True,
     cpu_kernel: str = "auto",
     linear_attn: str = "auto",
+    profile: bool = False,
 ) -> dict[str, Any]:
     """The report of `bench prefill --offload auto` (see the module docstring)."""
     from agentrt.bench.engine import machine
@@ -63,7 +67,7 @@ def offload_prefill(
     kernel = kernel_for(cpu_kernel, store.dtype)
     profile = profile_for(store, torch.device(device), kernel=kernel)
     link = _bulk_copy_bw(store, device)
-    rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device)
+    rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device, profile)
     runs = []
     if resident:
         print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
@@ -158,9 +162,10 @@ def _fill_cache(experts, seed: int) -> int:
 class _Rows:
     """Times one engine over the cold lengths and the suffixes after the prefix."""
 
-    def __init__(self, lengths, suffixes, prefix_len, ids, repeat, device) -> None:
+    def __init__(self, lengths, suffixes, prefix_len, ids, repeat, device, profile) -> None:
         self.lengths, self.suffixes, self.prefix_len = lengths, suffixes, prefix_len
         self.ids, self.repeat, self.device = ids, repeat, device
+        self.profile = profile  # one more run of each offloaded row under cProfile
 
     def time(self, engine: Engine, plan: str, experts) -> list[dict]:
         """The rows of one engine, after a warm-up with every length (the first engine of the
@@ -210,7 +215,30 @@ class _Rows:
             row["streamer"] = _streamer_state(experts.prefill)
             row["expert_cache_slots"] = experts.cache.num_slots
             row["context_tokens"] = state.num_tokens
+            if self.profile:
+                row["profile"] = self._profiled(engine, state, snap, part)
         return row
+
+    def _profiled(self, engine, state, snap, part, top: int = 30) -> list[dict]:
+        """One more run of the row under cProfile: its `top` functions by own host time."""
+        if snap is not None:
+            state.import_(snap)
+        else:
+            state.reset()
+        _sync(self.device)
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: (engine.prefill(state, part), _sync(self.device)))
+        stats = pstats.Stats(profiler).stats
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        return [
+            {
+                "function": f"{Path(file).name}:{line}({name})",
+                "calls": calls,
+                "own_ms": 1e3 * own,
+                "cumulative_ms": 1e3 * cumulative,
+            }
+            for (file, line, name), (_, calls, own, cumulative, _) in rows
+        ]
 
 
 def _streamer_state(streamer) -> dict:
@@ -218,6 +246,7 @@ def _streamer_state(streamer) -> dict:
     return {
         "cpu_gb_s": streamer.cpu_bw / 1e9,
         "exposed_ms": 1e3 * streamer.exposed_s,
+        "dispatch_ms": 1e3 * streamer.dispatch_s,
         "overhead_ms": {2**b: 1e3 * v for b, v in sorted(streamer.overheads.items())},
         "prediction_accuracy": streamer.accuracy,
     }

@@ -20,7 +20,8 @@ import torch
 
 from agentrt.libs import loaded_libraries
 
-_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
 _SIGNATURES = {  # argument types of the calls used (all return a cudaError_t)
     "cudaMemcpyAsync": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -84,9 +85,14 @@ class CudaCalls:
         """Queue `sources[i] -> targets[i]` (same sizes, contiguous) on `stream`."""
         for target, source in zip(targets, sources, strict=True):
             nbytes = source.numel() * source.element_size()
-            self._check(
-                self._memcpy(target.data_ptr(), source.data_ptr(), nbytes, _HOST_TO_DEVICE, stream)
-            )
+            self.copy_bytes(target.data_ptr(), source.data_ptr(), nbytes, stream)
+
+    def copy_bytes(
+        self, target: int, source: int, nbytes: int, stream: int, kind: int = HOST_TO_DEVICE
+    ) -> None:
+        """Queue a copy of `nbytes` bytes between raw addresses on `stream` (`kind`:
+        `HOST_TO_DEVICE` from pinned memory, or `DEVICE_TO_DEVICE`)."""
+        self._check(self._memcpy(target, source, nbytes, kind, stream))
 
     def new_event(self) -> int:
         """A new event without timing (never destroyed: a few per engine)."""

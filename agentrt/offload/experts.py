@@ -165,6 +165,7 @@ class OffloadedExperts:
             adaptive=self.adaptive,
             routers=self.routers,
             cpu_kernel=self.cpu_kernel,
+            calls=self.fast,
         )
 
     def buffers_key(self) -> tuple[int, ...]:

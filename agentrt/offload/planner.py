@@ -72,13 +72,13 @@ def routed_plan(routed_missing: Mapping[int, int], costs: Costs, split: bool) ->
     """Copy the routed missing experts (`expert -> tokens`); with `split`, move those with the
     fewest tokens to the CPU while that lowers max(copy time, dispatch + CPU time) (the CPU
     experts run once the layer's device work is dispatched)."""
-    order = sorted(routed_missing, key=lambda e: (routed_missing[e], e))
-    num_copy, cpu_time, on_cpu = len(order), costs.dispatch_s, []
-    if split:
-        for expert in order:
-            now = max(costs.copy_s(num_copy), cpu_time)
-            moved = cpu_time + costs.cpu_s(routed_missing[expert])
-            if max(costs.copy_s(num_copy - 1), moved) >= now:
+    num_copy, cpu_time, on_cpu = len(routed_missing), costs.dispatch_s, []
+    if split and costs.cpu_s(0) < float("inf"):
+        per_copy = costs.copy_s(1)  # (the loop runs per layer and chunk: its costs as numbers)
+        read, per_token = costs.cpu_s(0), costs.token_flops / costs.cpu_flops
+        for count, expert in sorted((c, e) for e, c in routed_missing.items()):
+            moved = cpu_time + read + count * per_token
+            if max((num_copy - 1) * per_copy, moved) >= max(num_copy * per_copy, cpu_time):
                 break
             num_copy, cpu_time = num_copy - 1, moved
             on_cpu.append(expert)
@@ -94,12 +94,14 @@ def choose(
     routed_missing: Mapping[int, int],
     costs: Costs,
     split: bool,
+    routed: LayerPlan | None = None,
 ) -> LayerPlan:
     """The plan `plan` asks for (`auto`: the cheaper of stream and routed, stream on a tie;
-    `predicted`, with nothing copied ahead: routed)."""
+    `predicted`, with nothing copied ahead: routed); `routed`: the routed plan, where the
+    caller has it already."""
     if plan == "stream":
         return stream_plan(missing, costs)
-    routed = routed_plan(routed_missing, costs, split)
+    routed = routed or routed_plan(routed_missing, costs, split)
     if plan in ("routed", "predicted"):
         return routed
     stream = stream_plan(missing, costs)

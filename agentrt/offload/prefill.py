@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn
 from agentrt.offload.cache import ExpertCache
+from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
 from agentrt.offload.planner import (
     Costs,
     LayerPlan,
@@ -91,13 +92,16 @@ class PrefillStreamer:
         adaptive: bool = False,
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel=None,
+        calls: CudaCalls | None = None,
     ) -> None:
         self.store, self.cache, self.bw = store, cache, bandwidths
         self.split, self.plan, self.adaptive = split, plan, adaptive
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = copy_stream
-        self.ring = StagingRing(store, staging_bytes, self.device, copy_stream)
+        self.ring = StagingRing(store, staging_bytes, self.device, copy_stream, calls)
+        self.calls = self.ring.calls  # raw CUDA copies (`copies.CudaCalls`), or None: torch's
+        self._stream = 0  # the current stream's handle, taken once per layer (with `calls`)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
         self.cpu_flops = CPU_FLOPS
@@ -107,7 +111,9 @@ class PrefillStreamer:
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 else None
         self.accuracy = 0.8  # share of routed missing experts the prediction covered (EMA)
         self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
-        self.dispatch_s = 0.0  # host time of a layer besides its sync and CPU experts (EMA)
+        # host time of a layer besides its sync and CPU experts (EMA; a streamed layer's too,
+        # so a slow first measure does not keep auto streaming for good)
+        self.dispatch_s = 0.0
         # routed layers' measured time beyond their plans' (EMA), per size of chunk
         self.overheads: dict[int, float] = {}
         self.bucket = 0  # the size class of the chunk being run (`_bucket`)
@@ -117,6 +123,7 @@ class PrefillStreamer:
         self.totals = PrefillTotals()
         self.last_plans: dict[int, str] = {}  # layer -> the kind of its last plan
         self.last_plan = LayerPlan("stream", ())
+        self._routed: tuple[int, LayerPlan] | None = None  # (layer, its routed plan): this layer
         self._grouped = _grouped_mm_fn()
 
     @property
@@ -167,16 +174,17 @@ class PrefillStreamer:
         finally:
             host = time.perf_counter() - t0 - (t.cpu_seconds + t.wait_seconds - blocked)
             t.host_seconds += host
-            if self.last_plan.kind in ("routed", "split"):  # (streamed layers wait on copies)
-                self.dispatch_s = ema(self.dispatch_s, host, 0.2)
+            self.dispatch_s = ema(self.dispatch_s, host, 0.2)
 
     def _run_layer(self, layer, x, ids, weights) -> torch.Tensor:
         """`run` for a layer that is not resident in place."""
         top_k = ids.shape[1]
         self.bucket = size_class(x.shape[0])
+        if self.calls is not None:
+            self._stream = torch.cuda.current_stream(self.device).cuda_stream
         flat = ids.reshape(-1)
         num = self.store.num_experts
-        counts = torch.bincount(flat, minlength=num)
+        counts = _bincount(flat, num)
         predicted = self._predict(layer, x, top_k)
         routed_at = self._mark()
         both = torch.cat([counts, predicted]) if predicted is not None else counts
@@ -190,9 +198,9 @@ class PrefillStreamer:
         order, ys, cpu_rows = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
         x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
         self._count(layer, plan, counts_h, flat.numel())  # (before parts fill free slots)
-        begin = 0
-        for fill in parts:
-            begin = self._run_part(fill, counts_h, ys, begin)
+        begin, offsets = 0, self._offsets(parts, counts_h)
+        for fill, offs in zip(parts, offsets, strict=True):
+            begin = self._run_part(fill, counts_h, ys, begin, offs)
         if plan.cpu:
             self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
         out = _unsort(ys.out, order, top_k).sum(1)
@@ -259,12 +267,13 @@ class PrefillStreamer:
         if self.routers is None or nxt is None or self.plan != "predicted":
             return None
         ids = torch.topk(F.linear(x, self.routers[nxt]), top_k, dim=-1).indices
-        return torch.bincount(ids.reshape(-1), minlength=self.store.num_experts)
+        return _bincount(ids.reshape(-1), self.store.num_experts)
 
     def _layer_plan(self, layer: int, counts: list[int]) -> tuple[list[Fill], LayerPlan]:
         """This layer's parts and plan: what was queued ahead (stream; or the predicted
         experts, with the routed ones beyond them planned now), else the planner's plan."""
         ahead, lookup = self.ring.ahead_for(layer), self.cache.slot_of[layer]
+        self._routed = None
         if ahead and ahead[0].kind == "stream":
             return ahead, LayerPlan("stream", tuple(self._missing(layer)))
         covered = {e for fill in ahead for e in fill.experts}
@@ -277,7 +286,10 @@ class PrefillStreamer:
             copy = tuple(sorted(covered | set(plan.copy)))
             plan = LayerPlan("predicted", copy, plan.cpu, plan.seconds)
         else:
-            plan = choose(self.plan, self._missing(layer), routed, costs, self.split)
+            self._routed = (layer, routed_plan(routed, costs, self.split))
+            plan = choose(
+                self.plan, self._missing(layer), routed, costs, self.split, self._routed[1]
+            )
         if plan.kind == "stream":
             experts = list(range(self.store.num_experts))
         else:
@@ -322,27 +334,58 @@ class PrefillStreamer:
             late = len(routed) * (1 - self.accuracy)
             ahead = predicted_plan(guess, late, costs, self.split)[0] if guess else ()
             return "predicted", ahead
-        routed_s = routed_plan(routed, costs, self.split).seconds
+        known = self._routed[1] if self._routed and self._routed[0] == layer else None
+        routed_s = (known or routed_plan(routed, costs, self.split)).seconds
         choice = plan_ahead(len(self._missing(nxt)), None, routed_s, costs)
         if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
             self.overheads[self.bucket] *= OVERHEAD_DECAY
         return choice, ()
 
-    def _run_part(self, fill: Fill, counts: list[int], ys: _Sorted, begin: int) -> int:
+    def _offsets(self, parts: list[Fill], counts: list[int]) -> list[torch.Tensor]:
+        """Each part's grouped-GEMM offsets (the cumulative rows of its experts), on the device
+        in one copy."""
+        flat: list[int] = []
+        for fill in parts:
+            total = 0
+            for expert in fill.experts:
+                total += counts[expert]
+                flat.append(total)
+        offs = torch.tensor(flat, dtype=torch.int32)
+        if self.on_cuda:
+            offs = offs.pin_memory().to(self.device, non_blocking=True)
+        return list(offs.split([len(fill.experts) for fill in parts]))
+
+    def _run_part(
+        self, fill: Fill, counts: list[int], ys: _Sorted, begin: int, offs: torch.Tensor
+    ) -> int:
         """Wait for the part's copies, bring its hits in from their slots, run it; returns the
         sorted row after its rows."""
         buf = self.ring.take(fill)
         copied, lookup = set(fill.copies), self.cache.slot_of[fill.layer]
         rows = [counts[e] for e in fill.experts]
-        for pos, expert in enumerate(fill.experts):
-            if pos not in copied and rows[pos]:
-                buf[pos].copy_(self.cache.slot_rows[lookup[expert]])
+        hits = [(pos, lookup[e]) for pos, e in enumerate(fill.experts) if pos not in copied]
+        self._copy_hits(buf, [(pos, slot) for pos, slot in hits if rows[pos]])
         self._admit_free(fill, buf)
         end = begin + sum(rows)
         if end > begin:
-            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows)
+            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows, offs)
         self.ring.release(fill)
         return end
+
+    def _copy_hits(self, buf: torch.Tensor, hits: list[tuple[int, int]]) -> None:
+        """Cache hits (buffer position, slot) into the part's buffer, on the current stream."""
+        if self.calls is None:
+            for pos, slot in hits:
+                buf[pos].copy_(self.cache.slot_rows[slot])
+            return
+        slots = self.cache.slots
+        row = slots.stride(0) * slots.element_size()
+        assert row == buf.stride(0) * buf.element_size()
+        target, origin = buf.data_ptr(), slots.data_ptr()
+        for pos, slot in hits:
+            self.calls.copy_bytes(
+                target + pos * row, origin + slot * row, row, self._stream, DEVICE_TO_DEVICE
+            )
 
     def _admit_free(self, fill: Fill, buf: torch.Tensor) -> None:
         """While the expert cache has free slots (a fresh start), the part's copied experts
@@ -364,7 +407,7 @@ class PrefillStreamer:
             cache.slot_rows[slot].copy_(buf[pos])
             self.totals.admitted += 1
 
-    def _grouped_ffn(self, weights: torch.Tensor, ys: _Sorted, begin: int, end: int, rows) -> None:
+    def _grouped_ffn(self, weights, ys: _Sorted, begin: int, end: int, rows, offs) -> None:
         """The part's experts over sorted rows [begin, end): gate/up, SwiGLU scaled by the
         routing weights, down (one grouped GEMM each, or a loop where torch has none)."""
         s, x = self.store, ys.x_sorted[begin:end]
@@ -373,16 +416,15 @@ class PrefillStreamer:
         scale = ys.scale[begin:end].unsqueeze(1)
         if self._grouped is not None:
             try:
-                ys.out[begin:end] = self._grouped_parts(x, gate_up, down, rows, scale)
+                ys.out[begin:end] = self._grouped_parts(x, gate_up, down, offs, scale)
                 return
             except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)
                 self._grouped = None
         ys.out[begin:end] = _looped(x, gate_up, down, rows, scale)
 
-    def _grouped_parts(self, x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
-        """Two grouped GEMMs (gate/up, then down) over rows sorted by expert."""
-        offs = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        offs = offs.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else offs
+    def _grouped_parts(self, x, gate_up, down, offs: torch.Tensor, scale) -> torch.Tensor:
+        """Two grouped GEMMs (gate/up, then down) over rows sorted by expert (`offs`: their
+        cumulative rows)."""
         h = self._grouped(x, gate_up.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up).mul_(scale)
@@ -433,13 +475,11 @@ class PrefillStreamer:
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
-        out = torch.empty_like(x_host)
+        out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
         experts = cpu_order(plan.cpu, counts)
         with torch.inference_mode():
             run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
         seconds = time.perf_counter() - t0
-        if self.on_cuda:
-            out = out.pin_memory()
         ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
         self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
 
@@ -490,6 +530,13 @@ def _looped(x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
             out[begin:end] = F.linear(F.silu(gate) * up * scale[begin:end], down[i])
         begin = end
     return out
+
+
+def _bincount(ids: torch.Tensor, num: int) -> torch.Tensor:
+    """Pairs per expert, without the device sync of `torch.bincount` (which reads the largest
+    id back to size its output): the layer's one sync stays where it is counted."""
+    counts = torch.zeros(num, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def _unsort(ys: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:

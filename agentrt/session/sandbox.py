@@ -11,8 +11,8 @@ chat or the tool registry.
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import os
 import re
 import shutil
