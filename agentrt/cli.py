@@ -820,7 +820,36 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     "--rounds",
     type=click.IntRange(min=1),
     default=None,
-    help="Timing rounds per length (default: 7 up to 8K tokens, 3 up to 32K, then 1).",
+    help="Timing rounds per length (default: 7 up to 8K tokens, 3 up to 32K, then 1); with "
+    "--fidelity, random prompts per length (default 3).",
+)
+@click.option(
+    "--fidelity",
+    is_flag=True,
+    help="Instead of timings: a turn from a restored checkpoint against the same turn "
+    "recomputed, beside the engine's own noise (other chunk sizes), one pass and, for small "
+    "models, fp32 on the CPU: |delta logit|, KL, top-1 and greedy agreement, per capture design.",
+)
+@click.option(
+    "--suffix",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="With --fidelity: tokens prefilled after the checkpoint.",
+)
+@click.option(
+    "--generate",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="With --fidelity: greedy tokens generated from each state.",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(min=2),
+    default=2048,
+    show_default=True,
+    help="With --fidelity: the engine's chunk (the noise floor runs half and twice this).",
 )
 def bench_statecache(
     model,
@@ -834,16 +863,39 @@ def bench_statecache(
     state_dir,
     capture_every,
     rounds,
+    fidelity,
+    suffix,
+    generate,
+    prefill_chunk,
 ):
-    """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead."""
-    from agentrt.bench import statecache as b
-
+    """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead;
+    with --fidelity, how exactly a restored checkpoint continues."""
     dev = resolve_device(device)
 
     def note(text: str) -> None:
         click.echo(text, err=True)
 
-    result = b.statecache(model, dev, dtype, lengths, state_dir, seed, capture_every, rounds, note)
+    if fidelity:
+        from agentrt.bench.fidelity import fidelity as run
+
+        kwargs = dict(suffix=suffix, generate=generate, chunk=prefill_chunk, note=note)
+        result = run(
+            model,
+            dev,
+            dtype,
+            lengths,
+            state_dir,
+            seed,
+            runs=rounds or 3,
+            linear_attn=linear_attn[0],
+            **kwargs,
+        )
+    else:
+        from agentrt.bench import statecache as b
+
+        result = b.statecache(
+            model, dev, dtype, lengths, state_dir, seed, capture_every, rounds, note
+        )
     _report(result, json_out)
 
 

@@ -617,6 +617,30 @@ def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
     assert run["restored_vs_recomputed_max_abs_diff"] < 1e-4  # fp32 on the CPU
 
 
+def test_bench_statecache_fidelity_restored_equals_recomputed_on_the_cpu(tmp_path):
+    """`bench statecache --fidelity`: in fp32 on the CPU a restored checkpoint's suffix logits
+    and greedy continuation equal the recomputed ones exactly, in both capture designs; the
+    engine's noise floor (other chunk sizes), one pass and the fp32 reference are reported."""
+    out = tmp_path / "f.json"
+    cmd = [sys.executable, "-m", "agentrt.cli", "bench", "statecache", "--fidelity"]
+    cmd += ["--model", "tiny", "--lengths", "200", "--rounds", "1", "--suffix", "24"]
+    cmd += ["--generate", "8", "--prefill-chunk", "64", "--state-dir", str(tmp_path / "st")]
+    proc = subprocess.run(cmd + ["--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["bench"] == "statecache-fidelity" and report["restored_from"] == "lmdb"
+    assert {r["design"] for r in report["runs"]} == {"grid", "split"}
+    for run in report["runs"]:
+        assert run["checkpoints"] == [{"asked": 200, "held": 200}]
+        restored = run["restored"]
+        assert restored["max_abs"] == 0.0 and restored["mean_kl"] == 0.0
+        assert restored["top1_min"] == 1.0 and restored["greedy_shared"] == [8]
+        assert {"chunk 32", "chunk 128", "one pass", "restored vs fp32 cpu"} <= set(run)
+        noise = run["chunk 32"]
+        assert 0.0 < noise["max_abs"] < 1e-4 and noise["greedy_identical_share"] == 1.0
+        assert run["restored vs fp32 cpu"]["max_abs"] < 1e-4
+
+
 def test_full_staging_ring_drops_checkpoints_instead_of_stalling(tmp_path, monkeypatch):
     """A pinned ring held by queued jobs means the writer is behind: a checkpoint that could fit
     is dropped and counted (no synchronous copy in the request); one larger than the whole ring
