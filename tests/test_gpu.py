@@ -47,8 +47,8 @@ def test_fla_matches_torch_fp32(seq_len):
 @pytest.mark.parametrize("seq_len", [40, 200, 300])
 def test_fla_states_at_offsets(seq_len, dtype):
     """One fla pass with states at offsets: output and final state as fla's public function
-    gives them (same kernels), states as passes stopped there (torch fp32 reference; bf16
-    snapshots start from fla's bf16 chunk-start states)."""
+    gives them (same kernels), states as passes stopped there (torch fp32 reference; a bf16
+    model's states differ from it by its bf16 inputs)."""
     args = _inputs(seq_len, dtype)
     offsets = [e for e in (1, 5, 64, 65, 128, 129, seq_len - 1, seq_len) if e <= seq_len]
     ends = torch.tensor(offsets, device="cuda")
@@ -60,6 +60,22 @@ def test_fla_states_at_offsets(seq_len, dtype):
         part = [t[:end].float() for t in args[:5]]
         _, ref = kernels.chunk_gated_delta_rule(*part, args[5])
         assert (state - ref).abs().max().item() < tol, end
+
+
+@needs_fla
+def test_fla_chunk_start_states_are_the_live_fp32_states():
+    """A capturing pass of a bf16 model keeps its chunk-start states in fp32, bit for bit the
+    final state of fla's own pass stopped at that chunk start (what a restore continues from
+    is what the live pass had); its output and final state are fla's own."""
+    args = _inputs(300, torch.bfloat16)
+    out, final, starts = kernels.fla_chunk_starts(*args)
+    ref_out, ref_final = kernels.fla_gated_delta_rule(*args)
+    assert torch.equal(out, ref_out.to(out.dtype)) and torch.equal(final, ref_final)
+    assert starts.dtype == torch.float32
+    for chunks in (2, 3, 4):  # (prefixes past FLA_RECURRENT_MAX: fla's chunked kernels)
+        part = [t[: 64 * chunks] for t in args[:5]]
+        _, live = kernels.fla_gated_delta_rule(*part, args[5])
+        assert torch.equal(starts[chunks], live), chunks
 
 
 @needs_fla
@@ -242,8 +258,8 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
         capture = [lo + n // 3, lo + n // 2, lo + n - 1, lo + n] if i % 2 and n > 8 else []
         logits = [e.prefill(s, ids, capture=capture) for e, s in zip(engines, states, strict=True)]
         _within_twice_eager(*logits)
-        for pos in capture:  # recurrent states inside a pass start from fla's bf16 chunk
-            # states, and the two paths cut a piece into chunks at different places (eager at
+        for pos in capture:  # recurrent states inside a pass of a bf16 model: the two paths
+            # cut a piece into chunks at different places (eager at
             # its prefill chunk, graphs at their largest bucket): 5% of the range (seen: 4.3%
             # eager, 10% graph, of 0.061)
             for taken in zip(*(s.linear_at(pos)[1] for s in states), strict=True):
@@ -258,7 +274,7 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
 def test_fla_eager_captures_move_onto_the_chunk_grid():
     """With fla, eager prefill takes a capture inside a piece at the last 64-token chunk start
     before it (`Engine.capture_grid`), with no window pass; the states there match the fp32
-    oracle's at the same positions (bf16 chunk states: 5% of the range), and a piece's end
+    oracle's at the same positions (a bf16 model: 5% of the range), and a piece's end
     stays where asked."""
     from agentrt.config import EngineConfig
     from agentrt.engine import Engine

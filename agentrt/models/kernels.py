@@ -247,9 +247,10 @@ def fla_gated_delta_rule(q, k, v, g, beta, state):
 @functools.cache
 def _fla_internals():
     """fla 0.6.0's internal forward steps of the chunked rule (the public function returns only
-    the final state; these also give the state at each chunk start, which it computes anyway)."""
+    the final state; these also give the state at each chunk start, which it computes anyway):
+    the state step as its Triton kernel (`_fla_states_fp32` allocates the states)."""
     from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
@@ -261,7 +262,7 @@ def _fla_internals():
         RCP_LN2,
         (
             chunk_gated_delta_rule_fwd_intra,
-            chunk_gated_delta_rule_fwd_h,
+            chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
             chunk_fwd_o,
         ),
     )
@@ -269,9 +270,11 @@ def _fla_internals():
 
 def fla_chunk_starts(q, k, v, g, beta, state):
     """fla's chunked pass step by step (as `chunk_gated_delta_rule_fwd` runs it, without context
-    parallelism), returning (output, final state fp32, chunk-start states `[N, Hv, dk, dv]`).
-    fla keeps the chunk-start states in k's dtype: snapshots of a bf16 model are bf16 there,
-    the precision fla's own output reads them at; the final state stays fp32."""
+    parallelism), returning (output, final state fp32, chunk-start states `[N, Hv, dk, dv]`
+    fp32). fla would keep the chunk-start states in k's dtype (bf16 for a bf16 model); here its
+    state kernel stores them in fp32, the precision its recurrence runs at, so a checkpoint taken
+    at a chunk start is the live state exactly; its output kernel reads them rounded to k's
+    dtype, as fla's own pass does (the output is unchanged)."""
     with _on_device_of(q):  # fla's public functions set the device; its internal ones do not
         return _fla_chunk_starts(q, k, v, g, beta, state)
 
@@ -282,24 +285,78 @@ def _on_device_of(x: torch.Tensor):
 
 
 def _fla_chunk_starts(q, k, v, g, beta, state):
-    l2norm_fwd, local_cumsum, rcp_ln2, (intra, fwd_h, fwd_o) = _fla_internals()
+    l2norm_fwd, local_cumsum, rcp_ln2, (intra, state_kernel, fwd_o) = _fla_internals()
     q, k, v = (t.unsqueeze(0).contiguous() for t in (q, k, v))
     q, _ = l2norm_fwd(q)
     k, _ = l2norm_fwd(k)
     g = local_cumsum(g.float().unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=rcp_ln2)
     beta = beta.to(v.dtype).unsqueeze(0).contiguous()
     w, u, _ = intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
-    h, v_new, final = fwd_h(
-        k=k,
-        w=w,
-        u=u,
-        g=g,
-        initial_state=state.float().unsqueeze(0).contiguous(),
-        output_final_state=True,
-        chunk_size=CHUNK,
-    )
-    out = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
+    initial = state.float().unsqueeze(0).contiguous()
+    try:
+        h, v_new, final = _fla_states_fp32(state_kernel, k, w, u, g, initial)
+    except (TypeError, ValueError, RuntimeError) as exc:  # (another 0.6.x kernel signature)
+        h, v_new, final = _fla_states_own(k, w, u, g, initial, exc)
+    low = h.to(k.dtype)  # (what fla's own pass stores and its output kernel reads)
+    out = fwd_o(q=q, k=k, v=v_new, h=low, g=g, scale=k.shape[-1] ** -0.5, chunk_size=CHUNK)
     return out.squeeze(0), final.squeeze(0), h.squeeze(0)
+
+
+def _fla_states_fp32(kernel, k, w, u, g, initial):
+    """fla 0.6's `chunk_gated_delta_rule_fwd_h` (sequences of equal length, states key-first)
+    with the chunk-start states stored in fp32: its `kernel` casts to whatever it is given."""
+    import triton
+
+    batch, length, heads, key_dim = k.shape
+    value_dim, value_heads = u.shape[-1], u.shape[2]
+    chunks = triton.cdiv(length, CHUNK)
+    h = k.new_empty(batch, chunks, value_heads, key_dim, value_dim, dtype=torch.float32)
+    final = k.new_zeros(batch, value_heads, key_dim, value_dim, dtype=torch.float32)
+    v_new = torch.empty_like(u)
+
+    def grid(meta):
+        return (triton.cdiv(value_dim, meta["BV"]) * batch * value_heads,)
+
+    kernel[grid](
+        k=k,
+        v=u,
+        w=w,
+        v_new=v_new,
+        g=g,
+        gk=None,
+        h=h,
+        h0=initial,
+        ht=final,
+        cu_seqlens=None,
+        chunk_offsets=None,
+        T=length,
+        H=heads,
+        HV=value_heads,
+        K=key_dim,
+        V=value_dim,
+        BT=CHUNK,
+        STATE_V_FIRST=False,
+    )
+    return h, v_new, final
+
+
+def _fla_states_own(k, w, u, g, initial, reason: Exception):
+    """fla's own state step (chunk-start states in k's dtype), where `_fla_states_fp32` could
+    not call its kernel; says so once."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    _say_once(
+        f"agentrt: fla's state kernel could not be called ({reason}); checkpoints inside a "
+        "prefill piece keep fla's chunk-start states in the model's dtype"
+    )
+    return chunk_gated_delta_rule_fwd_h(
+        k=k, w=w, u=u, g=g, initial_state=initial, output_final_state=True, chunk_size=CHUNK
+    )
+
+
+@functools.cache
+def _say_once(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- dispatch
