@@ -321,6 +321,26 @@ def test_flash_varlen_matches_masked_attention(q_len):
     assert (got - want).abs().max().item() < 2e-2
 
 
+def test_runtime_opens_warm_on_cuda():
+    """`Runtime.open` on CUDA runs a scratch prompt (kernels compiled and tuned, the decode graph
+    captured for the live state) and leaves the live state empty: the first request then
+    generates what an engine that was never warmed up generates."""
+    from agentrt import Runtime
+    from agentrt.config import EngineConfig
+    from agentrt.engine import Engine, SamplingParams
+    from agentrt.models.registry import open_model
+
+    rt = Runtime.open("tiny", device="cuda", cache="off")
+    assert rt._live_state().num_tokens == 0 and rt.engine.decode_graph.current is not None
+    cold = Engine(
+        open_model("tiny", "cuda", torch.bfloat16).model,
+        EngineConfig(device="cuda", dtype="bfloat16"),
+    )
+    ids = [(i * 7919) % 2000 + 10 for i in range(300)]
+    want = cold.generate(cold.new_state(), ids, SamplingParams(max_tokens=16)).token_ids
+    assert rt.generate(ids, max_tokens=16) == want
+
+
 def test_state_cache_restore_on_cuda(tmp_path):
     """Checkpoints captured on CUDA (pinned, non-blocking copies) restore to the same logits
     (with fla, from the 64-token chunk start before the boundary: `Engine.capture_grid`)."""

@@ -25,6 +25,10 @@ from agentrt.models import set_linear_backend
 from agentrt.models.kernels import CHUNK, resolve_backend
 from agentrt.models.layers import CausalLM
 
+# the scratch prompt `Engine.warm_up` runs: past fla's recurrent bound (64), so its chunked
+# kernels run, with a capture inside the piece
+WARM_UP_TOKENS = 200
+
 
 class Cancelled(Exception):
     """The caller asked to stop (e.g. the HTTP client went away)."""
@@ -317,6 +321,27 @@ class Engine:
         offloaded experts, whose prefill never takes them)."""
         if self.prefill_graphs is not None and self.offload is None:
             self.prefill_graphs.prepare(state)
+
+    @torch.inference_mode()
+    def warm_up(self, state: SequenceState) -> None:
+        """On CUDA, before the first request: compile and tune what a request runs (chunked and
+        short prefill pieces, captures inside a piece, the decode step, whose CUDA graph is
+        captured for `state`'s buffers) on a scratch prompt, then empty `state`. Elsewhere
+        nothing (there is nothing to compile)."""
+        if self.device.type != "cuda":
+            return
+        short = min(WARM_UP_TOKENS, self.max_context - 2)  # (a model of a short context)
+        long = short - 16
+        if long < 2:
+            return
+        vocab = self.cfg.vocab_size - 1
+        ids = [(7 + 31 * i) % vocab for i in range(short + 2)]
+        self.prefill(state, ids[:long], capture=[long // 2, long])  # (chunked kernels, captures)
+        self.prefill(state, ids[long:short])  # (a short piece: the recurrent kernels)
+        for token in ids[short:]:
+            self.decode_step(state, token)
+        self.synchronize()
+        state.reset()
 
     @torch.inference_mode()
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:

@@ -246,6 +246,7 @@ class Runtime:
         rt.set_cache(cache, cache_config)
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
             engine.prepare_prefill_graphs(rt._live_state())
+        engine.warm_up(rt._live_state())  # (CUDA: kernels compiled, decode graph captured)
         return rt
 
     # ------------------------------------------------------------------ token level
