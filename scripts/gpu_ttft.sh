@@ -5,7 +5,9 @@
 # does not travel):  bash scripts/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
 # Env: VARIANTS (default recorded,dropped), PREFILL_CHUNK (default 4096: on an H200 a suffix of
 # 2-4K tokens then runs as one forward pass instead of two launch-bound ones), TTFT_ARGS (more
-# options, e.g. --prefill-graphs), NAME (output file stem, default ttft).
+# options, e.g. --prefill-graphs), NAME (output file stem, default ttft), TRACES (trace files,
+# default the two samples' directories; e.g. .traces-dev/long/*.zst, a session generated with
+# `agentrt trace gen --tokens 90000 --max-turns 150 -o .traces-dev/long/gen-90k.jsonl.zst`).
 set -u
 if [ "${1:-}" = prepare ]; then
   S=../shared/data
@@ -16,7 +18,8 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 source "$(dirname "$0")/device_env.sh"
-python3 -m agentrt.cli bench ttft .traces-dev/msa/*.zst .traces-dev/tau/*.zst \
+# shellcheck disable=SC2086
+python3 -m agentrt.cli bench ttft ${TRACES:-.traces-dev/msa/*.zst .traces-dev/tau/*.zst} \
   --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
   --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja \
   --variants "${VARIANTS:-recorded,dropped}" --prefill-chunk "${PREFILL_CHUNK:-4096}" \

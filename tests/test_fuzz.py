@@ -194,6 +194,7 @@ def check_still_serving(server: _Server) -> None:
 
 @fuzz_settings(max_examples=200)
 @given(data=st.data())
+@pytest.mark.slow
 def test_fuzz_chat_completions(server, data):
     """Small valid requests (and ones that once failed) mutated, as trees and as bytes, with
     odd headers now and then."""

@@ -226,6 +226,7 @@ def _outcome(setup: Setup, restored: int) -> str:
 
 @fuzz_settings(max_examples=30)
 @given(data=st.data())
+@pytest.mark.slow
 def test_fuzz_state_cache_entries(setup, data):
     """Damaged records, payloads, reference counts or totals: the lookup restores a right
     state or misses, the turn's output is the one without a cache, `agentrt cache ls|stats|gc

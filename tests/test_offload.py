@@ -334,6 +334,7 @@ def test_baselines_take_the_fewest_cpu_layers_that_fit_the_budget():
     assert _layers_for_budget(model, store, OffloadConfig(mode="layer")) == 0  # no budget
 
 
+@pytest.mark.slow
 def test_bench_decode_compares_placements_in_one_run(tmp_path):
     """`bench decode --offload ...` runs every combination once and reports the per-token
     figures, the DESIGN §8 bound and ratios (values are not asserted: this is no timing test)."""

@@ -201,6 +201,7 @@ def _check_report(report: dict, n: int) -> None:
     assert s["prefilled_tokens"] == s["prompt_tokens"] - s["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_replay_outputs_identical_across_cache_modes(small_trace, tmp_path):
     n = len(read_trace(small_trace).requests)
     reports = {}
@@ -233,6 +234,7 @@ def test_replay_outputs_identical_across_cache_modes(small_trace, tmp_path):
     assert any(r["checkpoint"] for r in reports["semantic"]["requests"])
 
 
+@pytest.mark.slow
 def test_bench_ttft_and_plot(small_trace, tmp_path):
     pytest.importorskip("matplotlib", reason="plotting is an optional extra")
     out, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
@@ -287,6 +289,7 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
     assert stats["misses"] == sum(r["cached_tokens"] == 0 for r in semantic)
 
 
+@pytest.mark.slow
 def test_replay_against_an_endpoint(small_trace, tmp_path):
     """`agentrt replay --endpoint` drives our own server; the report matches local replay."""
     import threading

@@ -299,6 +299,7 @@ def test_client_disconnect_stops_generation(server, monkeypatch):
     assert server.raw("/v1/chat/completions", _chat_body())[0] == 200
 
 
+@pytest.mark.slow
 def test_full_queue_answers_429(tmp_path):
     """One request running and one waiting fill a queue of 1: the next gets 429, both others
     200."""

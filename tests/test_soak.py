@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from agentrt.bench.soak import SoakConfig, soak
 
 SECONDS = float(os.environ.get("AGENTRT_SOAK_SECONDS", "20"))
@@ -27,6 +29,7 @@ def _print(config, report: dict) -> None:
         reporter.write_line(f"soak ({SECONDS:.0f} s): {json.dumps(figures)}")
 
 
+@pytest.mark.slow
 def test_soak_answers_everything_without_errors_or_growth(request):
     config = SoakConfig(clients=4, seconds=SECONDS, max_tokens=16, disconnect=0.2, turns=6)
     report = soak(config)

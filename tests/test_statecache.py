@@ -263,6 +263,7 @@ def _wait_for_records(state: Path, timeout: float) -> None:
     raise AssertionError(f"no checkpoint committed within {timeout} s")
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_never_restores_wrong_state(tmp_path):
     state, log = tmp_path / "state", tmp_path / "tags.log"
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -388,6 +389,7 @@ CONCURRENT = """
 """
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_state_dir(tmp_path):
     state = tmp_path / "state"
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -456,6 +458,7 @@ def test_prefix_mode_reuses_only_exact_extensions(tmp_path):
     assert eng.generate(state, edited, SamplingParams(max_tokens=5), reuse).cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_cache_cli_commands(tmp_path):
     state = tmp_path / "state"
     sem = _semantic("tiny", state)

@@ -72,6 +72,7 @@ def test_different_seed_gives_different_weights(tmp_path):
     assert not torch.equal(a.embed_tokens.weight, b.embed_tokens.weight)
 
 
+@pytest.mark.slow
 def test_model_make_and_info_cli(tmp_path):
     out = tmp_path / "made"
     run = run_cli
