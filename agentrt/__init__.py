@@ -1,8 +1,7 @@
 """agentrt: a local runtime for tool-calling agents on Mixture-of-Experts models.
 
-Public API: `Runtime` (see DESIGN §2). Importing this package is cheap: torch and transformers
-load only when a Runtime is opened.
-"""
+Public API: `Runtime` (see docs/architecture.md §2). Importing this package is cheap: torch and
+transformers load only when a Runtime is opened."""
 
 from __future__ import annotations
 

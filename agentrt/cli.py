@@ -217,7 +217,7 @@ def _cpu_kernel_option(help: str):
 
 
 def offload_options() -> list:
-    """Expert placement options (DESIGN §5)."""
+    """Expert placement options (docs/architecture.md §5)."""
     return [
         click.option(
             "--offload",
@@ -669,8 +669,9 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     ("auto", "none", "static", "layer"),
     None,
     "Comma-separated expert placements to compare (auto, none, static, layer): switches to "
-    "the offload benchmark (hit rate, copies / CPU experts / PCIe bytes per token, DESIGN §8 "
-    "bound, peak GPU memory). `none` keeps every expert on the device and gives t_gpu.",
+    "the offload benchmark (hit rate, copies / CPU experts / PCIe bytes per token, the decode "
+    "bound of docs/architecture.md §8, peak GPU memory). `none` keeps every expert on the "
+    "device and gives t_gpu.",
 )
 @_csv_option(
     "--split",
@@ -740,9 +741,9 @@ def bench_decode(
 ) -> None:
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
     --offload, per expert placement (every combination of --offload/--split/--expert-policy),
-    with each placement's DESIGN §8 bound and, at its hit rate, the ceilings against static:
-    host memory (the missing experts' bytes at the fastest host read seen) and the layer chain
-    (CPU experts between a token's GPU pieces, copies overlapping)."""
+    with each placement's bound (docs/architecture.md §8) and, at its hit rate, the ceilings
+    against static: host memory (the missing experts' bytes at the fastest host read seen) and
+    the layer chain (CPU experts between a token's GPU pieces, copies overlapping)."""
     modes = ["off"] if eager else graphs
     if py_profile and not offload:
         raise click.BadParameter("only with --offload", param_hint="--py-profile")

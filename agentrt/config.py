@@ -358,7 +358,7 @@ def default_state_dir() -> Path:
 
 @dataclass(frozen=True)
 class StateCacheConfig:
-    """Settings of the semantic state cache (DESIGN §6)."""
+    """Settings of the semantic state cache (docs/architecture.md §6)."""
 
     state_dir: Path = field(default_factory=default_state_dir)
     max_bytes: int = 20 * GIB  # cap on stored payloads (--state-max-gb)
@@ -400,11 +400,11 @@ def offload_mode(mode: str | None, vram_budget, expert_cache_slots) -> str:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Expert placement (DESIGN §5). `auto`: host store + device expert cache + q* split;
-    `static`: the experts of the first `cpu_moe_layers` MoE layers run on the CPU, the rest stay
-    on the device (llama.cpp's --n-cpu-moe); `layer`: the first `cpu_layers` decoder layers run
-    whole on the CPU (Ollama's partial offload); `none`: every expert on the device. For static
-    and layer, None means the fewest CPU layers that let the rest fit `vram_budget` (0 without a
+    """Expert placement (docs/architecture.md §5). `auto`: host store + device expert cache + q*
+    split; `static`: the experts of the first `cpu_moe_layers` MoE layers run on the CPU, the rest
+    stay on the device (llama.cpp's --n-cpu-moe); `layer`: the first `cpu_layers` decoder layers run
+    whole on the CPU (Ollama's partial offload); `none`: every expert on the device. For static and
+    layer, None means the fewest CPU layers that let the rest fit `vram_budget` (0 without a
     budget)."""
 
     mode: str = "none"

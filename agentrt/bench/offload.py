@@ -5,7 +5,7 @@ Decode feeds tokens of real text (teacher forcing) rather than the model's own g
 routing follows real token statistics even with random weights (a random model's greedy output
 tends to repeat one token, which would inflate the hit rate). Per setting: tok/s, expert-cache
 hit rate, experts copied and CPU-computed per token, PCIe bytes per token, peak device memory
-(allocator statistics) against the budget, and the DESIGN §8 bound
+(allocator statistics) against the budget, and the docs/architecture.md §8 bound
 `1 / (t_gpu + misses_per_token * S / B_miss)` with t_gpu from the all-resident run (`none`) and
 B_miss from the calibration profile (copies: B_P; split: B_P' + B_H'; static/layer: B_H).
 Beside it, the host-memory ceiling: every expert that is not on the device when its layer comes
@@ -356,7 +356,8 @@ def _per_token(
 
 
 def _add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:
-    """DESIGN §8: bound = 1 / (t_gpu + misses/token * S / B_miss); t_gpu from the `none` run."""
+    """The decode bound of docs/architecture.md §8: 1 / (t_gpu + misses/token * S / B_miss);
+    t_gpu from the `none` run."""
     resident = next((r for r in runs if r["offload"] == "none"), None)
     t_gpu = resident["ms_per_token"] / 1000 if resident else None
     for run in runs:

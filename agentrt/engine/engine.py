@@ -55,7 +55,7 @@ class Timings:
     restore_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        """The public `timings` of a result (DESIGN §2: exactly these three)."""
+        """The public `timings` of a result (docs/architecture.md §2: exactly these three)."""
         return {"ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
     def parts(self) -> dict[str, float]:
@@ -136,11 +136,11 @@ class Engine:
 
     def _make_kv_room(self, state: SequenceState, num_tokens: int) -> None:
         """With offloaded experts under a VRAM budget: KV about to outgrow the budget's KV
-        reservation takes its room from the expert cache (DESIGN §5, elastic). The pool is
-        freed, the KV grown, then a smaller pool made, between steps; the most valuable cached
-        experts that fit the smaller pool are copied back at the next decode step (after the
-        request's first token), the others come back as misses. Too little room left for
-        even one token's experts is `PromptTooLongError`, before anything changes."""
+        reservation takes its room from the expert cache (elastic, docs/architecture.md §5). The
+        pool is freed, the KV grown, then a smaller pool made, between steps; the most valuable
+        cached experts that fit the smaller pool are copied back at the next decode step (after the
+        request's first token), the others come back as misses. Too little room left for even one
+        token's experts is `PromptTooLongError`, before anything changes."""
         experts = self.offload
         if experts is None or experts.slots_for_kv is None:
             return

@@ -1,4 +1,4 @@
-"""State reuse between requests: the three cache modes of DESIGN §2.
+"""State reuse between requests: the three cache modes of docs/architecture.md §2.
 
 - `off`: every request starts from an empty state.
 - `prefix` (baseline, what most runtimes do for hybrid models): keep the single live state of the

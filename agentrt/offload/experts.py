@@ -151,7 +151,7 @@ class OffloadedExperts:
         self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
         self._copy_only_decisions = 0
         # slots the VRAM budget allows next to this many bytes of KV (set under a budget: the
-        # engine then lets growing KV take room from the cache, DESIGN §5 elastic)
+        # engine then lets growing KV take room from the cache, docs/architecture.md §5 elastic)
         self.slots_for_kv: Callable[[int], int] | None = None
         # many-token steps (prefill), layer by layer through a staging ring (`prefill.py`)
         self.prefill = PrefillStreamer(

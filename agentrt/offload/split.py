@@ -1,6 +1,6 @@
-"""The q* rule (DESIGN §5): of m missing experts, copy q over PCIe and compute m - q on the CPU so
-both finish together: q* ~ m * B_P / (B_P + B_H'), rounded to the integer that minimises
-max(q * S / B_P, (m - q) * S / B_H')."""
+"""The q* rule (docs/architecture.md §5): of m missing experts, copy q over PCIe and compute m - q
+on the CPU so both finish together: q* ~ m * B_P / (B_P + B_H'), rounded to the integer that
+minimises max(q * S / B_P, (m - q) * S / B_H')."""
 
 from __future__ import annotations
 

@@ -1,3 +1,3 @@
-"""Traces and replay (DESIGN §2, §7): the trace format, importers of real agent logs, a synthetic
-coding-agent session generator, and replay on the local runtime or an OpenAI-compatible endpoint
-with a TTFT report."""
+"""Traces and replay (docs/architecture.md §2, §7): the trace format, importers of real agent logs,
+a synthetic coding-agent session generator, and replay on the local runtime or an OpenAI-compatible
+endpoint with a TTFT report."""

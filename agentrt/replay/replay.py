@@ -1,7 +1,7 @@
-"""Replay traces on the local runtime or against an OpenAI-compatible endpoint, and build the
-replay report of DESIGN §2 (plus a terminal table and an optional PNG plot). TTFT: over HTTP, at
-the first content / reasoning / tool-call delta of the stream; locally, at the first sampled token
-(counted from the request's arrival, rendering included), which a tool-call-only reply would
+"""Replay traces on the local runtime or against an OpenAI-compatible endpoint, and build the replay
+report of docs/architecture.md §2 (plus a terminal table and an optional PNG plot). TTFT: over HTTP,
+at the first content / reasoning / tool-call delta of the stream; locally, at the first sampled
+token (counted from the request's arrival, rendering included), which a tool-call-only reply would
 otherwise hide until its call is complete.
 
 Replay sends each request exactly as recorded; it never feeds its own generations back.

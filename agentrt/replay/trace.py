@@ -1,7 +1,7 @@
 """The trace format: `.jsonl` (optionally `.jsonl.zst`), a header line then one request per line,
-each exactly as the agent framework sent it (DESIGN §2). msgspec schemas; malformed lines raise
-`TraceError` naming the file and line. Also the transforms that model what frameworks do to
-context: drop earlier reasoning, truncate old tool outputs. Trace files are written owner-only
+each exactly as the agent framework sent it (docs/architecture.md §2). msgspec schemas; malformed
+lines raise `TraceError` naming the file and line. Also the transforms that model what frameworks do
+to context: drop earlier reasoning, truncate old tool outputs. Trace files are written owner-only
 (0600), atomically."""
 
 from __future__ import annotations

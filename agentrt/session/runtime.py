@@ -1,9 +1,9 @@
-"""`Runtime`: the public Python API (DESIGN §2). Opens a model on a device, owns its engine and
-tokenizer, and serves `generate` (token ids in, token ids out) and `chat` (OpenAI-shaped messages
-in, content / reasoning / tool calls out, optionally streamed).
+"""`Runtime`: the public Python API (docs/architecture.md §2). Opens a model on a device, owns its
+engine and tokenizer, and serves `generate` (token ids in, token ids out) and `chat` (OpenAI-shaped
+messages in, content / reasoning / tool calls out, optionally streamed).
 
 State reuse between calls follows `cache=`: `semantic` (the state cache, default), `prefix`
-(live-state reuse only) or `off`. Expert offloading plugs in here later.
+(live-state reuse only) or `off`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Generated turns keep their exact token ids (DESIGN §7).
+"""Generated turns keep their exact token ids (docs/architecture.md §7).
 
 A model may emit a tokenization of its text that re-tokenizing the same text would not produce.
 When a later request's history contains a message this runtime generated, re-tokenizing it would

@@ -1,5 +1,6 @@
-"""Semantic state cache (DESIGN §6): checkpoints of KV + recurrent state at the boundaries where
-agent frameworks edit context, persisted in LMDB, found again by longest exact prefix.
+"""Semantic state cache (docs/architecture.md §6): checkpoints of KV + recurrent state at the
+boundaries where agent frameworks edit context, persisted in LMDB, found again by longest exact
+prefix.
 
 Knows token ids and model state tensors only: nothing of chat text, HTTP or sessions.
 """
