@@ -143,7 +143,7 @@ def test_refusal_reaches_the_model_as_a_tool_result(tmp_path, monkeypatch):
 def test_cli_approve_option(tmp_path, monkeypatch, flags, is_run):
     import agentrt.cli as cli
 
-    monkeypatch.setattr(cli, "open_runtime", lambda opts, **kw: _CommandModel("touch made"))
+    monkeypatch.setattr(cli.chat, "open_runtime", lambda opts, **kw: _CommandModel("touch made"))
     args = ["run", "--workdir", str(tmp_path), "--sandbox", "none", *flags, "make a file"]
     result = CliRunner().invoke(cli.main, args)  # stdin is no terminal
     assert result.exit_code == 0, result.output

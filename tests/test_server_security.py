@@ -59,7 +59,7 @@ class _FakeRuntime:
 def _serve_cli(monkeypatch, *args: str) -> tuple[click.testing.Result, list[ServerConfig]]:
     """Run `agentrt serve ARGS` with the model load and the HTTP loop stubbed out."""
     served: list[ServerConfig] = []
-    monkeypatch.setattr("agentrt.cli.open_runtime", lambda opts, **kw: _FakeRuntime())
+    monkeypatch.setattr("agentrt.cli.serve.open_runtime", lambda opts, **kw: _FakeRuntime())
     monkeypatch.setattr(server_app, "serve", lambda rt, config: served.append(config))
     return CliRunner().invoke(main, ["serve", *args]), served
 

@@ -6,6 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
+import pytest
 from util import run_cli
 
 from agentrt.models.tiny import SPECIAL_TOKENS, build_tiny, ensure_tiny
@@ -105,3 +106,21 @@ def test_cli_chat_on_fresh_home(tmp_path):
     assert "building the embedded 'tiny' model" in proc.stderr
     assert "8 generated" in proc.stderr
     assert (tmp_path / "home" / "models" / "tiny-v1" / "model.safetensors").is_file()
+
+
+def test_runtime_config_and_keywords_open_the_same_runtime():
+    """`Runtime.open(model, config=RuntimeConfig(...))` and the keyword form are one option set:
+    keywords override the config's fields, an unknown keyword is a TypeError, and both forms
+    generate the same tokens."""
+    from agentrt import Runtime, RuntimeConfig
+
+    config = RuntimeConfig(cache="off", prefill_chunk=32, seed=5)
+    by_config = Runtime.open("tiny", config=config)
+    by_keywords = Runtime.open("tiny", "cpu", cache="off", prefill_chunk=32, seed=5)
+    mixed = Runtime.open("tiny", config=config, prefill_chunk=16)
+    assert by_config.engine.config == by_keywords.engine.config and by_config.seed == 5
+    assert mixed.engine.config.prefill_chunk == 16 and mixed.seed == 5
+    ids = list(range(10, 90))
+    assert by_config.generate(ids, max_tokens=6) == by_keywords.generate(ids, max_tokens=6)
+    with pytest.raises(TypeError, match="prefil_chunk"):
+        Runtime.open("tiny", prefil_chunk=32)

@@ -197,11 +197,7 @@ class _Rows:
         before = _totals(experts)
         times = []
         for _ in range(self.repeat):
-            if snap is not None:
-                state.import_(snap)
-            else:
-                state.reset()
-            _sync(self.device)
+            self._restart(state, snap)
             t0 = time.perf_counter()
             engine.prefill(state, part)
             _sync(self.device)
@@ -219,13 +215,17 @@ class _Rows:
                 row["profile"] = self._profiled(engine, state, snap, part)
         return row
 
-    def _profiled(self, engine, state, snap, part, top: int = 30) -> list[dict]:
-        """One more run of the row under cProfile: its `top` functions by own host time."""
+    def _restart(self, state, snap) -> None:
+        """The row's starting state (the cached prefix, or empty), the device idle."""
         if snap is not None:
             state.import_(snap)
         else:
             state.reset()
         _sync(self.device)
+
+    def _profiled(self, engine, state, snap, part, top: int = 30) -> list[dict]:
+        """One more run of the row under cProfile: its `top` functions by own host time."""
+        self._restart(state, snap)
         profiler = cProfile.Profile()
         profiler.runcall(lambda: (engine.prefill(state, part), _sync(self.device)))
         stats = pstats.Stats(profiler).stats

@@ -41,6 +41,39 @@ from agentrt.session.tokens import GeneratedIds
 CACHE_MODES = ("semantic", "prefix", "off")
 
 
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Every option of `Runtime.open` besides the model, with its default (the one place they
+    are defined: `Runtime.open`'s keywords and the CLI's options fill it by name)."""
+
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    cache: str = "semantic"  # semantic | prefix | off
+    state_dir: str | Path | None = None  # None: ~/.cache/agentrt/state
+    vram_budget: str | int | None = None  # e.g. "16GiB": caps what the engine allocates
+    expert_cache_slots: int | None = None  # explicit expert-cache size (forces offload)
+    seed: int = 0
+    tokenizer: str | None = None  # a tokenizer directory overriding the model's own
+    chat_template: str | None = None  # a Jinja file overriding the tokenizer's
+    linear_attn: str = "auto"  # auto | torch | fla
+    prefill_chunk: int | None = None  # None: per device and placement
+    eager: bool = False  # no CUDA graph for decode
+    prefill_graphs: bool = False  # short prefills as CUDA-graph replays (experimental)
+    require_tokenizer: bool = False  # fail before loading weights when there is none
+    state_max_gb: float | None = None
+    boundaries: dict[str, str | list[str]] | None = None  # boundary text overrides per kind
+    state_cache: StateCacheConfig | None = None  # a full state-cache config
+    offload: str | OffloadConfig | None = None  # a placement name or a full OffloadConfig
+    split: bool = True
+    expert_policy: str = "lru"
+    cpu_moe_layers: int | None = None
+    recalibrate: bool = False
+    cpu_layers: int | None = None
+    prefetch: bool = True
+    cpu_kernel: str = "auto"
+    prefill_plan: str = "auto"
+
+
 def _check_device(device: str) -> str:
     import torch
 
@@ -75,35 +108,36 @@ def _check_cache(cache: str) -> None:
         raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
 
 
-def _offload_config(
-    offload,
-    vram_budget,
-    expert_cache_slots,
-    split,
-    policy,
-    cpu_moe_layers,
-    cpu_layers=None,
-    prefetch: bool = True,
-    cpu_kernel: str = "auto",
-    prefill_plan: str = "auto",
-) -> OffloadConfig:
-    """`offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a budget
-    or a slot count is given, else `none`."""
-    if isinstance(offload, OffloadConfig):
-        return offload
-    mode = offload_mode(offload, vram_budget, expert_cache_slots)
-    budget = parse_bytes(vram_budget) if vram_budget is not None else None
+def _offload_config(c: RuntimeConfig) -> OffloadConfig:
+    """`c.offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a
+    budget or a slot count is given, else `none`."""
+    if isinstance(c.offload, OffloadConfig):
+        return c.offload
+    mode = offload_mode(c.offload, c.vram_budget, c.expert_cache_slots)
+    budget = parse_bytes(c.vram_budget) if c.vram_budget is not None else None
     return OffloadConfig(
         mode=mode,
-        split=split,
-        policy=policy,
-        expert_cache_slots=expert_cache_slots,
+        split=c.split,
+        policy=c.expert_policy,
+        expert_cache_slots=c.expert_cache_slots,
         vram_budget=budget,
-        cpu_moe_layers=cpu_moe_layers,
-        cpu_layers=cpu_layers,
-        prefetch=prefetch,
-        cpu_kernel=cpu_kernel,
-        prefill_plan=prefill_plan,
+        cpu_moe_layers=c.cpu_moe_layers,
+        cpu_layers=c.cpu_layers,
+        prefetch=c.prefetch,
+        cpu_kernel=c.cpu_kernel,
+        prefill_plan=c.prefill_plan,
+    )
+
+
+def _engine_config(c: RuntimeConfig, device: str, placement: OffloadConfig) -> EngineConfig:
+    return EngineConfig(
+        device=device,
+        dtype=c.dtype or EngineConfig.default_dtype(device),
+        linear_attn=c.linear_attn,
+        prefill_chunk=c.prefill_chunk
+        or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
+        cuda_graphs=not c.eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
+        prefill_graphs=c.prefill_graphs,  # experimental; not used with offloaded experts
     )
 
 
@@ -166,84 +200,50 @@ class Runtime:
     def open(
         cls,
         model: str = "tiny",
-        device: str = "cpu",
-        dtype: str | None = None,
-        cache: str = "semantic",
-        state_dir: str | None = None,
-        vram_budget: str | int | None = None,
-        expert_cache_slots: int | None = None,
-        seed: int = 0,
-        tokenizer: str | None = None,
-        chat_template: str | None = None,
-        linear_attn: str = "auto",
-        prefill_chunk: int | None = None,
-        eager: bool = False,
-        prefill_graphs: bool = False,
-        require_tokenizer: bool = False,
-        state_max_gb: float | None = None,
-        boundaries: dict[str, str | list[str]] | None = None,
-        state_cache: StateCacheConfig | None = None,
-        offload: str | OffloadConfig | None = None,
-        split: bool = True,
-        expert_policy: str = "lru",
-        cpu_moe_layers: int | None = None,
-        recalibrate: bool = False,
-        cpu_layers: int | None = None,
-        prefetch: bool = True,
-        cpu_kernel: str = "auto",
-        prefill_plan: str = "auto",
+        device: str | None = None,
+        *,
+        config: RuntimeConfig | None = None,
+        **options: Any,
     ) -> Runtime:
-        """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`.
+        """Load `model` ("tiny", "synthetic:NAME" or a HF directory) on `device`; every other
+        option as a keyword (the fields of `RuntimeConfig`) or in `config` (keywords win).
 
         The tokenizer is loaded first (`require_tokenizer` fails fast, before any weights load).
         """
+        if device is not None:
+            options["device"] = device
+        known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"Runtime.open() got unexpected keyword arguments: {unknown}")
+        return cls._open(model, dataclasses.replace(config or RuntimeConfig(), **options))
+
+    @classmethod
+    def _open(cls, model: str, c: RuntimeConfig) -> Runtime:
         from agentrt.models import torch_dtype
         from agentrt.models.registry import check_spec, open_model, tokenizer_dir_of
         from agentrt.session.tokenizer import load_tokenizer
 
-        _check_cache(cache)
-        device = _check_device(device)
-        placement = _offload_config(
-            offload,
-            vram_budget,
-            expert_cache_slots,
-            split,
-            expert_policy,
-            cpu_moe_layers,
-            cpu_layers,
-            prefetch,
-            cpu_kernel,
-            prefill_plan,
-        )
-        config = EngineConfig(
-            device=device,
-            dtype=dtype or EngineConfig.default_dtype(device),
-            linear_attn=linear_attn,
-            prefill_chunk=prefill_chunk
-            or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
-            cuda_graphs=not eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
-            prefill_graphs=prefill_graphs,  # experimental; not used with offloaded experts
-        )
+        _check_cache(c.cache)
+        device = _check_device(c.device)
+        placement = _offload_config(c)
+        config = _engine_config(c, device, placement)
         check_spec(model)
-        tok_dir = tokenizer or tokenizer_dir_of(model)
-        if tok_dir is None and require_tokenizer:
+        tok_dir = c.tokenizer or tokenizer_dir_of(model)
+        if tok_dir is None and c.require_tokenizer:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
-        tok = load_tokenizer(tok_dir, chat_template) if tok_dir else None
-        store = (
-            _expert_store(model, device, torch_dtype(config.dtype))
-            if placement.mode != "none"
-            else None
-        )
+        tok = load_tokenizer(tok_dir, c.chat_template) if tok_dir else None
+        dtype = torch_dtype(config.dtype)
+        store = _expert_store(model, device, dtype) if placement.mode != "none" else None
         experts = store.as_routed() if store is not None else None
-        source = open_model(model, device, torch_dtype(config.dtype), seed=seed, experts=experts)
+        source = open_model(model, device, dtype, seed=c.seed, experts=experts)
         engine = Engine(source.model, config)
         if store is not None:
             from agentrt.engine.placement import install
 
-            engine.offload = install(source.model, store, device, placement, recalibrate)
-        cache_config = _cache_config(state_cache, state_dir, state_max_gb)
-        rt = cls(engine, tok, source, seed, boundaries)
-        rt.set_cache(cache, cache_config)
+            engine.offload = install(source.model, store, device, placement, c.recalibrate)
+        rt = cls(engine, tok, source, c.seed, c.boundaries)
+        rt.set_cache(c.cache, _cache_config(c.state_cache, c.state_dir, c.state_max_gb))
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
             engine.prepare_prefill_graphs(rt._live_state())
         engine.warm_up(rt._live_state())  # (CUDA: kernels compiled, decode graph captured)

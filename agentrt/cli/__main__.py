@@ -1,0 +1,5 @@
+"""`python -m agentrt.cli`: the `agentrt` command."""
+
+from agentrt.cli import main
+
+main()

@@ -1,0 +1,494 @@
+"""`agentrt bench prefill|decode|accuracy|statecache|soak|bw` (JSON reports; `bench ttft` is in
+`traces.py`, beside replay)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from agentrt.cli.main import main
+from agentrt.cli.options import (
+    DEVICE_HELP,
+    MODEL_HELP,
+    cpu_kernel_option,
+    csv_choice,
+    csv_ints,
+    csv_ints_or_empty,
+    json_option,
+    on_off,
+    prepare_cpu_threads,
+    resolve_device,
+    write_json,
+)
+from agentrt.config import PREFILL_PLANS
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print JSON (see BENCHMARKS.md)."""
+
+
+def _bench_options(fn):
+    options = [
+        click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
+        click.option(
+            "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None
+        ),
+        click.option(
+            "--linear-attn",
+            default="auto",
+            show_default=True,
+            callback=csv_choice("auto", "torch", "fla"),
+            help="Comma-separated list of kernels to compare: auto, torch, fla.",
+        ),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option(
+            "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
+        ),
+        json_option,
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _report(report: dict, json_out: str | None) -> None:
+    click.echo(json.dumps(report, indent=2))
+    write_json(json_out, report)
+
+
+@bench.command("prefill")
+@_bench_options
+@click.option(
+    "--lengths",
+    default="2048,8192",
+    show_default=True,
+    callback=csv_ints,
+    help="Comma-separated prompt lengths.",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Tokens per prefill chunk (offloaded: each chunk streams the missing experts once).",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed runs per row (the median is reported).",
+)
+@click.option(
+    "--offload",
+    type=click.Choice(["none", "auto"]),
+    default="none",
+    show_default=True,
+    help="auto: routed experts in host memory behind a device expert cache (with "
+    "--vram-budget or --expert-cache-slots); each --prefill-plan is timed, and the same rows "
+    "with every expert resident first (the floor's compute side).",
+)
+@click.option("--vram-budget", default=None, help="With --offload auto: e.g. 16GiB.")
+@click.option(
+    "--expert-cache-slots",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --offload auto: the expert cache's size in experts (overrides --vram-budget).",
+)
+@click.option(
+    "--prefill-plan",
+    default="auto,stream,routed",
+    show_default=True,
+    callback=csv_choice(*PREFILL_PLANS),
+    help="With --offload auto: comma-separated plans to time (the fixed ones are the baselines).",
+)
+@click.option(
+    "--suffixes",
+    default="",
+    callback=csv_ints_or_empty,
+    help="With --offload auto: comma-separated suffix lengths timed after a cached prefix.",
+)
+@click.option(
+    "--prefix",
+    "prefix_len",
+    type=click.IntRange(min=1),
+    default=32768,
+    show_default=True,
+    help="Tokens of the cached prefix before each suffix.",
+)
+@on_off("--split", "off: no missing expert runs on the CPU.")
+@click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
+@click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="With --offload auto: one more run of each offloaded row under cProfile; its "
+    "costliest functions (host time) go into the row's JSON.",
+)
+@cpu_kernel_option("CPU expert kernel (calibration).")
+def bench_prefill(
+    model,
+    device,
+    dtype,
+    linear_attn,
+    seed,
+    eager,
+    json_out,
+    lengths,
+    prefill_chunk,
+    repeat,
+    **offload,
+) -> None:
+    """Prefill throughput (tok/s) for each prompt length and linear-attention kernel; with
+    --offload auto, offloaded prefill per plan against its floor
+    max(missing expert bytes / B_P, resident compute time)."""
+    from agentrt.bench import engine as b
+
+    prepare_cpu_threads(device, [offload["offload"]])
+    device = resolve_device(device)
+    if offload["offload"] == "auto":
+        offload["linear_attn"] = linear_attn[0]
+        report = _offload_prefill(
+            model, device, dtype, seed, lengths, prefill_chunk, repeat, offload
+        )
+        _report(report, json_out)
+        return
+    _report(
+        b.prefill(model, device, dtype, linear_attn, lengths, prefill_chunk, repeat, seed),
+        json_out,
+    )
+
+
+def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict) -> dict:
+    from agentrt.bench.prefill import offload_prefill
+
+    if o["vram_budget"] is None and o["expert_cache_slots"] is None:
+        raise click.UsageError("--offload auto needs --vram-budget or --expert-cache-slots")
+    return offload_prefill(
+        model,
+        device,
+        dtype,
+        o["vram_budget"],
+        o["prefill_plan"],
+        lengths,
+        o["suffixes"],
+        o["prefix_len"],
+        chunk,
+        repeat=repeat,
+        seed=seed,
+        split=o["split"] == "on",
+        slots=o["expert_cache_slots"],
+        tokenizer_dir=o["tokenizer"],
+        resident=o["resident"],
+        cpu_kernel=o["cpu_kernel"],
+        linear_attn=o["linear_attn"],
+        profile=o["profile"],
+    )
+
+
+def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: str):
+    """A comma-separated list option whose items must be among `choices`."""
+    return click.option(
+        name,
+        default=default,
+        show_default=default is not None,
+        callback=csv_choice(*choices),
+        help=help,
+    )
+
+
+@bench.command("decode")
+@_bench_options
+@click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@_csv_option("--graphs", ("on", "off"), "on", "Comma-separated CUDA-graph settings: on, off.")
+@_csv_option(
+    "--offload",
+    ("auto", "none", "static", "layer"),
+    None,
+    "Comma-separated expert placements to compare (auto, none, static, layer): switches to "
+    "the offload benchmark (hit rate, copies / CPU experts / PCIe bytes per token, the decode "
+    "bound of docs/architecture.md §8, peak GPU memory). `none` keeps every expert on the "
+    "device and gives t_gpu.",
+)
+@_csv_option(
+    "--split",
+    ("on", "off"),
+    "on",
+    "For --offload auto: comma-separated miss handling, on (copies + CPU) and/or off.",
+)
+@_csv_option(
+    "--expert-policy",
+    ("lru", "lfu"),
+    "lru",
+    "For --offload auto: comma-separated cache policies.",
+)
+@_csv_option(
+    "--prefetch",
+    ("on", "off"),
+    "on",
+    "For --offload auto: comma-separated next-layer prefetch settings, on and/or off.",
+)
+@click.option("--vram-budget", default=None, help="Device-memory budget, e.g. 16GiB.")
+@click.option(
+    "--text",
+    type=click.Path(exists=True),
+    default=None,
+    help="Real text (file or directory) the offload benchmark feeds; default: agentrt's sources.",
+)
+@click.option("--tokenizer", default=None, help="Tokenizer directory for --text.")
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --offload: rounds of all settings, interleaved; each reports its median round.",
+)
+@cpu_kernel_option(
+    "With --offload: the CPU expert kernel of every setting, static's included (torch's, "
+    "agentrt's bf16 kernel built at first use, or auto: native where the CPU has AVX512-BF16)."
+)
+@click.option(
+    "--py-profile",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="With --offload: after each setting's timed tokens, decode 16 more under Python's "
+    "cProfile (not timed) and write its costliest functions to this text file.",
+)
+def bench_decode(
+    model,
+    device,
+    dtype,
+    linear_attn,
+    seed,
+    eager,
+    json_out,
+    prompt_len,
+    tokens,
+    graphs,
+    offload,
+    split,
+    expert_policy,
+    prefetch,
+    vram_budget,
+    text,
+    tokenizer,
+    repeat,
+    cpu_kernel,
+    py_profile,
+) -> None:
+    """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
+    --offload, per expert placement (every combination of --offload/--split/--expert-policy),
+    with each placement's bound (docs/architecture.md §8) and, at its hit rate, the ceilings
+    against static: host memory (the missing experts' bytes at the fastest host read seen) and
+    the layer chain (CPU experts between a token's GPU pieces, copies overlapping)."""
+    modes = ["off"] if eager else graphs
+    if py_profile and not offload:
+        raise click.BadParameter("only with --offload", param_hint="--py-profile")
+    if offload:
+        prepare_cpu_threads(device, offload)
+        from agentrt.bench import offload as bo
+
+        runs = bo.settings(
+            offload, [v == "on" for v in split], expert_policy, [v == "on" for v in prefetch]
+        )
+        report = bo.offload_decode(
+            model,
+            resolve_device(device),
+            dtype,
+            vram_budget,
+            runs,
+            prompt_len,
+            tokens,
+            seed,
+            graphs=modes[0] == "on",
+            text=text,
+            tokenizer_dir=tokenizer,
+            repeat=repeat,
+            cpu_kernel=cpu_kernel,
+            py_profile=py_profile,
+        )
+        _report(report, json_out)
+        return
+    from agentrt.bench import engine as b
+
+    _report(
+        b.decode(
+            model, resolve_device(device), dtype, linear_attn, prompt_len, tokens, seed, modes
+        ),
+        json_out,
+    )
+
+
+@bench.command("accuracy")
+@_bench_options
+@click.option("--length", type=click.IntRange(min=2), default=300, show_default=True)
+def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, length) -> None:
+    """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
+    from agentrt.bench import engine as b
+
+    _report(
+        b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out
+    )
+
+
+@bench.command("statecache")
+@_bench_options
+@click.option(
+    "--lengths",
+    default="8192,32768,65536",
+    show_default=True,
+    callback=csv_ints,
+    help="Comma-separated prefix lengths.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default="bench-state",
+    show_default=True,
+    help="Scratch state directory (emptied first).",
+)
+@click.option(
+    "--capture-every",
+    type=click.IntRange(min=1),
+    default=2000,
+    show_default=True,
+    help="Spacing of the boundaries in the many-checkpoints prefill.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Timing rounds per length (default: 7 up to 8K tokens, 3 up to 32K, then 1); with "
+    "--fidelity, random prompts per length (default 3).",
+)
+@click.option(
+    "--fidelity",
+    is_flag=True,
+    help="Instead of timings: a turn from a restored checkpoint against the same turn "
+    "recomputed, beside the engine's own noise (other chunk sizes), one pass and, for small "
+    "models, fp32 on the CPU: |delta logit|, KL, top-1 and greedy agreement, per capture design.",
+)
+@click.option(
+    "--suffix",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="With --fidelity: tokens prefilled after the checkpoint.",
+)
+@click.option(
+    "--generate",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="With --fidelity: greedy tokens generated from each state.",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(min=2),
+    default=2048,
+    show_default=True,
+    help="With --fidelity: the engine's chunk (the noise floor runs half and twice this).",
+)
+def bench_statecache(
+    model,
+    device,
+    dtype,
+    linear_attn,
+    seed,
+    eager,
+    json_out,
+    lengths,
+    state_dir,
+    capture_every,
+    rounds,
+    fidelity,
+    suffix,
+    generate,
+    prefill_chunk,
+):
+    """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead;
+    with --fidelity, how exactly a restored checkpoint continues."""
+    dev = resolve_device(device)
+
+    def note(text: str) -> None:
+        click.echo(text, err=True)
+
+    if fidelity:
+        from agentrt.bench.fidelity import fidelity as run
+
+        kwargs = dict(suffix=suffix, generate=generate, chunk=prefill_chunk, note=note)
+        result = run(
+            model,
+            dev,
+            dtype,
+            lengths,
+            state_dir,
+            seed,
+            runs=rounds or 3,
+            linear_attn=linear_attn[0],
+            **kwargs,
+        )
+    else:
+        from agentrt.bench import statecache as b
+
+        result = b.statecache(
+            model, dev, dtype, lengths, state_dir, seed, capture_every, rounds, note
+        )
+    _report(result, json_out)
+
+
+@bench.command("soak")
+@click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--clients", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=1), default=30.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--disconnect",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of requests whose client leaves mid-stream.",
+)
+@click.option(
+    "--turns",
+    type=click.IntRange(min=1),
+    default=6,
+    show_default=True,
+    help="Requests per conversation (each repeats the growing history).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@json_option
+def bench_soak(json_out, **opts) -> None:
+    """Concurrent streaming clients against `agentrt serve` for a while: errors, TTFT, RSS."""
+    from agentrt.bench.soak import SoakConfig, soak
+
+    _report(soak(SoakConfig(**opts), lambda text: click.echo(text, err=True)), json_out)
+
+
+@bench.command("bw")
+@click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP)
+@click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option(
+    "--count",
+    type=click.IntRange(min=4),
+    default=64,
+    show_default=True,
+    help="Experts per measurement.",
+)
+@cpu_kernel_option(
+    "The CPU expert kernel measured (and whose profile is saved): torch, native, or auto (what "
+    "offloaded decode would use here)."
+)
+@json_option
+def bench_bw(model, device, dtype, count, cpu_kernel, json_out) -> None:
+    """Calibrate B_P (expert copies) and B_H (CPU expert kernel), alone and overlapped."""
+    prepare_cpu_threads(device, ["auto"])  # the CPU side as offloaded decode runs it
+    from agentrt.bench import ttft as b
+
+    _report(b.bandwidth(model, resolve_device(device), dtype, count, cpu_kernel), json_out)

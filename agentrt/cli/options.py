@@ -1,0 +1,334 @@
+"""Options and helpers shared by the `agentrt` commands: the model and runtime options (defined
+once, turned into `Runtime.open` arguments by `open_runtime`), expert-placement options,
+comma-separated list parsing, `--json` output, and the group class that turns user errors into
+one-line messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from agentrt.config import CPU_KERNELS, PREFILL_PLANS, offload_mode
+from agentrt.errors import AgentrtError
+
+DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
+MODEL_HELP = (
+    "A HF-format directory, 'tiny' (embedded default), or 'synthetic:NAME' "
+    "(e.g. synthetic:qwen3.5-35b-a3b)."
+)
+
+
+class AgentrtGroup(click.Group):
+    """Turns agentrt's user errors into one-line messages."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except AgentrtError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+def prepare_cpu_threads(device: str, offloads: list[str]) -> None:
+    """Before torch loads: spinning OpenMP workers for offloaded decode on a GPU, where the CPU
+    computes experts in short bursts between GPU steps (see `agentrt.cputhreads`)."""
+    from agentrt.cputhreads import spin_between_steps
+
+    gpu = device == "cuda" or (device == "auto" and Path("/dev/nvidiactl").exists())
+    spin_between_steps(gpu and any(mode != "none" for mode in offloads))
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def csv_items(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def csv_choice(*choices: str):
+    """click callback: a comma-separated list whose items must be among `choices`."""
+
+    def parse(ctx, param, value: str | None) -> list[str] | None:
+        if value is None:  # an option without a default: not given
+            return None
+        items = csv_items(value)
+        bad = [i for i in items if i not in choices]
+        if bad or not items:
+            raise click.BadParameter(
+                f"expected a comma-separated list of {', '.join(choices)}, got {value!r}"
+            )
+        return items
+
+    return parse
+
+
+def one_of(*choices: str):
+    def check(ctx, param, value: str) -> str:
+        if value not in choices:
+            raise click.BadParameter(f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    return check
+
+
+def csv_ints(ctx, param, value: str) -> list[int]:
+    try:
+        items = [int(x) for x in csv_items(value)]
+    except ValueError:
+        items = []
+    if not items or min(items) < 1:
+        raise click.BadParameter(
+            f"expected a comma-separated list of positive integers, got {value!r}"
+        )
+    return items
+
+
+def csv_ints_or_empty(ctx, param, value: str) -> list[int]:
+    """Like `csv_ints`, but an empty value is an empty list."""
+    return csv_ints(ctx, param, value) if value.strip() else []
+
+
+def model_options(fn=None, *, cache_list: bool = False):
+    """Options shared by every command that opens a model (`cache_list`: --cache takes a
+    comma-separated list of modes, for commands that compare them)."""
+    if fn is None:
+        return lambda f: model_options(f, cache_list=cache_list)
+    cache_option = click.option(
+        "--cache",
+        default="semantic,prefix,off" if cache_list else "semantic",
+        show_default=True,
+        callback=csv_choice("semantic", "prefix", "off")
+        if cache_list
+        else one_of("semantic", "prefix", "off"),
+        help="State reuse: semantic (checkpoints at boundaries, persisted), prefix (reuse the live "
+        "state only when the prompt extends it), off."
+        + (" Comma-separated list." if cache_list else ""),
+    )
+    options = [
+        click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
+        click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
+        click.option(
+            "--dtype",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default=None,
+            help="Weights/activations dtype (default: float32 on cpu, bfloat16 on cuda).",
+        ),
+        click.option(
+            "--tokenizer",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="Tokenizer directory overriding the model's own.",
+        ),
+        click.option(
+            "--chat-template",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Jinja chat template file overriding the tokenizer's.",
+        ),
+        cache_option,
+        click.option(
+            "--state-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="State cache directory (default: ~/.cache/agentrt/state).",
+        ),
+        click.option(
+            "--state-max-gb",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="Cap on stored checkpoints in GiB; the least valuable are evicted (default 20).",
+        ),
+        click.option(
+            "--boundary",
+            "boundaries",
+            multiple=True,
+            help="Override a checkpoint boundary: KIND=TEXT (repeatable; TEXT may use \\n). "
+            "Kinds: think_end, tool_call_end, tool_output_end, message_end, turn_start.",
+        ),
+        click.option(
+            "--linear-attn",
+            type=click.Choice(["auto", "torch", "fla"]),
+            default="auto",
+            show_default=True,
+            help="Gated-delta-rule kernels: fla (CUDA + flash-linear-attention) or pure torch.",
+        ),
+        click.option(
+            "--prefill-chunk",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Tokens per prefill chunk (default: 8192 with offloaded experts on CUDA, where "
+            "each chunk streams the missing experts once, else 2048).",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Sampling / synthetic-weights seed.",
+        ),
+        click.option(
+            "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
+        ),
+        click.option(
+            "--prefill-graphs",
+            is_flag=True,
+            help="CUDA, experts on the GPU: run prompts and suffixes of up to 4096 tokens as "
+            "CUDA-graph replays of padded lengths (64-3072), one launch instead of thousands "
+            "(suffix prefill 2-2.5x faster on an H200). The graphs are captured when the model "
+            "opens, on KV reserved for the model's whole context (or as much as a quarter of "
+            "the free GPU memory holds), so no request captures them again.",
+        ),
+        *offload_options(),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def on_off(name: str, help: str):
+    """An on|off option, on by default."""
+    return click.option(
+        name, type=click.Choice(["on", "off"]), default="on", show_default=True, help=help
+    )
+
+
+def cpu_kernel_option(help: str):
+    """--cpu-kernel auto|torch|native (auto by default)."""
+    return click.option(
+        "--cpu-kernel",
+        type=click.Choice(list(CPU_KERNELS)),
+        default="auto",
+        show_default=True,
+        help=help,
+    )
+
+
+def offload_options() -> list:
+    """Expert placement options (docs/architecture.md §5)."""
+    return [
+        click.option(
+            "--offload",
+            type=click.Choice(["auto", "none", "static", "layer"]),
+            default=None,
+            help="Expert placement: auto (host store + GPU expert cache + CPU/GPU miss split), "
+            "static (experts of the first --cpu-moe-layers layers on the CPU, like llama.cpp "
+            "--n-cpu-moe), layer (the first --cpu-layers whole layers on the CPU, like Ollama), "
+            "none (all on the device). Default: auto with --vram-budget or "
+            "--expert-cache-slots, else none.",
+        ),
+        click.option(
+            "--vram-budget",
+            default=None,
+            help="Cap on device memory, e.g. 16GiB (sizes the expert cache).",
+        ),
+        click.option(
+            "--expert-cache-slots",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Explicit expert-cache size (overrides --vram-budget).",
+        ),
+        on_off("--split", "off: every miss is copied (no CPU compute)."),
+        on_off(
+            "--prefetch",
+            "For --offload auto: while a layer computes, copy ahead the experts the next "
+            "layer's router predicts from its input (CUDA-graph decode; eager decode on a GPU "
+            "does not prefetch).",
+        ),
+        cpu_kernel_option(
+            "A decode token's CPU experts: torch's kernels, agentrt's bf16 kernel (native, built "
+            "with the system C compiler at first use; torch's without one), or auto: native "
+            "where the CPU has AVX512-BF16."
+        ),
+        click.option(
+            "--prefill-plan",
+            type=click.Choice(list(PREFILL_PLANS)),
+            default="auto",
+            show_default=True,
+            help="For --offload auto: how a prefill chunk's missing experts reach the GPU, per "
+            "layer: stream (every missing expert, copied ahead while earlier layers compute), "
+            "routed (only those the chunk routed to, with few-token ones on the CPU when "
+            "--split is on), predicted (the experts the next layer's router picks from this "
+            "layer's input copied ahead, the rest as routed; experimental), or auto (stream "
+            "or routed, the cheaper by measured costs). The staging ring "
+            "takes half a layer of experts from the expert cache.",
+        ),
+        click.option(
+            "--cpu-moe-layers",
+            type=click.IntRange(min=0),
+            default=None,
+            help="For --offload static: MoE layers whose experts run on the CPU "
+            "(default: the fewest that let the rest fit --vram-budget).",
+        ),
+        click.option(
+            "--cpu-layers",
+            type=click.IntRange(min=0),
+            default=None,
+            help="For --offload layer: leading layers run whole on the CPU "
+            "(default: the fewest that let the rest fit --vram-budget).",
+        ),
+        click.option(
+            "--expert-policy",
+            type=click.Choice(["lru", "lfu"]),
+            default="lru",
+            show_default=True,
+            help="Expert-cache replacement policy.",
+        ),
+        click.option("--recalibrate", is_flag=True, help="Measure copy / CPU bandwidths again."),
+    ]
+
+
+def open_runtime(opts: dict, require_tokenizer: bool = False):
+    """`Runtime.open` with the command's model and runtime options (by `RuntimeConfig`'s field
+    names; on/off switches, boundary overrides and the device resolved first)."""
+    mode = offload_mode(opts["offload"], opts["vram_budget"], opts["expert_cache_slots"])
+    prepare_cpu_threads(opts["device"], [mode])
+    from agentrt import Runtime, RuntimeConfig
+    from agentrt.session.boundaries import parse_overrides
+
+    fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    given = {name: value for name, value in opts.items() if name in fields}
+    given.update(
+        device=resolve_device(opts["device"]),
+        split=opts["split"] == "on",
+        prefetch=opts["prefetch"] == "on",
+        boundaries=parse_overrides(opts["boundaries"]) or None,
+        require_tokenizer=require_tokenizer,
+    )
+    return Runtime.open(opts["model"], config=RuntimeConfig(**given))
+
+
+def write_json(path: str | None, data) -> None:
+    if path:
+        try:
+            Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as exc:
+            raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def _json_path(ctx, param, value: str | None) -> str | None:
+    """Fail before any work when a --json file cannot be created."""
+    if value is not None and not Path(value).expanduser().resolve().parent.is_dir():
+        raise click.BadParameter(f"directory of {value!r} does not exist")
+    return value
+
+
+json_option = click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=_json_path,
+    help="Also write the result as JSON to this file.",
+)

@@ -1,0 +1,92 @@
+"""`agentrt serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import click
+
+from agentrt.cli.main import main
+from agentrt.cli.options import (
+    model_options,
+    open_runtime,
+)
+
+
+def _origin(value: str) -> str:
+    """`scheme://host[:port]` as browsers send it in `Origin` (or `*`, any origin)."""
+    if value == "*":
+        return value
+    from urllib.parse import urlsplit
+
+    url = urlsplit(value.strip())
+    bare = url.path in ("", "/") and not (url.query or url.fragment or "@" in url.netloc)
+    if url.scheme not in ("http", "https") or not url.netloc or not bare:
+        raise click.BadParameter(f"{value!r} is not an origin like https://example.com:8443")
+    return f"{url.scheme}://{url.netloc.lower()}"
+
+
+def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_origin(v) for v in values)
+
+
+@main.command()
+@model_options
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Interface to bind (loopback by default; any other needs --api-key).",
+)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option(
+    "--api-key", default=None, envvar="AGENTRT_API_KEY", help="Require 'Authorization: Bearer KEY'."
+)
+@click.option(
+    "--insecure-no-auth",
+    is_flag=True,
+    help="Allow a non-loopback --host without --api-key (anyone who can reach it may use it).",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    callback=_origins,
+    metavar="ORIGIN",
+    help="A browser origin (https://host[:port]) allowed to call the API; repeatable. "
+    "None: no CORS headers.",
+)
+@click.option(
+    "--queue-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Requests waiting beyond this get HTTP 429.",
+)
+@click.option("--max-request-mb", type=click.FloatRange(min=0.001), default=32.0, show_default=True)
+def serve(
+    host, port, api_key, insecure_no_auth, cors_origins, queue_size, max_request_mb, **opts
+) -> None:
+    """Serve the OpenAI chat-completions API (point any OpenAI-compatible agent at it).
+
+    Loopback only unless --api-key (or --insecure-no-auth) is given; no CORS unless --cors-origin.
+    """
+    from agentrt.server.app import ServerConfig, check_exposure
+    from agentrt.server.app import serve as run_server
+
+    config = ServerConfig(
+        host,
+        port,
+        api_key,
+        int(max_request_mb * 2**20),
+        queue_size,
+        insecure_no_auth=insecure_no_auth,
+        cors_origins=cors_origins,
+    )
+    check_exposure(config)  # before the model loads
+    rt = open_runtime(opts, require_tokenizer=True)
+    click.echo(
+        f"agentrt: serving {rt.model_name} (cache={rt.cache}) on http://{host}:{port}/v1", err=True
+    )
+    try:
+        run_server(rt, config)
+    finally:
+        rt.close()

@@ -1,0 +1,262 @@
+"""`agentrt trace import|gen|show`, `agentrt replay` and `agentrt bench ttft`: traces, their
+replay, and worst-case TTFT over them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from agentrt.cli.bench import bench
+from agentrt.cli.main import main
+from agentrt.cli.options import (
+    csv_choice,
+    json_option,
+    model_options,
+    open_runtime,
+    write_json,
+)
+from agentrt.errors import AgentrtError
+
+
+@main.group()
+def trace() -> None:
+    """Import, generate and inspect agent traces (the replay format)."""
+
+
+def _write_traces(traces, out: str, zst: bool) -> list[Path]:
+    from agentrt.replay.trace import write_trace
+
+    target = Path(out)
+    if len(traces) == 1 and target.name.endswith((".jsonl", ".jsonl.zst")):
+        return [write_trace(traces[0], target)]
+    if target.suffix in (".jsonl", ".zst"):
+        raise click.UsageError(f"{len(traces)} traces: -o must be a directory, not {out}")
+    suffix = ".jsonl.zst" if zst else ".jsonl"
+    return [write_trace(t, target / (t.name + suffix)) for t in traces]
+
+
+def _transform(traces, drop: bool, truncate: int | None):
+    from agentrt.replay.trace import drop_reasoning, truncate_tool_outputs
+
+    if drop:
+        traces = [drop_reasoning(t) for t in traces]
+    if truncate:
+        traces = [truncate_tool_outputs(t, truncate) for t in traces]
+    return traces
+
+
+_drop_option = click.option(
+    "--drop-reasoning", is_flag=True, help="Remove reasoning_content from every history."
+)
+_truncate_option = click.option(
+    "--truncate-tool-outputs",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="CHARS",
+    help="Truncate tool outputs older than the last two to CHARS characters.",
+)
+
+
+@trace.command("import")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["tau-bench", "openhands", "mini-swe-agent"]),
+    required=True,
+)
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, help="A .jsonl[.zst] file (one trace) or a directory.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="Keep only the first N sessions."
+)
+@click.option("--zst", is_flag=True, help="Write .jsonl.zst files when -o is a directory.")
+@_drop_option
+@_truncate_option
+def trace_import(fmt, inputs, out, limit, zst, drop_reasoning, truncate_tool_outputs) -> None:
+    """Convert recorded agent sessions (tau-bench, OpenHands, mini-swe-agent) into traces."""
+    from agentrt.replay.importers import import_traces
+
+    traces = import_traces(fmt, list(inputs))[:limit]
+    if not traces:
+        raise AgentrtError("no sessions found in the inputs")
+    paths = _write_traces(_transform(traces, drop_reasoning, truncate_tool_outputs), out, zst)
+    total = sum(len(t.requests) for t in traces)
+    more = " ..." if len(paths) > 1 else ""
+    click.echo(f"wrote {len(paths)} trace(s), {total} request(s): {paths[0]}{more}")
+
+
+@trace.command("gen")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1000),
+    default=30000,
+    show_default=True,
+    help="Approximate size of the final request in tokens.",
+)
+@click.option("--max-turns", type=click.IntRange(min=1), default=80, show_default=True)
+@click.option("-o", "--out", required=True, help="Output .jsonl or .jsonl.zst file.")
+def trace_gen(seed, tokens, max_turns, out) -> None:
+    """Generate a synthetic coding-agent session from files of this machine."""
+    from agentrt.replay.generator import generate
+    from agentrt.replay.trace import write_trace
+
+    t = generate(seed, tokens, max_turns)
+    path = write_trace(t, out)
+    click.echo(f"wrote {path}: {len(t.requests)} requests")
+
+
+@trace.command("show")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--requests", "show_requests", is_flag=True, help="One line per request.")
+def trace_show(path, show_requests) -> None:
+    """Summarise a trace file."""
+    from agentrt.replay.trace import read_trace
+
+    t = read_trace(path)
+    click.echo(f"{path}: source={t.header.source!r} {t.header.description}")
+    chars = [sum(len(json.dumps(m)) for m in r.messages) for r in t.requests]
+    lo, hi = min(chars, default=0), max(chars, default=0)
+    click.echo(f"{len(t.requests)} requests; history size {lo}..{hi} chars")
+    if show_requests:
+        for r, c in zip(t.requests, chars, strict=True):
+            roles = "".join(str(m.get("role") or "?")[0] for m in r.messages)
+            when = r.t if r.t is not None else "-"
+            click.echo(
+                f"  {r.id:<32} t={when:<8} msgs={len(r.messages):<4} {c:>8} chars  {roles[-24:]}"
+            )
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def _load_traces(paths, drop: bool, truncate: int | None, max_requests: int | None = None):
+    import msgspec
+
+    from agentrt.replay.trace import read_trace
+
+    traces = [read_trace(p) for p in paths]
+    if max_requests:
+        traces = [msgspec.structs.replace(t, requests=t.requests[:max_requests]) for t in traces]
+    return _transform(traces, drop, truncate)
+
+
+_max_requests_option = click.option(
+    "--max-requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Replay only the first N requests of each trace.",
+)
+
+
+def _run_replay(traces, target, max_tokens: int, label: str) -> dict:
+    from agentrt.replay.replay import replay, report
+
+    total = sum(len(t.requests) for t in traces)
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        rows = replay(traces, target, max_tokens, progress=lambda row: bar.update(1))
+    return report(rows, target)
+
+
+@main.command("replay")
+@model_options
+@click.argument("traces", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--endpoint", default=None, help="Replay against this OpenAI-compatible URL instead of locally."
+)
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="Bearer key for --endpoint.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of TTFT per request."
+)
+@_drop_option
+@_truncate_option
+@_max_requests_option
+@json_option
+def replay_cmd(
+    traces,
+    endpoint,
+    api_key,
+    max_tokens,
+    plot,
+    drop_reasoning,
+    truncate_tool_outputs,
+    max_requests,
+    json_out,
+    **opts,
+):
+    """Replay TRACES and report TTFT (p50/p90/p99/max) and cached vs prefilled tokens."""
+    from agentrt.replay.replay import endpoint_target, local_target, summary_table
+    from agentrt.replay.replay import plot as draw
+
+    loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
+    if endpoint:
+        target = endpoint_target(endpoint, opts["model"], api_key)
+    else:
+        target = local_target(open_runtime(opts, require_tokenizer=True))
+    rep = _run_replay(loaded, target, max_tokens, f"replay ({target.cache})")
+    click.echo(summary_table([rep]))
+    write_json(json_out, rep)
+    if plot:
+        draw([rep], plot)
+
+
+@bench.command("ttft")
+@model_options(cache_list=True)
+@click.argument("traces", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--variants",
+    default="recorded",
+    show_default=True,
+    callback=csv_choice("recorded", "dropped"),
+    help="recorded, and/or dropped (earlier reasoning removed from histories).",
+)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="PNG prefix: one plot per variant.",
+)
+@_max_requests_option
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=8,
+    show_default=True,
+    help="Requests of the first trace run once, untimed, before any mode (compilation, "
+    "autotuning and graph capture then count in no mode's figures); 0 turns it off.",
+)
+@json_option
+def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_out, **opts) -> None:
+    """Replay TRACES in every --cache mode with one loaded model; TTFT per mode and ratios."""
+    from agentrt.bench import ttft as b
+
+    rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
+    result = b.ttft(
+        rt,
+        lambda drop: _load_traces(traces, drop, None, max_requests),
+        opts["cache"],
+        variants,
+        max_tokens,
+        lambda traces_, target, label: _run_replay(traces_, target, max_tokens, label),
+        warmup,
+    )
+    for variant, reports in result["reports"].items():
+        click.echo(f"\n[{variant}]")
+        from agentrt.replay.replay import summary_table
+
+        click.echo(summary_table(reports))
+        if plot:
+            from agentrt.replay.replay import plot as draw
+
+            draw(
+                reports,
+                plot if len(result["reports"]) == 1 else plot.replace(".png", f"-{variant}.png"),
+                variant,
+            )
+    click.echo(json.dumps(result["ratios"], indent=2))
+    write_json(json_out, result)
