@@ -6,6 +6,7 @@ Knows token ids and model state tensors only: nothing of chat text, HTTP or sess
 """
 
 from agentrt.statecache.boundaries import BOUNDARY_KINDS, Boundaries
-from agentrt.statecache.manager import Hit, StateCache
+from agentrt.statecache.manager import StateCache
+from agentrt.statecache.restore import Hit
 
 __all__ = ["BOUNDARY_KINDS", "Boundaries", "Hit", "StateCache"]

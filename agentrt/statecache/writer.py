@@ -1,0 +1,216 @@
+"""The state cache's write side (a mixin of `StateCache`): a checkpoint's new KV chunks and
+snapshot copied to host (pinned, non-blocking), queued, then compressed and committed in one
+LMDB transaction by the writer thread; the RAM tier keeps what it wrote."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrt.cputhreads import single_threaded
+from agentrt.statecache.codec import (
+    Record,
+    pack_parts,
+    pack_tensors,
+)
+from agentrt.statecache.keys import BLOCK, PrefixKeys
+from agentrt.statecache.ram import nbytes
+from agentrt.statecache.staging import PinnedRing
+
+
+@dataclass
+class _Job:
+    key: bytes
+    pos: int
+    kind: str
+    chunk_keys: list[bytes]
+    lo: int  # first token held in `kv`
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # host copies of tokens [lo, pos)
+    # host copies of the conv and recurrent states stacked over the layers ([] without any)
+    stacked: list[torch.Tensor]
+    event: torch.cuda.Event | None
+    region: tuple[int, int] | None = None  # pinned staging region holding kv/stacked
+    new_chunks: list[bytes] = field(default_factory=list)
+
+    def linear(self) -> list[torch.Tensor]:
+        """Per layer, the conv states, then the recurrent ones (views of `stacked`)."""
+        return [t for group in self.stacked for t in group.unbind(0)]
+
+
+class Writer:
+    """Saving and the writer thread of `StateCache` (its attributes: see `StateCache.__init__`)."""
+
+    def _try_save(self, ids, pos, kind, kv_caches, conv, rec, at) -> str:
+        """One attempt of `save`: "queued", "skipped" (stored already), "queue_full" or
+        "staging_full" (the writer is behind)."""
+        keys = PrefixKeys(self.fp, ids)
+        key = keys.key(pos)
+        at = pos if at is None else at
+        if not 0 < at <= pos:
+            raise ValueError(f"a checkpoint for {pos} tokens cannot hold the state after {at}")
+        pos = at  # what is stored is the state there
+        if self._stored(key):
+            self.stats["skipped_existing"] += 1
+            return "skipped"
+        if self._queue.full():  # the writer is behind: give up before copying anything
+            return "queue_full"
+        chunk_keys = [keys.chunk_key(c) for c in range(pos // BLOCK)]
+        new = self._new_chunks(chunk_keys)
+        lo = min((chunk_keys.index(ck) * BLOCK for ck in new), default=(pos // BLOCK) * BLOCK)
+        job = self._copy_out(key, pos, kind, chunk_keys, lo, kv_caches, conv, rec)
+        if job is None:  # the writer is that far behind, as with a full queue
+            return "staging_full"
+        job.new_chunks = new
+        with self._lock:  # counted before the writer can see the job (it uncounts it)
+            self._pending.update(new)
+            self._queued[key] += 1
+            try:
+                self._queue.put_nowait(job)  # never blocks, so holding the lock is fine
+                return "queued"
+            except queue.Full:  # filled since the check above (touches share the queue)
+                self._pending.difference_update(new)
+                self._uncount(key)
+        self._release(job)
+        return "queue_full"
+
+    def _uncount(self, key: bytes) -> None:
+        """One queued job of `key` less (under `_lock`); wakes restores waiting for it."""
+        self._queued[key] -= 1
+        if self._queued[key] <= 0:
+            del self._queued[key]
+        self._written.notify_all()
+
+    def _release(self, job: _Job) -> None:
+        """Give a job's staging region back (once its device->host copies are done)."""
+        if job.region is None:
+            return
+        try:
+            job.event.synchronize()
+        finally:
+            self._ring.free(job.region)
+            job.region = None
+
+    def _new_chunks(self, chunk_keys: list[bytes]) -> list[bytes]:
+        with self._lock:
+            unsure = [ck for ck in chunk_keys if ck not in self._known and ck not in self._pending]
+        missing = set(self.store.missing_chunks(unsure)) if unsure else set()
+        with self._lock:
+            self._known.update(ck for ck in unsure if ck not in missing)
+        return [ck for ck in unsure if ck in missing]
+
+    def _copy_out(self, key, pos, kind, chunk_keys, lo, kv_caches, conv, rec) -> _Job | None:
+        """Host copies of what the job needs: into the pinned ring (asynchronous, ordered on the
+        current stream); None when the ring is full (queued jobs hold it: the writer is behind,
+        and a synchronous copy into ordinary memory would stall the request). Without a ring
+        (CPU, page-locking refused, not allocated yet) into ordinary memory."""
+        with torch.inference_mode():
+            # the linear layers' states stacked on the device first: two copies to the host
+            # instead of two per layer (each costs the request thread ~10 us to queue)
+            stacked = [torch.stack(list(group)) for group in (conv, rec) if len(group)]
+            sources = [t for c in kv_caches for t in (c.k[:, lo:pos], c.v[:, lo:pos])] + stacked
+            span = PinnedRing.span(sources)
+            region = self._ring.alloc(span) if self._ring is not None else None
+            if region is None:
+                if self._ring is not None and self._ring.usable and span <= self._ring.capacity:
+                    return None
+                hosts = [t.to("cpu", copy=True) for t in sources]
+            else:
+                hosts = self._ring.views(region, sources)
+                for host, src in zip(hosts, sources, strict=True):
+                    host.copy_(src, non_blocking=True)
+            event = None
+            if region is not None:  # on the stream the copies were queued on (this device's)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+        n_kv = 2 * len(kv_caches)
+        kv = list(zip(hosts[0:n_kv:2], hosts[1:n_kv:2], strict=True))
+        return _Job(key, pos, kind, chunk_keys, lo, kv, hosts[n_kv:], event, region)
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _write_loop(self) -> None:
+        single_threaded()  # its copies need no OpenMP team (see agentrt.cputhreads)
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if isinstance(job, bytes):
+                    self.store.touch(job)
+                else:
+                    self._write(job)
+            except Exception as exc:  # noqa: BLE001 - the writer must survive any single failure
+                self.stats["write_errors"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if isinstance(job, _Job):
+                    with self._lock:
+                        self._pending.difference_update(job.new_chunks)
+                        self._uncount(job.key)
+                self._queue.task_done()
+
+    def _chunk_from_job(self, job: _Job, index: int) -> list[torch.Tensor] | None:
+        start = index * BLOCK - job.lo
+        if start < 0:
+            return None
+        return [t[:, start : start + BLOCK] for pair in job.kv for t in pair]
+
+    def _write(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            if job.region is not None:  # keep staged data only as long as needed
+                job.event.synchronize()
+                job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
+                # two copies, not two per layer (fewer GIL-held steps beside a request)
+                job.stacked = [t.clone() for t in job.stacked]
+        finally:
+            self._release(job)
+        self._commit(job)
+        self.stats["write_seconds"] += time.perf_counter() - t0
+
+    def _commit(self, job: _Job) -> None:
+        tail = job.pos % BLOCK
+        tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
+        blob = tail_kv + job.linear()
+        self.ram.put(job.key, (job.kind, blob, job.pos), nbytes(blob))
+        chunks = {}
+        for ck in self.store.missing_chunks(job.chunk_keys):
+            index = job.chunk_keys.index(ck)
+            tensors = self._chunk_from_job(job, index) or self.ram.get(ck)
+            if tensors is None:
+                self.stats["dropped_missing_chunk"] += 1
+                with self._lock:
+                    self._known.discard(ck)
+                return
+            chunks[ck] = tensors
+        for index, ck in enumerate(job.chunk_keys):
+            tensors = self._chunk_from_job(job, index)
+            if tensors is not None:
+                self.ram.put(ck, tensors, nbytes(tensors))
+        level = self.config.compress_level
+        packing = {ck: self._compress.submit(pack_tensors, t, level) for ck, t in chunks.items()}
+        blob_payload = pack_parts(blob, level, pool=self._compress)  # beside the chunks
+        payloads = {ck: future.result() for ck, future in packing.items()}
+        now = time.time()
+        chunk_bytes = sum(map(len, payloads.values()))
+        record = Record(
+            self.fp,
+            self.label,
+            job.pos,
+            job.kind,
+            job.chunk_keys,
+            len(blob_payload),
+            chunk_bytes,
+            now,
+            now,
+        )
+        result = self.store.put_checkpoint(job.key, record, payloads, blob_payload)
+        self.stats[f"write_{result}"] += 1
+        if result == "written":
+            self.stats["bytes_written"] += len(blob_payload) + chunk_bytes
+            self.stats["raw_bytes_written"] += nbytes(blob) + sum(map(nbytes, chunks.values()))
+            with self._lock:
+                self._known.update(job.chunk_keys)
