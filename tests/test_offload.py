@@ -417,7 +417,8 @@ def test_graph_host_step_fills_what_the_next_piece_needs(split):
     weights for the experts on the device plus the CPU experts' weighted sum give exactly the
     token's weighted expert sum, step after step, with the cache consistent throughout."""
     from agentrt.models.moe import expert_ffn
-    from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
 
     torch.manual_seed(0)
     store = _store(layers=2, experts=8)
@@ -425,7 +426,7 @@ def test_graph_host_step_fills_what_the_next_piece_needs(split):
         store.flat[layer].normal_()
     cache = ExpertCache(store, 5, "cpu", "lru")
     experts = OffloadedExperts(store, cache, Bandwidths(copy=1.0, cpu=1.0), split=split)
-    io = _LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu")
+    io = LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu")
     rng = random.Random(0)
     for step in range(30):
         layer, ids = step % 2, rng.sample(range(8), 4)
@@ -453,7 +454,8 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
     next MoE layer (never evicting this layer's experts or the prediction); the next layer's step
     finds them as hits, counts how many it used, and its output still equals the dense sum."""
     from agentrt.models.moe import expert_ffn
-    from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
 
     torch.manual_seed(0)
     store = _store(layers=2, experts=8)
@@ -463,7 +465,7 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
     routers = {layer: torch.randn(8, 4) for layer in store.layers}
     experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), split=False, routers=routers)
     ios = {
-        layer: _LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu") for layer in (0, 1)
+        layer: LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu") for layer in (0, 1)
     }
     x, w = torch.randn(1, 4), torch.rand(4)
     for layer, ids, predicted in ((0, [0, 1, 2, 3], [4, 5, 6, 7]), (1, [5, 4, 0, 1], [0, 1, 2, 3])):
@@ -576,7 +578,8 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled,
     slots plus the kernel's sum give the token's weighted expert sum. `pooled`: the kernel runs
     on its thread pool while the host step prefetches into other slots and fills the inputs."""
     from agentrt.models.moe import expert_ffn
-    from agentrt.offload.experts import Bandwidths, OffloadedExperts, _LayerIO
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
 
     kernel = _native_or_skip()
     monkeypatch.setattr(kernel, "pooled", pooled)
@@ -589,7 +592,7 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled,
     experts = OffloadedExperts(
         store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel, routers=routers
     )
-    io = _LayerIO(top_k=4, hidden=64, dtype=torch.bfloat16, device="cpu")
+    io = LayerIO(top_k=4, hidden=64, dtype=torch.bfloat16, device="cpu")
     rng = random.Random(0)
     for step in range(12):
         layer, ids = step % 2, rng.sample(range(8), 4)

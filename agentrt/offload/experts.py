@@ -33,6 +33,9 @@ counts copies still queued ahead. With the native CPU kernel (on 4 or more
 threads) the host step posts its CPU experts to the kernel's thread pool first and plans and
 issues the prefetch and fills the next piece's inputs meanwhile (with torch's kernels they run
 on the host step's thread, after those). On the CPU (tests) eager decode prefetches too.
+
+The host steps live in `host_step.py` and the prefetch in `prefetch.py` (mixins of
+`OffloadedExperts`); this module keeps set-up, the planning of a step's misses and its compute.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from agentrt.models.moe import expert_ffn
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.copies import CudaCalls
 from agentrt.offload.cpu_kernel import NativeExperts
+from agentrt.offload.host_step import CapturedDecode, LayerIO
+from agentrt.offload.prefetch import Prefetch
 from agentrt.offload.prefill import PrefillStreamer
 from agentrt.offload.split import q_star
 from agentrt.offload.store import ExpertStore
@@ -99,7 +104,7 @@ class Totals:
     prefetch_hits: int = 0  # of which the next layer did route to
 
 
-class OffloadedExperts:
+class OffloadedExperts(Prefetch, CapturedDecode):
     def __init__(
         self,
         store: ExpertStore,
@@ -143,7 +148,7 @@ class OffloadedExperts:
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 else None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
-        self._io: dict[int, _LayerIO] = {}
+        self._io: dict[int, LayerIO] = {}
         self._copy_timing: tuple | None = None  # (start event, end event, bytes) of the last copies
         self._events = _EventRing() if self.on_cuda else None
         # follow measured bandwidths (auto mode, on a GPU where both sides are measured; CPU-only
@@ -181,7 +186,7 @@ class OffloadedExperts:
         num_tokens, top_k = ids.shape
         if num_tokens == 1 and self.on_cuda:
             if layer not in self._io:  # pinned buffers exist before any capture needs them
-                self._io[layer] = _LayerIO(top_k, x.shape[1], x.dtype, self.device)
+                self._io[layer] = LayerIO(top_k, x.shape[1], x.dtype, self.device)
             if self.recorder is not None:
                 return self._captured(layer, x, ids, weights)
         self._await_prefetch(layer)  # (a graph step's prefetches are awaited within it)
@@ -334,91 +339,6 @@ class OffloadedExperts:
                 self.cache.drop(layer, expert)
             raise
 
-    # ------------------------------------------------------------------ prefetch
-
-    def _predict(self, layer: int, x: torch.Tensor, k: int) -> torch.Tensor:
-        """The next MoE layer's `k` likeliest experts, best first: its router applied to this
-        layer's MoE input `x [1, H]` (the residual stream changes little from one layer to the
-        next); empty without routers or a next layer."""
-        nxt = self.next_layer.get(layer)
-        if self.routers is None or nxt is None:
-            return x.new_empty(0, dtype=torch.long)
-        return torch.topk(F.linear(x[:1], self.routers[nxt]), k, dim=-1).indices[0]
-
-    def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> None:
-        """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
-        first, as many as `_prefetch_cap` allows given this layer's `own` copies), into victim
-        slots outside `busy` (this layer's experts) and the prediction. On a GPU they go on the
-        copy stream after this layer's own copies, so they run while this layer's GPU experts
-        and the next layer's attention compute; the next layer's host step makes its stream
-        wait for them before anything reads or refills those slots (every prefetch of a step is
-        awaited within it: the last layer has no next)."""
-        nxt = self.next_layer.get(layer)
-        if nxt is None or not predicted:
-            return
-        lookup = self.cache.slot_of[nxt]
-        want = [e for e in dict.fromkeys(predicted) if lookup[e] < 0][: self._prefetch_cap(own)]
-        if not want:
-            return
-        exclude = {(layer, e) for e in busy} | {(nxt, e) for e in predicted}
-        done, targets = self._admit(nxt, want, exclude)
-        if not done:
-            return
-        rows = self.store.expert_views(nxt)[0]
-        sources = [rows[e] for e in done]
-        if self.on_cuda:
-            self._pending[nxt] = self._issue_ahead(nxt, targets, sources, done)
-            self._copies_queued(len(done))
-        else:
-            self._issue(targets, sources, None, nxt, done)
-        self._prefetched[nxt] = set(done)
-        self.cache.stats[nxt].prefetched += len(done)
-        self.totals.prefetched += len(done)
-        self.totals.bytes_copied += len(done) * self.store.expert_bytes
-
-    def _issue_ahead(self, layer: int, targets: list, sources: list, experts: list):
-        """Queue prefetch copies on the copy stream behind what the current stream has queued
-        (this layer's own copies); returns the event of their end (a raw handle with `fast`)."""
-        side, current = self.copy_stream, self._current()
-        event = self._done_events.get(layer)
-        if event is None:  # one per layer, recorded again each token
-            event = self.fast.new_event() if self.fast is not None else torch.cuda.Event()
-            self._done_events[layer] = event
-        if self.fast is None:
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                self._issue(targets, sources, side, layer, experts)
-            event.record(side)
-            return event
-        self.fast.record(self._mark, current.cuda_stream)
-        self.fast.wait(side.cuda_stream, self._mark)
-        self._issue(targets, sources, side, layer, experts)
-        self.fast.record(event, side.cuda_stream)
-        return event
-
-    def _prefetch_cap(self, own: int = 0) -> int:
-        """Experts to prefetch for the next layer, at least one: what PCIe carries in one
-        layer's time (the measured period between host steps) besides this layer's `own`
-        copies. With the split the CPU takes the rest; copy-only, the prefetches fill what the
-        copy engine would leave idle (the GPU piece and the next host step). Measured on the
-        H200 (copy-only, random weights, B_P 52 GB/s): the gap between host steps without the
-        own copies (to 3f005ea) 250 prefetches per token at 78% right, 24.6 tok/s; that gap
-        less the own copies 57 at 93%, 24.5; this cap 109 at 90%, 27.1 (on a host where static
-        ran 15% slower). Unbounded on the CPU before any measurement (tests), one on a GPU."""
-        if self._period is None:
-            return 1 if self.on_cuda else self.store.num_experts
-        return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
-
-    def _await_prefetch(self, layer: int) -> None:
-        """The current stream waits for the copies prefetched into `layer`'s slots."""
-        event = self._pending.pop(layer, None)
-        if event is None:
-            return
-        if self.fast is not None:
-            self.fast.wait(self._current().cuda_stream, event)
-        else:
-            self._current().wait_event(event)
-
     # ------------------------------------------------------------------ compute
 
     def _run_slots(self, layer, x, pairs, experts, top_k, out) -> None:
@@ -464,160 +384,8 @@ class OffloadedExperts:
             self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
         return out
 
-    # ------------------------------------------------------------------ captured decode
-
-    def _captured(self, layer, x, ids, weights) -> torch.Tensor:
-        """Graph side of one MoE layer in a captured decode step (see the module docstring)."""
-        io = self._io[layer]
-        io.ids_h.copy_(ids[0], non_blocking=True)
-        io.w_h.copy_(weights[0].float(), non_blocking=True)
-        io.x_h.copy_(x[0], non_blocking=True)
-        if self.routers is not None and layer in self.next_layer:
-            io.pred_h.copy_(self._predict(layer, x, io.pred_h.numel()), non_blocking=True)
-        self.recorder.cut(lambda _pos: self._host_step(layer, io))
-        io.cpu_d.copy_(io.cpu_h, non_blocking=True)
-        if layer in self.cpu_layers:
-            return io.cpu_d.to(x.dtype).unsqueeze(0)
-        io.slot_d.copy_(io.slot_h, non_blocking=True)
-        io.gw_d.copy_(io.gw_h, non_blocking=True)
-        s = self.store
-        w = self.cache.slots.index_select(0, io.slot_d)  # [k, 3*I*H]
-        gate_up = w[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
-        down = w[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
-        xs = x.expand(w.shape[0], -1).unsqueeze(1)  # [k, 1, H]
-        gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        ys = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [k, H]
-        # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
-        gw = io.gw_d.unsqueeze(1)
-        out = torch.where(gw != 0, ys.float() * gw, 0.0).sum(0) + io.cpu_d
-        return out.to(x.dtype).unsqueeze(0)
-
-    def _host_step(self, layer: int, io: _LayerIO) -> None:
-        """Between graph pieces: plan and issue the copies, compute the CPU experts while they
-        run, then fill the next piece's inputs and make it wait for the copies."""
-        t_begin = time.perf_counter()
-        self._measure_period(layer, t_begin)
-        try:
-            self._host_work(layer, io, t_begin)
-        finally:
-            self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
-
-    def _host_work(self, layer: int, io: _LayerIO, t_begin: float) -> None:
-        """The host step's work (see `_host_step`). With the native kernel, the CPU experts run
-        on its thread while this one plans and issues the next layer's prefetch and fills the
-        next piece's inputs."""
-        self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
-        pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
-        ids = io.ids_np.tolist()
-        copied_before = self.cache.stats[layer].copied
-        if layer in self.cpu_layers:
-            gpu, cpu = [], ids
-        else:
-            gpu, cpu = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
-        w = io.w_np.tolist()
-        prefetch = self.routers is not None and layer in self.next_layer
-        running = False  # the native kernel's pool computes while this thread works on
-        try:
-            if cpu and self.cpu_kernel is not None and self.cpu_kernel.pooled:
-                running = self._start_native(layer, io, ids, w, cpu)
-            if prefetch:
-                own = self.cache.stats[layer].copied - copied_before
-                self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
-            slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
-            io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
-            io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
-            self.totals.plan_seconds += time.perf_counter() - t_begin
-        finally:  # (the kernel writes the buffer until it is waited for; an interrupt may
-            # land between the post and `running`)
-            kernel = self.cpu_kernel
-            seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
-        self.totals.cpu += len(cpu)
-        if running:
-            self._observe_cpu(len(cpu) * self.store.expert_bytes, seconds)
-        elif cpu:
-            self._host_cpu_experts(layer, io, ids, w, cpu)
-        else:
-            io.cpu_np.fill(0.0)
-        if pending is not None:
-            self._read_copy_timing(pending)
-        # (the copies went on the current stream: the next piece, which reads the slots they
-        # fill, runs after them)
-        self.totals.host_steps += 1
-        self.totals.host_seconds += time.perf_counter() - t_begin
-
-    def _start_native(self, layer: int, io, ids: list[int], w: list[float], cpu) -> bool:
-        """Post the token's CPU experts to the native kernel's thread pool (weighted and summed
-        into the pinned fp32 buffer); False where the pool could not start (then the kernel
-        runs on this thread)."""
-        try:
-            self.cpu_kernel.start(*self._native_args(layer, ids, w, cpu), io.x_h, io.cpu_h)
-        except OSError:
-            return False
-        return True
-
-    def _native_args(self, layer: int, ids: list[int], w: list[float], cpu) -> tuple:
-        """The CPU experts' weights and routing weights, as the native kernel takes them."""
-        _, gate_up, down = self.store.expert_views(layer)
-        weight = dict(zip(ids, w, strict=True))
-        return [gate_up[e] for e in cpu], [down[e] for e in cpu], [weight[e] for e in cpu]
-
-    def _measure_period(self, layer: int, now: float) -> None:
-        """Follow the time from the previous MoE layer's host step to this one's (a layer's
-        time), which sizes the prefetches; look up the current stream at a token's first."""
-        last, self._host_start = self._host_start, (layer, now)
-        if last is not None and self.next_layer.get(last[0]) == layer:
-            self._period = _average(self._period, now - last[1])
-            self._stream_now = self._token_stream
-        elif self.on_cuda:
-            self._token_stream = torch.cuda.current_stream(self.device)
-            self._stream_now = self._token_stream
-
-    def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
-        """The token's CPU experts on this thread, weighted and summed into the pinned fp32
-        buffer (by the native kernel when there is one, in one call)."""
-        t0 = time.perf_counter()
-        x, acc = io.x_h.unsqueeze(0), io.cpu_h
-        if self.cpu_kernel is not None:
-            self.cpu_kernel.run(*self._native_args(layer, ids, w, cpu), io.x_h, acc)
-            self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
-            return
-        _, gate_up, down = self.store.expert_views(layer)
-        weight = dict(zip(ids, w, strict=True))
-        with torch.inference_mode():
-            for i, expert in enumerate(cpu):
-                y = expert_ffn(x, gate_up[expert], down[expert])[0].float()
-                if i == 0:
-                    torch.mul(y, weight[expert], out=acc)
-                else:
-                    acc.add_(y, alpha=weight[expert])
-        self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
-
-    def _observe_cpu(self, num_bytes: int, seconds: float) -> None:
-        self.totals.cpu_seconds += seconds
-        self.totals.cpu_timed_bytes += num_bytes
-        if self.adaptive:
-            self.bw.observe("cpu", num_bytes, seconds)
-
-    def _read_copy_timing(self, timing: tuple | None = None) -> None:
-        """Account the copies timed by `timing` (default: the last ones issued), which are done."""
-        if timing is None:
-            timing, self._copy_timing = self._copy_timing, None
-        if timing is None:
-            return
-        start, end, num_bytes = timing
-        seconds = start.elapsed_time(end) / 1000
-        self.totals.copy_seconds += seconds
-        self.totals.copy_timed_bytes += num_bytes
-        if self.adaptive:
-            self.bw.observe("copy", num_bytes, seconds)
-
     def close(self) -> None:
         """Nothing to release (kept for callers that close what they open)."""
-
-
-def _average(old: float | None, new: float) -> float:
-    """An exponential moving average moving a tenth of the way to each new sample."""
-    return new if old is None else 0.9 * old + 0.1 * new
 
 
 class _EventRing:
@@ -636,39 +404,3 @@ class _EventRing:
         self.next = (self.next + 1) % len(self.events)
         event.record(stream)
         return event
-
-
-def _event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
-    """A timing event recorded on `stream` (default: the current stream)."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(stream)
-    return event
-
-
-class _LayerIO:
-    """Pinned host buffers and their device mirrors for one MoE layer's graph cut."""
-
-    def __init__(self, top_k: int, hidden: int, dtype: torch.dtype, device) -> None:
-        pin = torch.device(device).type == "cuda"
-        self.ids_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
-        self.pred_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)  # next layer's guess
-        self.w_h = torch.zeros(top_k, dtype=torch.float32, pin_memory=pin)
-        self.x_h = torch.zeros(hidden, dtype=dtype, pin_memory=pin)
-        self.slot_h = torch.zeros(top_k, dtype=torch.long, pin_memory=pin)
-        self.gw_h = torch.zeros(top_k, dtype=torch.float32, pin_memory=pin)
-        self.cpu_h = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
-        # numpy views of the same memory: the host step reads and writes single elements, which
-        # cost microseconds each through tensor indexing and tens of nanoseconds through numpy
-        self.ids_np, self.w_np, self.pred_np = (
-            self.ids_h.numpy(),
-            self.w_h.numpy(),
-            self.pred_h.numpy(),
-        )
-        self.slot_np, self.gw_np, self.cpu_np = (
-            self.slot_h.numpy(),
-            self.gw_h.numpy(),
-            self.cpu_h.numpy(),
-        )
-        self.slot_d = torch.zeros(top_k, dtype=torch.long, device=device)
-        self.gw_d = torch.zeros(top_k, dtype=torch.float32, device=device)
-        self.cpu_d = torch.zeros(hidden, dtype=torch.float32, device=device)
