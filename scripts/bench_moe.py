@@ -14,7 +14,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from agentrt.models.moe import RoutedExperts, _grouped_mm_fn
+from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 
 
 def previous(experts: RoutedExperts, x, ids, weights) -> torch.Tensor:
@@ -26,7 +26,7 @@ def previous(experts: RoutedExperts, x, ids, weights) -> torch.Tensor:
     h = grouped(x[token_of], experts.gate_up[0].transpose(1, 2), offs=offs)
     gate, up = h.chunk(2, dim=-1)
     ys = grouped((F.silu(gate) * up).contiguous(), experts.down[0].transpose(1, 2), offs=offs)
-    unsorted = experts._unsort(ys, order, ids.shape[1])
+    unsorted = unsort(ys, order, ids.shape[1])
     return torch.bmm(weights.unsqueeze(1).to(ys.dtype), unsorted).squeeze(1)
 
 

@@ -56,6 +56,7 @@ from agentrt.offload.host_step import CapturedDecode, LayerIO
 from agentrt.offload.prefetch import Prefetch
 from agentrt.offload.prefill import PrefillStreamer
 from agentrt.offload.split import q_star
+from agentrt.offload.stats import Totals
 from agentrt.offload.store import ExpertStore
 
 PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as prefill
@@ -81,27 +82,6 @@ class Bandwidths:
             return
         old = getattr(self, side)
         setattr(self, side, (1 - self.alpha) * old + self.alpha * num_bytes / seconds)
-
-
-@dataclass
-class Totals:
-    copied: int = 0
-    cpu: int = 0
-    streamed: int = 0
-    bytes_copied: int = 0
-    copy_seconds: float = 0.0  # measured by CUDA events around decode copies
-    copy_timed_bytes: int = 0
-    # decode-step CPU expert work: wall time, or the native kernel pool's own clock from the
-    # call's post to its end (its host step meanwhile prefetches and fills the inputs)
-    cpu_seconds: float = 0.0
-    cpu_timed_bytes: int = 0
-    host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
-    host_seconds: float = 0.0  # their wall time, all of it
-    # of which planning and issuing the copies (prefetches included) and filling the next
-    # piece's inputs (overlapping the CPU experts when the native kernel's pool runs them)
-    plan_seconds: float = 0.0
-    prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch_after`)
-    prefetch_hits: int = 0  # of which the next layer did route to
 
 
 class OffloadedExperts(Prefetch, CapturedDecode):

@@ -23,15 +23,14 @@ Does not know: chat, sessions, decode (the caller routes single tokens elsewhere
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from agentrt.models.moe import RoutedExperts, _grouped_mm_fn
+from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.cache import ExpertCache
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
+from agentrt.offload.pairs import Sorted, bincount, looped_ffn
 from agentrt.offload.planner import (
     Costs,
     LayerPlan,
@@ -44,6 +43,7 @@ from agentrt.offload.planner import (
 )
 from agentrt.offload.prefill_cpu import cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
+from agentrt.offload.stats import PrefillTotals
 from agentrt.offload.store import ExpertStore
 
 CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
@@ -51,29 +51,6 @@ CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
 # routing (chunks of its size), so a cost measured once (a first call's) does not keep auto from
 # trying them again; a real overhead is measured again when it does
 OVERHEAD_DECAY = 0.98
-
-
-@dataclass
-class PrefillTotals:
-    """Counters of offloaded prefill steps (read by benchmarks)."""
-
-    layers: int = 0
-    copied: int = 0  # experts copied into staging
-    copy_bytes: int = 0
-    cpu: int = 0  # missing experts run on the CPU
-    cpu_pairs: int = 0  # (token, expert) pairs they computed
-    pairs: int = 0  # every (token, expert) pair
-    routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
-    admitted: int = 0  # copied experts also put into free slots of the expert cache
-    cpu_seconds: float = 0.0  # host time in the CPU experts (their inputs' arrival included)
-    wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
-    host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
-    plans: Counter = field(default_factory=Counter)  # plan kind -> layers
-
-    def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "plans"}
-        out["plans"] = dict(self.plans)
-        return out
 
 
 class PrefillStreamer:
@@ -184,7 +161,7 @@ class PrefillStreamer:
             self._stream = torch.cuda.current_stream(self.device).cuda_stream
         flat = ids.reshape(-1)
         num = self.store.num_experts
-        counts = _bincount(flat, num)
+        counts = bincount(flat, num)
         predicted = self._predict(layer, x, top_k)
         routed_at = self._mark()
         both = torch.cat([counts, predicted]) if predicted is not None else counts
@@ -203,7 +180,7 @@ class PrefillStreamer:
             begin = self._run_part(fill, counts_h, ys, begin, offs)
         if plan.cpu:
             self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
-        out = _unsort(ys.out, order, top_k).sum(1)
+        out = unsort(ys.out, order, top_k).sum(1)
         self._layer_end = (layer, self._mark(), routed_at, plan, self.overhead_s, self.bucket)
         return out
 
@@ -267,7 +244,7 @@ class PrefillStreamer:
         if self.routers is None or nxt is None or self.plan != "predicted":
             return None
         ids = torch.topk(F.linear(x, self.routers[nxt]), top_k, dim=-1).indices
-        return _bincount(ids.reshape(-1), self.store.num_experts)
+        return bincount(ids.reshape(-1), self.store.num_experts)
 
     def _layer_plan(self, layer: int, counts: list[int]) -> tuple[list[Fill], LayerPlan]:
         """This layer's parts and plan: what was queued ahead (stream; or the predicted
@@ -356,7 +333,7 @@ class PrefillStreamer:
         return list(offs.split([len(fill.experts) for fill in parts]))
 
     def _run_part(
-        self, fill: Fill, counts: list[int], ys: _Sorted, begin: int, offs: torch.Tensor
+        self, fill: Fill, counts: list[int], ys: Sorted, begin: int, offs: torch.Tensor
     ) -> int:
         """Wait for the part's copies, bring its hits in from their slots, run it; returns the
         sorted row after its rows."""
@@ -407,7 +384,7 @@ class PrefillStreamer:
             cache.slot_rows[slot].copy_(buf[pos])
             self.totals.admitted += 1
 
-    def _grouped_ffn(self, weights, ys: _Sorted, begin: int, end: int, rows, offs) -> None:
+    def _grouped_ffn(self, weights, ys: Sorted, begin: int, end: int, rows, offs) -> None:
         """The part's experts over sorted rows [begin, end): gate/up, SwiGLU scaled by the
         routing weights, down (one grouped GEMM each, or a loop where torch has none)."""
         s, x = self.store, ys.x_sorted[begin:end]
@@ -420,7 +397,7 @@ class PrefillStreamer:
                 return
             except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)
                 self._grouped = None
-        ys.out[begin:end] = _looped(x, gate_up, down, rows, scale)
+        ys.out[begin:end] = looped_ffn(x, gate_up, down, rows, scale)
 
     def _grouped_parts(self, x, gate_up, down, offs: torch.Tensor, scale) -> torch.Tensor:
         """Two grouped GEMMs (gate/up, then down) over rows sorted by expert (`offs`: their
@@ -452,10 +429,10 @@ class PrefillStreamer:
         scale = weights.reshape(-1).index_select(0, order).to(x.dtype)
         cpu_pairs = sum(counts[e] for e in plan.cpu)
         total = flat.numel()
-        ys = _Sorted(x_sorted, scale, torch.empty_like(x_sorted))
+        ys = Sorted(x_sorted, scale, torch.empty_like(x_sorted))
         return order, ys, (total - cpu_pairs, total)
 
-    def _cpu_inputs(self, ys: _Sorted, rows: tuple[int, int]):
+    def _cpu_inputs(self, ys: Sorted, rows: tuple[int, int]):
         """The CPU rows' hidden states and routing weights, on their way to the host (queued
         before any part, so they arrive without waiting for the copies), and their event."""
         x, scale = ys.x_sorted[rows[0] : rows[1]], ys.scale[rows[0] : rows[1]]
@@ -468,7 +445,7 @@ class PrefillStreamer:
         event.record(torch.cuda.current_stream(self.device))
         return pinned[0], pinned[1], event
 
-    def _run_cpu(self, layer, plan: LayerPlan, counts, x_cpu, ys: _Sorted, rows) -> None:
+    def _run_cpu(self, layer, plan: LayerPlan, counts, x_cpu, ys: Sorted, rows) -> None:
         """The CPU experts over their rows (in `cpu_order`), weighted, into `ys.out` (this
         thread runs them once the device's parts are dispatched)."""
         x_host, scale, ready = x_cpu
@@ -511,37 +488,3 @@ class PrefillStreamer:
         t.plans[plan.kind] += 1
         self.last_plans[layer] = plan.kind
         self.last_plan = plan
-
-
-@dataclass
-class _Sorted:
-    x_sorted: torch.Tensor  # [Tk, H] inputs of the pairs, sorted by position
-    scale: torch.Tensor  # [Tk] their routing weights
-    out: torch.Tensor  # [Tk, H] their weighted outputs
-
-
-def _looped(x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
-    """Reference path: each expert over its rows."""
-    out, begin = torch.empty_like(x), 0
-    for i, count in enumerate(rows):
-        end = begin + count
-        if count:
-            gate, up = F.linear(x[begin:end], gate_up[i]).chunk(2, dim=-1)
-            out[begin:end] = F.linear(F.silu(gate) * up * scale[begin:end], down[i])
-        begin = end
-    return out
-
-
-def _bincount(ids: torch.Tensor, num: int) -> torch.Tensor:
-    """Pairs per expert, without the device sync of `torch.bincount` (which reads the largest
-    id back to size its output): the layer's one sync stays where it is counted."""
-    counts = torch.zeros(num, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids, torch.ones_like(ids))
-
-
-def _unsort(ys: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Sorted pair outputs `[Tk, H]` -> `[T, k, H]` in token order (a gather through the
-    inverse permutation)."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return ys.index_select(0, inverse).view(-1, top_k, ys.shape[-1])

@@ -12,15 +12,10 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from agentrt.config import (
-    EngineConfig,
-    OffloadConfig,
     StateCacheConfig,
-    offload_mode,
-    parse_bytes,
 )
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
@@ -36,109 +31,17 @@ from agentrt.session.chat import (
     opens_in_reasoning,
     render,
 )
+from agentrt.session.options import (
+    CACHE_MODES,
+    RuntimeConfig,
+    cache_config,
+    check_cache,
+    check_device,
+    engine_config,
+    expert_store,
+    offload_config,
+)
 from agentrt.session.tokens import GeneratedIds
-
-CACHE_MODES = ("semantic", "prefix", "off")
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Every option of `Runtime.open` besides the model, with its default (the one place they
-    are defined: `Runtime.open`'s keywords and the CLI's options fill it by name)."""
-
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
-    cache: str = "semantic"  # semantic | prefix | off
-    state_dir: str | Path | None = None  # None: ~/.cache/agentrt/state
-    vram_budget: str | int | None = None  # e.g. "16GiB": caps what the engine allocates
-    expert_cache_slots: int | None = None  # explicit expert-cache size (forces offload)
-    seed: int = 0
-    tokenizer: str | None = None  # a tokenizer directory overriding the model's own
-    chat_template: str | None = None  # a Jinja file overriding the tokenizer's
-    linear_attn: str = "auto"  # auto | torch | fla
-    prefill_chunk: int | None = None  # None: per device and placement
-    eager: bool = False  # no CUDA graph for decode
-    prefill_graphs: bool = False  # short prefills as CUDA-graph replays (experimental)
-    require_tokenizer: bool = False  # fail before loading weights when there is none
-    state_max_gb: float | None = None
-    boundaries: dict[str, str | list[str]] | None = None  # boundary text overrides per kind
-    state_cache: StateCacheConfig | None = None  # a full state-cache config
-    offload: str | OffloadConfig | None = None  # a placement name or a full OffloadConfig
-    split: bool = True
-    expert_policy: str = "lru"
-    cpu_moe_layers: int | None = None
-    recalibrate: bool = False
-    cpu_layers: int | None = None
-    prefetch: bool = True
-    cpu_kernel: str = "auto"
-    prefill_plan: str = "auto"
-
-
-def _check_device(device: str) -> str:
-    import torch
-
-    index = device[5:] if device.startswith("cuda:") else None
-    if device not in ("cpu", "cuda") and not (index or "").isdigit():
-        raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidArgumentError(
-            "device 'cuda' requested but CUDA is not available on this machine"
-        )
-    if index is not None and int(index) >= torch.cuda.device_count():
-        raise InvalidArgumentError(
-            f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)"
-        )
-    return device
-
-
-def _expert_store(spec: str, device: str, dtype):
-    """A host store for the routed experts of `spec` (pinned when a GPU will read it)."""
-    from agentrt.models.registry import config_of
-    from agentrt.offload.store import ExpertStore
-
-    cfg = config_of(spec)
-    pin = device.startswith("cuda")
-    return ExpertStore(
-        cfg.moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, pin
-    )
-
-
-def _check_cache(cache: str) -> None:
-    if cache not in CACHE_MODES:
-        raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
-
-
-def _offload_config(c: RuntimeConfig) -> OffloadConfig:
-    """`c.offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a
-    budget or a slot count is given, else `none`."""
-    if isinstance(c.offload, OffloadConfig):
-        return c.offload
-    mode = offload_mode(c.offload, c.vram_budget, c.expert_cache_slots)
-    budget = parse_bytes(c.vram_budget) if c.vram_budget is not None else None
-    return OffloadConfig(
-        mode=mode,
-        split=c.split,
-        policy=c.expert_policy,
-        expert_cache_slots=c.expert_cache_slots,
-        vram_budget=budget,
-        cpu_moe_layers=c.cpu_moe_layers,
-        cpu_layers=c.cpu_layers,
-        prefetch=c.prefetch,
-        cpu_kernel=c.cpu_kernel,
-        prefill_plan=c.prefill_plan,
-    )
-
-
-def _engine_config(c: RuntimeConfig, device: str, placement: OffloadConfig) -> EngineConfig:
-    return EngineConfig(
-        device=device,
-        dtype=c.dtype or EngineConfig.default_dtype(device),
-        linear_attn=c.linear_attn,
-        prefill_chunk=c.prefill_chunk
-        or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
-        cuda_graphs=not c.eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
-        prefill_graphs=c.prefill_graphs,  # experimental; not used with offloaded experts
-    )
 
 
 @dataclass(frozen=True)
@@ -224,17 +127,17 @@ class Runtime:
         from agentrt.models.registry import check_spec, open_model, tokenizer_dir_of
         from agentrt.session.tokenizer import load_tokenizer
 
-        _check_cache(c.cache)
-        device = _check_device(c.device)
-        placement = _offload_config(c)
-        config = _engine_config(c, device, placement)
+        check_cache(c.cache)
+        device = check_device(c.device)
+        placement = offload_config(c)
+        config = engine_config(c, device, placement)
         check_spec(model)
         tok_dir = c.tokenizer or tokenizer_dir_of(model)
         if tok_dir is None and c.require_tokenizer:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
         tok = load_tokenizer(tok_dir, c.chat_template) if tok_dir else None
         dtype = torch_dtype(config.dtype)
-        store = _expert_store(model, device, dtype) if placement.mode != "none" else None
+        store = expert_store(model, device, dtype) if placement.mode != "none" else None
         experts = store.as_routed() if store is not None else None
         source = open_model(model, device, dtype, seed=c.seed, experts=experts)
         engine = Engine(source.model, config)
@@ -243,7 +146,7 @@ class Runtime:
 
             engine.offload = install(source.model, store, device, placement, c.recalibrate)
         rt = cls(engine, tok, source, c.seed, c.boundaries)
-        rt.set_cache(c.cache, _cache_config(c.state_cache, c.state_dir, c.state_max_gb))
+        rt.set_cache(c.cache, cache_config(c.state_cache, c.state_dir, c.state_max_gb))
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
             engine.prepare_prefill_graphs(rt._live_state())
         engine.warm_up(rt._live_state())  # (CUDA: kernels compiled, decode graph captured)
@@ -435,16 +338,6 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _cache_config(base: StateCacheConfig | None, state_dir, state_max_gb) -> StateCacheConfig:
-    """`state_cache` (all settings) with `state_dir` / `state_max_gb` applied on top."""
-    changes: dict[str, Any] = {}
-    if state_dir is not None:
-        changes["state_dir"] = Path(state_dir).expanduser()
-    if state_max_gb is not None:
-        changes["max_bytes"] = int(float(state_max_gb) * 2**30)
-    return dataclasses.replace(base or StateCacheConfig(), **changes)
 
 
 def _make_reuse(mode: str, engine: Engine, source, tokenizer, boundaries, config) -> NoReuse:

@@ -1,0 +1,53 @@
+"""Counters of the offloaded experts, read by benchmarks: `Totals` for decode steps,
+`PrefillTotals` for prefill steps (per-layer hit counts live with the cache: `cache.LayerStats`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Totals:
+    """Counters of offloaded decode steps (read by benchmarks)."""
+
+    copied: int = 0
+    cpu: int = 0
+    streamed: int = 0
+    bytes_copied: int = 0
+    copy_seconds: float = 0.0  # measured by CUDA events around decode copies
+    copy_timed_bytes: int = 0
+    # decode-step CPU expert work: wall time, or the native kernel pool's own clock from the
+    # call's post to its end (its host step meanwhile prefetches and fills the inputs)
+    cpu_seconds: float = 0.0
+    cpu_timed_bytes: int = 0
+    host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
+    host_seconds: float = 0.0  # their wall time, all of it
+    # of which planning and issuing the copies (prefetches included) and filling the next
+    # piece's inputs (overlapping the CPU experts when the native kernel's pool runs them)
+    plan_seconds: float = 0.0
+    prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch_after`)
+    prefetch_hits: int = 0  # of which the next layer did route to
+
+
+@dataclass
+class PrefillTotals:
+    """Counters of offloaded prefill steps (read by benchmarks)."""
+
+    layers: int = 0
+    copied: int = 0  # experts copied into staging
+    copy_bytes: int = 0
+    cpu: int = 0  # missing experts run on the CPU
+    cpu_pairs: int = 0  # (token, expert) pairs they computed
+    pairs: int = 0  # every (token, expert) pair
+    routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
+    admitted: int = 0  # copied experts also put into free slots of the expert cache
+    cpu_seconds: float = 0.0  # host time in the CPU experts (their inputs' arrival included)
+    wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
+    host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
+    plans: Counter = field(default_factory=Counter)  # plan kind -> layers
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "plans"}
+        out["plans"] = dict(self.plans)
+        return out
