@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from agentrt.config import EngineConfig
 from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
 from agentrt.models import build_empty
 from agentrt.models import synthetic as syn
 from agentrt.models.moe import RoutedExperts

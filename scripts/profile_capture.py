@@ -22,9 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_step import build  # noqa: E402
 
-from agentrt.config import EngineConfig, StateCacheConfig  # noqa: E402
 from agentrt.engine import Engine  # noqa: E402
+from agentrt.engine.config import EngineConfig  # noqa: E402
 from agentrt.statecache import Boundaries, StateCache  # noqa: E402
+from agentrt.statecache.config import StateCacheConfig  # noqa: E402
 from agentrt.statecache.manager import layout_for  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script only

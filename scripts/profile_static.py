@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from profile_capture import timed  # noqa: E402
 from profile_step import build  # noqa: E402
 
-from agentrt.config import EngineConfig  # noqa: E402
 from agentrt.engine import Engine  # noqa: E402
+from agentrt.engine.config import EngineConfig  # noqa: E402
 from agentrt.engine.cuda_graph import PrefillGraphs  # noqa: E402
 
 

@@ -10,9 +10,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from agentrt.config import FULL, LINEAR, EngineConfig
 from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
 from agentrt.models import build_empty
+from agentrt.models.config import FULL, LINEAR
 from agentrt.models.synthetic import init_value, model_config, named_tensors
 
 

@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from profile_capture import DEVICE, marker_cache, sync, timed  # noqa: E402
 from profile_step import build  # noqa: E402
 
-from agentrt.config import EngineConfig, StateCacheConfig  # noqa: E402
 from agentrt.engine import Engine, Generation, SamplingParams  # noqa: E402
+from agentrt.engine.config import EngineConfig  # noqa: E402
 from agentrt.engine.reuse import SemanticReuse  # noqa: E402
+from agentrt.statecache.config import StateCacheConfig  # noqa: E402
 
 
 def main() -> None:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import StateCacheConfig
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.models.registry import config_of
 from agentrt.statecache import Boundaries, StateCache
+from agentrt.statecache.config import StateCacheConfig
 from agentrt.statecache.manager import layout_for
 
 

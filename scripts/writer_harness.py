@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from writer_stall import late_wakeups  # (this script's folder is on the path)
 
-from agentrt.config import StateCacheConfig
 from agentrt.models.cache import KVCache
 from agentrt.models.synthetic import model_config
 from agentrt.statecache import Boundaries, StateCache
+from agentrt.statecache.config import StateCacheConfig
 from agentrt.statecache.manager import layout_for
 
 

@@ -34,7 +34,7 @@ def test_single_threaded_changes_only_the_calling_thread():
 
 def test_state_cache_helpers_are_single_threaded(tmp_path):
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
 
     if torch.get_num_threads() < 2:
         pytest.skip("one CPU thread: nothing to tell apart")

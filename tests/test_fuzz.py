@@ -96,7 +96,7 @@ class _Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
 
     state = tmp_path_factory.mktemp("fuzz-server-state")
     rt = Runtime.open(

@@ -75,7 +75,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> Setup:
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
 
     state = tmp_path_factory.mktemp("fuzz-state")
     config = StateCacheConfig(state_dir=state, min_distance=0, queue_size=10_000, ram_bytes=0)

@@ -166,8 +166,8 @@ def test_bf16_cuda_close_to_fp32_cpu(kernel):
 
 
 def test_chunked_prefill_on_cuda():
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.registry import open_model
 
     model = open_model("tiny", "cuda", torch.bfloat16).model
@@ -185,8 +185,8 @@ def test_cuda_graph_decode_matches_eager(kernel):
     """CUDA-graph decode (static step: flash varlen attention over the used KV) against eager
     decode, both bf16, with the fp32 model as the oracle: the graph's error stays within twice
     the eager path's (the two attention kernels round differently)."""
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.registry import open_model
 
     model = open_model("tiny", "cuda", torch.bfloat16).model
@@ -226,8 +226,8 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
     """Short prefills replayed as CUDA graphs (padded to a bucket) give the eager logits, at new
     positions and lengths in one bucket and across a KV growth step (recapture); bf16, with the
     fp32 model (eager) as the oracle, also for the states captured inside a pass."""
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.registry import open_model
 
     model = open_model("tiny", "cuda", torch.bfloat16).model
@@ -276,8 +276,8 @@ def test_fla_eager_captures_move_onto_the_chunk_grid():
     before it (`Engine.capture_grid`), with no window pass; the states there match the fp32
     oracle's at the same positions (a bf16 model: 5% of the range), and a piece's end
     stays where asked."""
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.registry import open_model
 
     fla = Engine(
@@ -326,8 +326,8 @@ def test_runtime_opens_warm_on_cuda():
     captured for the live state) and leaves the live state empty: the first request then
     generates what an engine that was never warmed up generates."""
     from agentrt import Runtime
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine, SamplingParams
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.registry import open_model
 
     rt = Runtime.open("tiny", device="cuda", cache="off")
@@ -345,8 +345,8 @@ def test_state_cache_restore_on_cuda(tmp_path):
     """Checkpoints captured on CUDA (pinned, non-blocking copies) restore to the same logits
     (with fla, from the 64-token chunk start before the boundary: `Engine.capture_grid`)."""
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
     from agentrt.engine import SamplingParams
+    from agentrt.statecache.config import StateCacheConfig
 
     cfg = StateCacheConfig(state_dir=tmp_path / "state", min_distance=0)
     rt = Runtime.open("tiny", device="cuda", cache="semantic", state_cache=cfg)
@@ -389,7 +389,7 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     victim slots, CPU experts, whole CPU layers) match the resident model. fp32, so that a wrong
     expert or a stale buffer cannot hide in bf16 rounding noise."""
     from agentrt import Runtime
-    from agentrt.config import OffloadConfig
+    from agentrt.offload.config import OffloadConfig
 
     ids = list(range(10, 200))
     # torch's linear attention on both sides: layers on the CPU run it, and fla's Triton kernels
@@ -427,7 +427,7 @@ def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
     CPU experts with the split) stays as close to the resident model as bf16 allows, for a
     long prompt in several chunks and a short suffix after it."""
     from agentrt import Runtime
-    from agentrt.config import OffloadConfig
+    from agentrt.offload.config import OffloadConfig
 
     ids = [(i * 7919) % 2000 + 10 for i in range(700)]
     opts = dict(
@@ -463,7 +463,7 @@ def test_offloaded_prefill_on_cuda_in_fp32_equals_resident(plan):
     from cache slots (hits after the first chunk admitted experts) bring the right experts, to
     fp32 rounding of the resident model's logits."""
     from agentrt import Runtime
-    from agentrt.config import OffloadConfig
+    from agentrt.offload.config import OffloadConfig
 
     ids = [(i * 7919) % 2000 + 10 for i in range(700)]
     opts = dict(device="cuda", dtype="float32", cache="off", prefill_chunk=256, linear_attn="torch")
@@ -483,7 +483,7 @@ def test_native_cpu_kernel_in_bf16_graph_decode():
     to the resident model as it does through torch's kernels (bf16 rounding differs between the
     two, so they are compared by their error; a wrong expert or stale buffer would stand out)."""
     from agentrt import Runtime
-    from agentrt.config import OffloadConfig
+    from agentrt.offload.config import OffloadConfig
     from agentrt.offload.cpu_kernel import native_experts
 
     if native_experts() is None:
@@ -545,7 +545,7 @@ def test_semantic_reuse_on_cuda_is_transparent(tmp_path):
     from util import TOOLS, agent_requests
 
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
 
     # torch's linear attention: fla's Triton kernels compute fp32 products in tf32, so chunking
     # a prefill differently changes logits by ~1e-3 and flips near-tied greedy choices

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from agentrt import Runtime
-from agentrt.config import OffloadConfig
 from agentrt.models.registry import config_of
 from agentrt.offload.cache import ExpertCache
+from agentrt.offload.config import OffloadConfig
 from agentrt.offload.policy import LFU, LRU
 from agentrt.offload.split import q_star, split_time
 from agentrt.offload.store import ExpertStore
@@ -464,9 +464,7 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
     cache = ExpertCache(store, 6, "cpu", "lru")
     routers = {layer: torch.randn(8, 4) for layer in store.layers}
     experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), split=False, routers=routers)
-    ios = {
-        layer: LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu") for layer in (0, 1)
-    }
+    ios = {layer: LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu") for layer in (0, 1)}
     x, w = torch.randn(1, 4), torch.rand(4)
     for layer, ids, predicted in ((0, [0, 1, 2, 3], [4, 5, 6, 7]), (1, [5, 4, 0, 1], [0, 1, 2, 3])):
         io = ios[layer]

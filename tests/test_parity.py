@@ -57,8 +57,8 @@ def test_bf16_error_is_no_worse_than_transformers(hf_qwen35):
 
         hf16 = AutoModelForCausalLM.from_pretrained(hf_qwen35, dtype=torch.bfloat16).eval()
         hf_err = (hf16(torch.tensor([ids])).logits[0].float() - hf32).abs().mean().item()
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.loader import load_model
 
     eng = Engine(load_model(hf_qwen35, "cpu", torch.bfloat16), EngineConfig(dtype="bfloat16"))

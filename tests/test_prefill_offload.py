@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentrt import Runtime
-from agentrt.config import OffloadConfig
+from agentrt.offload.config import OffloadConfig
 from agentrt.offload.planner import (
     Costs,
     choose,

@@ -52,7 +52,7 @@ def test_state_dir_and_lmdb_files_are_private(tmp_path, umask):
 
 
 def test_runtime_default_state_dir_is_private(tmp_path, monkeypatch, umask):
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
     from agentrt.statecache.store import Store
 
     monkeypatch.setenv("AGENTRT_HOME", str(tmp_path / "agentrt"))

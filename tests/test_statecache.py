@@ -20,7 +20,7 @@ import torch
 from util import TOOLS, agent_requests
 
 from agentrt import Runtime
-from agentrt.config import StateCacheConfig
+from agentrt.statecache.config import StateCacheConfig
 from agentrt.statecache.keys import BLOCK
 from agentrt.statecache.report import verify_all
 from agentrt.statecache.store import Store
@@ -200,7 +200,7 @@ SECOND_PROCESS = """
     import json, sys
     from pathlib import Path
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
     from util import TOOLS, agent_requests
     config = StateCacheConfig(state_dir=Path(sys.argv[1]), min_distance=0)
     rt = Runtime.open("tiny", cache="semantic", state_cache=config)
@@ -226,7 +226,7 @@ WRITER = """
     import sys, random
     from pathlib import Path
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
     from util import TOOLS, agent_requests
     state, log = Path(sys.argv[1]), Path(sys.argv[2])
     config = StateCacheConfig(state_dir=state, min_distance=0, queue_size=10_000)
@@ -375,7 +375,7 @@ CONCURRENT = """
     import json, sys
     from pathlib import Path
     from agentrt import Runtime
-    from agentrt.config import StateCacheConfig
+    from agentrt.statecache.config import StateCacheConfig
     from util import TOOLS, agent_requests
     config = StateCacheConfig(state_dir=Path(sys.argv[1]), min_distance=0, queue_size=10_000)
     rt = Runtime.open("tiny", cache="semantic", state_cache=config)

@@ -11,8 +11,8 @@ def random_ids(n: int, vocab: int = 320, seed: int = 0) -> list[int]:
 
 def open_engine(path, chunk: int = 2048):
     """A CPU fp32 engine for a checkpoint directory."""
-    from agentrt.config import EngineConfig
     from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
     from agentrt.models.loader import load_model
 
     model = load_model(path, "cpu", torch.float32)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from agentrt.config import EngineConfig
 from agentrt.engine import Engine, SamplingParams
+from agentrt.engine.config import EngineConfig
 from agentrt.env import snapshot
 from agentrt.models import copy_model, torch_dtype
 from agentrt.models.registry import open_model

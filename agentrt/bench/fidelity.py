@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from agentrt.bench.engine import machine, random_ids
-from agentrt.config import EngineConfig, StateCacheConfig
 from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
 from agentrt.errors import AgentrtError
 from agentrt.models import copy_model, torch_dtype
 from agentrt.models.registry import open_model
 from agentrt.statecache import Boundaries, StateCache
+from agentrt.statecache.config import StateCacheConfig
 from agentrt.statecache.manager import layout_for
 
 DESIGNS = {"grid": 64, "split": 0}  # capture design -> EngineConfig.capture_grid

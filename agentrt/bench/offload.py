@@ -41,13 +41,14 @@ from typing import Any
 
 import torch
 
-from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
 from agentrt.offload.calibrate import Profile, dram_read_bandwidth
+from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_kernel import kernel_for, kernel_name
 from agentrt.offload.store import ExpertStore
 

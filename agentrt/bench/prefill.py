@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from agentrt.config import EngineConfig, OffloadConfig, parse_bytes
 from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.registry import config_of
+from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_kernel import kernel_for
 
 FIXED_PLANS = ("stream", "routed")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrt.bench.engine import machine, random_ids, timed
-from agentrt.config import EngineConfig
 from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
 from agentrt.errors import AgentrtError
 from agentrt.models import torch_dtype
 from agentrt.models.registry import open_model
@@ -31,8 +31,8 @@ def statecache(
     import shutil
     from pathlib import Path
 
-    from agentrt.config import StateCacheConfig
     from agentrt.statecache import Boundaries, StateCache
+    from agentrt.statecache.config import StateCacheConfig
     from agentrt.statecache.manager import layout_for
 
     dtype = dtype or EngineConfig.default_dtype(device)

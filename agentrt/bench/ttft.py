@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from agentrt.bench.engine import machine
-from agentrt.config import EngineConfig
+from agentrt.engine.config import EngineConfig
 from agentrt.models import torch_dtype
 
 
@@ -25,8 +25,8 @@ def ttft(rt, load, modes, variants, max_tokens, run, warmup: int = 8) -> dict[st
 
     import msgspec
 
-    from agentrt.config import StateCacheConfig
     from agentrt.replay.replay import local_target
+    from agentrt.statecache.config import StateCacheConfig
 
     if warmup:
         first = load(False)[0]

@@ -21,7 +21,7 @@ from agentrt.cli.options import (
     resolve_device,
     write_json,
 )
-from agentrt.config import PREFILL_PLANS
+from agentrt.offload.config import PREFILL_PLANS
 
 
 @main.group()

@@ -29,7 +29,7 @@ def _state_dir_option(fn):
 
 
 def _open_store(state_dir: str | None, must_exist: bool = True):
-    from agentrt.config import StateCacheConfig, default_state_dir
+    from agentrt.statecache.config import StateCacheConfig, default_state_dir
     from agentrt.statecache.store import Store
 
     path = Path(state_dir).expanduser() if state_dir else default_state_dir()

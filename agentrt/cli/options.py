@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from agentrt.config import CPU_KERNELS, PREFILL_PLANS, offload_mode
 from agentrt.errors import AgentrtError
+from agentrt.offload.config import CPU_KERNELS, PREFILL_PLANS, offload_mode
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
 MODEL_HELP = (

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from agentrt.config import EngineConfig
+from agentrt.engine.config import EngineConfig
 from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs, graph_kv_tokens
 from agentrt.engine.placement import kv_bytes_per_token
 from agentrt.engine.reuse import NoReuse

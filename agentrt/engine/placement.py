@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import OffloadConfig
 from agentrt.env import home_dir
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.layers import CausalLM, MoEBlock
@@ -23,6 +22,7 @@ from agentrt.offload.calibrate import (
     profile_path,
     save_profile,
 )
+from agentrt.offload.config import OffloadConfig
 from agentrt.offload.cpu_kernel import kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer

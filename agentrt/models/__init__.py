@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from agentrt.config import ModelConfig
 from agentrt.errors import UnsupportedArchitectureError
 from agentrt.models import layers, qwen3_5_moe, qwen3_moe
+from agentrt.models.config import ModelConfig
 from agentrt.models.layers import CausalLM, Rotary
 from agentrt.models.moe import RoutedExperts
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agentrt.config import ModelConfig
 from agentrt.errors import ModelNotFoundError
 from agentrt.models import torch_dtype
+from agentrt.models.config import ModelConfig
 from agentrt.models.registry import SYNTHETIC_PREFIX
 
 

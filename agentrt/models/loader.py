@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import ModelConfig
 from agentrt.errors import ModelFormatError, ModelNotFoundError
 from agentrt.models import build_empty
+from agentrt.models.config import ModelConfig
 from agentrt.models.layers import CausalLM
 
 _FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrt.config import ModelConfig
 from agentrt.models import kernels
 from agentrt.models.cache import LinearCache
+from agentrt.models.config import ModelConfig
 from agentrt.models.layers import (
     Attention,
     CausalLM,

@@ -5,7 +5,7 @@ layers use a dense SwiGLU MLP. Weight names match `Qwen3MoeForCausalLM` (prefix 
 
 from __future__ import annotations
 
-from agentrt.config import ModelConfig
+from agentrt.models.config import ModelConfig
 from agentrt.models.layers import Attention, CausalLM, DecoderLayer, build_mlp
 from agentrt.models.moe import RoutedExperts
 

@@ -32,7 +32,7 @@ def _has_tokenizer(path: Path) -> bool:
 
 def check_spec(spec: str) -> None:
     """Cheap validation of a model spec (config and weight files listed; no weights read)."""
-    from agentrt.config import ModelConfig
+    from agentrt.models.config import ModelConfig
     from agentrt.models.loader import check_headers, checkpoint_files
 
     if spec == "tiny":
@@ -53,7 +53,7 @@ def check_spec(spec: str) -> None:
 
 def config_of(spec: str):
     """The `ModelConfig` of a spec, without loading weights."""
-    from agentrt.config import ModelConfig
+    from agentrt.models.config import ModelConfig
     from agentrt.models.tiny import ensure_tiny
 
     if spec.startswith(SYNTHETIC_PREFIX):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import FULL, LINEAR, ModelConfig
 from agentrt.errors import InvalidArgumentError
 from agentrt.models import FP32_PARAMS, build_empty, torch_dtype
+from agentrt.models.config import FULL, LINEAR, ModelConfig
 from agentrt.models.layers import CausalLM
 from agentrt.private import private_dir, private_output, write_private
 

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from agentrt.config import CPU_KERNELS
 from agentrt.env import home_dir, switched_off, variable
 from agentrt.errors import AgentrtError
+from agentrt.offload.config import CPU_KERNELS
 from agentrt.private import FILE_MODE, private_dir
 
 SOURCE = (Path(__file__).parent / "experts_bf16.c").read_text()  # (package data)

@@ -9,14 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrt.config import (
-    EngineConfig,
-    OffloadConfig,
-    StateCacheConfig,
-    offload_mode,
-    parse_bytes,
-)
+from agentrt.engine.config import EngineConfig
 from agentrt.errors import InvalidArgumentError
+from agentrt.offload.config import OffloadConfig, offload_mode, parse_bytes
+from agentrt.statecache.config import StateCacheConfig
 
 CACHE_MODES = ("semantic", "prefix", "off")
 

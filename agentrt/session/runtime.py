@@ -14,9 +14,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentrt.config import (
-    StateCacheConfig,
-)
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError
@@ -42,6 +39,7 @@ from agentrt.session.options import (
     offload_config,
 )
 from agentrt.session.tokens import GeneratedIds
+from agentrt.statecache.config import StateCacheConfig
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agentrt.config import ModelConfig, StateCacheConfig
 from agentrt.cputhreads import keep_freed_buffers, single_threaded
 from agentrt.models.cache import KVCache
+from agentrt.models.config import ModelConfig
 from agentrt.statecache.boundaries import Boundaries
 from agentrt.statecache.codec import (
     Layout,
 )
+from agentrt.statecache.config import StateCacheConfig
 from agentrt.statecache.keys import BLOCK, PrefixKeys
 from agentrt.statecache.ram import RamTier
 from agentrt.statecache.restore import Restorer
