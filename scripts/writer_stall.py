@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agentrt.cputhreads import keep_freed_buffers
+from agentrt.host.cputhreads import keep_freed_buffers
 from agentrt.statecache.codec import pack_parts
 
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from agentrt.cputhreads import _omp_set_num_threads, single_threaded
+from agentrt.host.cputhreads import _omp_set_num_threads, single_threaded
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or _omp_set_num_threads() is None,
@@ -67,11 +67,11 @@ def _spin_env(code: str, **env: str) -> dict:
 
 
 def test_spinning_workers_are_chosen_before_torch_loads_and_never_override_the_user():
-    from agentrt.cputhreads import SPIN_ENV
+    from agentrt.host.cputhreads import SPIN_ENV
 
-    enable = "from agentrt.cputhreads import spin_between_steps as s; assert s(True)"
+    enable = "from agentrt.host.cputhreads import spin_between_steps as s; assert s(True)"
     assert _spin_env(enable) == SPIN_ENV
-    keep = "from agentrt.cputhreads import spin_between_steps as s; assert not s(True)"
+    keep = "from agentrt.host.cputhreads import spin_between_steps as s; assert not s(True)"
     assert _spin_env(keep, OMP_WAIT_POLICY="PASSIVE") == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert _spin_env(keep, AGENTRT_OMP_SPIN="0") == {}
     assert _spin_env("import torch\n" + keep) == {}  # too late: libgomp has read its environment
@@ -85,7 +85,7 @@ def test_loaded_libraries_lists_what_this_process_mapped():
     """`loaded_libraries` finds torch's own shared library among this process's mappings (the
     way agentrt finds the OpenMP and CUDA runtimes torch loaded), and nothing for a name no
     library has."""
-    from agentrt.libs import loaded_libraries
+    from agentrt.host.libs import loaded_libraries
 
     found = loaded_libraries("libtorch")
     assert found and all("libtorch" in path for path in found) and found == sorted(found)

@@ -20,8 +20,8 @@ FORBIDDEN = {
     "replay": {"server", "cli", "bench"},
     "bench": {"cli"},
 }
-# modules at the package root (besides the CLI and the package's lazy `Runtime` export) sit
-# below every layer
+# modules at the package root (besides the package's lazy `Runtime` export) and `agentrt/host`
+# sit below every layer
 ROOT_FORBIDDEN = {"models", "offload", "statecache", "engine", "session", "server", "replay"}
 ROOT_FORBIDDEN |= {"cli", "bench"}
 
@@ -47,12 +47,19 @@ def test_import_direction():
 
 
 def test_root_modules_sit_below_every_layer():
+    """The root modules and `agentrt/host` (what the process needs from its host) import no
+    layer."""
     bad = []
-    for path in PKG.glob("*.py"):
-        if path.name == "__init__.py":
+    for path in [*PKG.glob("*.py"), *(PKG / "host").rglob("*.py")]:
+        if path.parent == PKG and path.name == "__init__.py":
             continue
-        bad += [f"{path.name} imports agentrt.{h}" for h in _imports(path) & ROOT_FORBIDDEN]
+        hits = _imports(path) & ROOT_FORBIDDEN
+        bad += [f"{path.relative_to(PKG)} imports agentrt.{h}" for h in hits]
     assert not bad, bad
+
+
+def test_the_package_root_holds_only_the_api_errors_and_environment():
+    assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py", "env.py", "errors.py"]
 
 
 def test_environment_is_read_in_env_only():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED
 
-from agentrt.private import private_dir, private_output, write_private
+from agentrt.host.private import private_dir, private_output, write_private
 
 TAU_BENCH = SHARED / "traces-dev" / "tau-bench" / "gpt-4o-airline.json"
 

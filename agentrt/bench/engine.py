@@ -30,7 +30,7 @@ def machine() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        # how idle OpenMP workers wait (agentrt.cputhreads sets them for offloaded decode)
+        # how idle OpenMP workers wait (agentrt.host.cputhreads sets them for offloaded decode)
         "omp_env": {k: v for k, v in snapshot().items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
     }
     if os.path.isdir("/proc/self/task"):  # more than one OpenMP team shows as extra threads

@@ -38,8 +38,8 @@ class AgentrtGroup(click.Group):
 
 def prepare_cpu_threads(device: str, offloads: list[str]) -> None:
     """Before torch loads: spinning OpenMP workers for offloaded decode on a GPU, where the CPU
-    computes experts in short bursts between GPU steps (see `agentrt.cputhreads`)."""
-    from agentrt.cputhreads import spin_between_steps
+    computes experts in short bursts between GPU steps (see `agentrt.host.cputhreads`)."""
+    from agentrt.host.cputhreads import spin_between_steps
 
     gpu = device == "cuda" or (device == "auto" and Path("/dev/nvidiactl").exists())
     spin_between_steps(gpu and any(mode != "none" for mode in offloads))

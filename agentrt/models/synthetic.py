@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from agentrt.errors import InvalidArgumentError
+from agentrt.host.private import private_dir, private_output, write_private
 from agentrt.models import FP32_PARAMS, build_empty, torch_dtype
 from agentrt.models.config import FULL, LINEAR, ModelConfig
 from agentrt.models.layers import CausalLM
-from agentrt.private import private_dir, private_output, write_private
 
 INIT_STD = 0.02
 _Q35_35B = dict(

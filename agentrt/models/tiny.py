@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agentrt.env import home_dir
-from agentrt.private import private_dir, write_private
+from agentrt.host.private import private_dir, write_private
 
 TINY_VERSION = 1
 VOCAB_SIZE = 2048

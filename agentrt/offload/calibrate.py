@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from agentrt.host.private import private_dir, write_private
 from agentrt.offload.cpu_kernel import kernel_name
 from agentrt.offload.store import ExpertStore
-from agentrt.private import private_dir, write_private
 
 # torch's OpenMP workers spin about this long at most after a parallel region (GOMP_SPINCOUNT,
 # KMP_BLOCKTIME as the CLI sets them: `cputhreads`); on the same cores they would slow the

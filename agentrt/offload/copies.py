@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from agentrt.libs import loaded_libraries
+from agentrt.host.libs import loaded_libraries
 
 HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice

@@ -41,8 +41,8 @@ import torch
 
 from agentrt.env import home_dir, switched_off, variable
 from agentrt.errors import AgentrtError
+from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.offload.config import CPU_KERNELS
-from agentrt.private import FILE_MODE, private_dir
 
 SOURCE = (Path(__file__).parent / "experts_bf16.c").read_text()  # (package data)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC"]

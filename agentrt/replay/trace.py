@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from agentrt.errors import AgentrtError
-from agentrt.private import private_dir, write_private
+from agentrt.host.private import private_dir, write_private
 
 FORMAT = 1
 

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agentrt.cputhreads import keep_freed_buffers, single_threaded
+from agentrt.host.cputhreads import keep_freed_buffers, single_threaded
 from agentrt.models.cache import KVCache
 from agentrt.models.config import ModelConfig
 from agentrt.statecache.boundaries import Boundaries

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from agentrt.private import FILE_MODE, private_dir
+from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrt.cputhreads import single_threaded
+from agentrt.host.cputhreads import single_threaded
 from agentrt.statecache.codec import (
     Record,
     pack_parts,
@@ -132,7 +132,7 @@ class Writer:
     # ------------------------------------------------------------------ writer thread
 
     def _write_loop(self) -> None:
-        single_threaded()  # its copies need no OpenMP team (see agentrt.cputhreads)
+        single_threaded()  # its copies need no OpenMP team (see agentrt.host.cputhreads)
         while True:
             job = self._queue.get()
             try:

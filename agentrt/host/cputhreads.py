@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 from agentrt.env import set_all, switched_off, variable
-from agentrt.libs import loaded_libraries
+from agentrt.host.libs import loaded_libraries
 
 
 @functools.cache

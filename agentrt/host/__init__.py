@@ -1,0 +1,3 @@
+"""What agentrt needs from the host process, below every layer: private files and directories
+(`private.py`), CPU thread settings (`cputhreads.py`), the shared libraries loaded (`libs.py`).
+Knows nothing of models, engines or sessions."""
