@@ -1,25 +1,19 @@
-"""Model zoo: one file per architecture, built from `layers.py`; `build_empty` makes an
-uninitialised
-model (no weight memory touched twice) on a device, ready for the loader or the synthetic filler.
-This package never imports the engine, offload, state cache or sessions.
+"""Model zoo: one file per architecture (listed in `architectures.py`), built from `layers.py`;
+`build_empty` makes an uninitialised model (no weight memory touched twice) on a device, ready
+for the loader or the synthetic filler. This package never imports the engine, offload, state
+cache or sessions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from agentrt.errors import UnsupportedArchitectureError
-from agentrt.models import layers, qwen3_5_moe, qwen3_moe
+from agentrt.models import layers, qwen3_5_moe
+from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
 from agentrt.models.layers import CausalLM, Rotary
 from agentrt.models.moe import RoutedExperts
 
-ARCH_BUILDERS: dict[str, Callable[[ModelConfig, RoutedExperts], CausalLM]] = {
-    "qwen3_5_moe": qwen3_5_moe.build,
-    "qwen3_moe": qwen3_moe.build,
-}
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in fp32 whatever the model dtype
 
 
@@ -37,9 +31,7 @@ def build_empty(
 ) -> CausalLM:
     """Allocate the model on `device` without initialising weights. Routed experts go to
     `experts` when given (e.g. views of a host expert store), else onto `device`."""
-    builder = ARCH_BUILDERS.get(cfg.arch)
-    if builder is None:
-        raise UnsupportedArchitectureError(f"no model implementation for {cfg.arch!r}")
+    builder = architecture(cfg.arch).build
     if experts is None:
         experts = RoutedExperts.empty(
             cfg.moe_layers,

@@ -12,17 +12,8 @@ from typing import Any
 
 from agentrt.errors import ModelFormatError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_moe")
 LINEAR = "linear_attention"
 FULL = "full_attention"
-
-# model_type values found in config.json -> our architecture name
-_MODEL_TYPES = {
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "qwen3_moe": "qwen3_moe",
-}
-
 
 # ----------------------------------------------------------------------------- model config
 
@@ -125,18 +116,6 @@ def _text_section(raw: dict) -> tuple[dict, str]:
     return raw, "model."
 
 
-def _arch_of(raw: dict) -> str:
-    model_type = raw.get("model_type")
-    if model_type is None:
-        raise ModelFormatError("config.json has no model_type")
-    arch = _MODEL_TYPES.get(str(model_type))
-    if arch is None:
-        raise UnsupportedArchitectureError(
-            f"unknown architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
-    return arch
-
-
 def _rope(text: dict) -> tuple[float, float]:
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
@@ -160,24 +139,10 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _layer_types(arch: str, text: dict, num_layers: int) -> tuple[str, ...]:
-    if arch != "qwen3_5_moe":
-        return (FULL,) * num_layers
-    types = text.get("layer_types")
-    if types is None:
-        interval = int(text.get("full_attention_interval", 4))
-        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+def _layer_types(types, num_layers: int) -> tuple[str, ...]:
     if len(types) != num_layers or any(t not in (LINEAR, FULL) for t in types):
         raise ModelFormatError(f"layer_types does not describe {num_layers} layers: {types}")
     return tuple(types)
-
-
-def _dense_layers(arch: str, text: dict, num_layers: int) -> tuple[int, ...]:
-    if arch != "qwen3_moe":
-        return ()
-    only = set(text.get("mlp_only_layers") or [])
-    step = int(text.get("decoder_sparse_step", 1) or 1)
-    return tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
 
 
 def _require(text: dict, key: str, *aliases: str) -> Any:
@@ -188,7 +153,9 @@ def _require(text: dict, key: str, *aliases: str) -> Any:
 
 
 def _from_hf_dict(raw: dict) -> ModelConfig:
-    arch = _arch_of(raw)
+    from agentrt.models.architectures import arch_of, architecture  # (they import this module)
+
+    arch = arch_of(raw.get("model_type"))
     text, prefix = _text_section(raw)
     if text.get("use_sliding_window"):
         raise UnsupportedArchitectureError("sliding-window attention is not supported yet")
@@ -197,12 +164,13 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         hidden = int(_require(text, "hidden_size"))
         heads = int(_require(text, "num_attention_heads"))
         theta, partial = _rope(text)
+        fields = architecture(arch).config_fields(text, num_layers)
         cfg = ModelConfig(
             arch=arch,
             vocab_size=int(_require(text, "vocab_size")),
             hidden_size=hidden,
             num_layers=num_layers,
-            layer_types=_layer_types(arch, text, num_layers),
+            layer_types=_layer_types(fields["layer_types"], num_layers),
             num_heads=heads,
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or (hidden // heads if heads else 0)),
@@ -214,10 +182,10 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             num_experts=int(_require(text, "num_experts", "num_local_experts")),
             num_experts_per_tok=int(_require(text, "num_experts_per_tok")),
             moe_intermediate_size=int(_require(text, "moe_intermediate_size")),
-            norm_topk_prob=bool(text.get("norm_topk_prob", arch == "qwen3_5_moe")),
+            norm_topk_prob=fields["norm_topk_prob"],
             shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
             intermediate_size=int(text.get("intermediate_size") or 0),
-            dense_layers=_dense_layers(arch, text, num_layers),
+            dense_layers=fields.get("dense_layers", ()),
             linear_num_key_heads=int(text.get("linear_num_key_heads") or 0),
             linear_num_value_heads=int(text.get("linear_num_value_heads") or 0),
             linear_key_head_dim=int(text.get("linear_key_head_dim") or 0),

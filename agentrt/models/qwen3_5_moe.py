@@ -18,7 +18,7 @@ from torch import nn
 
 from agentrt.models import kernels
 from agentrt.models.cache import LinearCache
-from agentrt.models.config import ModelConfig
+from agentrt.models.config import FULL, LINEAR, ModelConfig
 from agentrt.models.layers import (
     Attention,
     CausalLM,
@@ -163,6 +163,22 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+# config.json `model_type`s read as this architecture (the text part of multimodal checkpoints)
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+ZERO_CENTERED_NORMS = True  # RMSNorm weights stored as offsets from 1 (a synthetic model's: 0)
+
+
+def config_fields(text: dict, num_layers: int) -> dict:
+    """This architecture's `ModelConfig` fields from the text section of its config.json: the
+    layer types (`layer_types`, or every `full_attention_interval`-th layer full attention),
+    routing weights renormalised over the top-k unless the config says otherwise."""
+    types = text.get("layer_types")
+    if types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+    return {"layer_types": tuple(types), "norm_topk_prob": bool(text.get("norm_topk_prob", True))}
 
 
 def build(cfg: ModelConfig, experts: RoutedExperts) -> CausalLM:

@@ -25,6 +25,7 @@ import torch
 from agentrt.errors import InvalidArgumentError
 from agentrt.host.private import private_dir, private_output, write_private
 from agentrt.models import FP32_PARAMS, build_empty, torch_dtype
+from agentrt.models.architectures import architecture
 from agentrt.models.config import FULL, LINEAR, ModelConfig
 from agentrt.models.layers import CausalLM
 
@@ -199,7 +200,7 @@ def build_in_memory(
     a model built entirely on that device."""
     cfg = model_config(size)
     model = build_empty(cfg, device, dtype or torch_dtype(cfg.torch_dtype), experts)
-    zero_centered = cfg.arch == "qwen3_5_moe"
+    zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
     device = torch.device(device)
     with torch.inference_mode():
         for name, tensor in named_tensors(model):
@@ -271,7 +272,7 @@ def _write_shard(path: Path, entries, cfg: ModelConfig, target: torch.dtype, see
     tensors = {}
     for name, shape in entries:
         t = torch.empty(shape, dtype=torch.float32)
-        init_value(name, t, seed, cfg.arch == "qwen3_5_moe")
+        init_value(name, t, seed, architecture(cfg.arch).ZERO_CENTERED_NORMS)
         keep_fp32 = name.rsplit(".", 1)[-1] in FP32_PARAMS
         tensors[name] = t if keep_fp32 else t.to(target)
     with private_output(path) as tmp:  # 0600; save_file truncates it, keeping the mode
