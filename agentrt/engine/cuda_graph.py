@@ -204,7 +204,7 @@ def _cutters(model: CausalLM) -> list:
 # Attention in a replay reads only the positions in use (flash varlen with the length in a device
 # tensor; a mask over the whole capacity where that kernel is unusable). Every replay streams
 # (nearly) all expert weights once: on the H200 a replay cost 36 ms at 64 tokens and 94 ms at
-# 2048, ~31 us per token above 1K (`scripts/profile_static.py`, qwen3.5-35b-a3b), so one replay
+# 2048, ~31 us per token above 1K (`benchmarks/profile_static.py`, qwen3.5-35b-a3b), so one replay
 # beats two and padding is what is left to cut: from 768 tokens on, buckets every 256 tokens,
 # every 128 above 2048 (the longest suffixes set the worst-case TTFT; 4 ms of padding less there).
 PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 2049, 256), *range(2176, 3073, 128))

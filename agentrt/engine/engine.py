@@ -265,7 +265,7 @@ class Engine:
         a state between two starts needs one more (recurrent) pass over a 64-token window per
         layer. With fla's kernels on a GPU that window was most of the cost of a checkpoint: on
         the H200, a prefill of 8K tokens with a checkpoint every 2000 tokens took 17% longer
-        than without (`scripts/profile_capture.py 8192 40 2000`). A checkpoint taken up to 63
+        than without (`benchmarks/profile_capture.py 8192 40 2000`). A checkpoint taken up to 63
         tokens early is as valid (`StateCache.save(at=...)`): a later turn prefills those
         tokens again. Default: 64 with fla, 0 with torch's kernels (CPU: the oracle path)."""
         if not self.cfg.is_hybrid:  # KV alone: any position is as cheap

@@ -76,7 +76,7 @@ def spin_between_steps(enable: bool) -> bool:
 # when Python frees the object. The state-cache writer frees several 4-5 MiB payload buffers
 # per checkpoint: on the 2-core machine that stalled the other threads (request preparation, a
 # prefill's host side) by ~5.8 ms per 66 MB checkpoint packed, against 0.6 ms with buffers up
-# to 32 MiB kept in the heap (`scripts/writer_stall.py`). Freed memory at the top of the main
+# to 32 MiB kept in the heap (`benchmarks/writer_stall.py`). Freed memory at the top of the main
 # heap is returned to the system only beyond 256 MiB, and a thread's arena (heaps of at most
 # 64 MiB) keeps what it held at its peak: the helper threads allocate payload-sized buffers
 # (a few MiB each), so that stays small against the state cache's own RAM tier.

@@ -139,7 +139,7 @@ def fla_ops():
     return chunk, recurrent
 
 
-# On the H200 (`scripts/bench_conv.py`, 8192 channels, bf16) fla's kernel took 0.23 ms of GPU
+# On the H200 (`benchmarks/bench_conv.py`, 8192 channels, bf16) fla's kernel took 0.23 ms of GPU
 # time at 2048 and 4096 tokens where the torch sum took 0.50 and 0.96 ms; below 1024 tokens a call
 # is bound by host time, 0.20-0.24 ms for fla's wrapper against 0.09-0.17 ms for the torch sum.
 FLA_CONV_MIN = 1024
@@ -228,7 +228,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, state):
     pieces capture cuts leave) take the fused recurrent kernel: one launch where the chunked
     form has about ten, and prefill is bound by host time per launch. On the H200 a call took
     0.07-0.08 ms up to 64 tokens, 0.29 ms at 256, against the chunked form's 0.59-0.61 ms; equal
-    at 512 (`scripts/fla_crossover.py`). 64 is the bound verified on the GPU end to end."""
+    at 512 (`benchmarks/fla_crossover.py`). 64 is the bound verified on the GPU end to end."""
     chunk, recurrent = fla_ops()
     fn = recurrent if q.shape[0] <= FLA_RECURRENT_MAX else chunk
     out, final = fn(

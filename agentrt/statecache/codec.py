@@ -127,7 +127,7 @@ def _join(pieces: Sequence[bytes | memoryview]) -> memoryview:
     """The pieces laid end to end in a new buffer, allocated and copied by numpy, which lets
     other threads run meanwhile; `bytes.join` (and `bytearray(n)`'s zero fill) hold the GIL
     throughout: a stall of the prefill thread for every payload the writer frames
-    (`scripts/writer_stall.py`)."""
+    (`benchmarks/writer_stall.py`)."""
     sizes = [len(piece) for piece in pieces]
     out = np.empty(sum(sizes), dtype=np.uint8)
     offset = 0

@@ -3,10 +3,10 @@
 # --offload auto` with the qwen3.5-35b-a3b-shaped synthetic model under a 16 GiB budget, and
 # (STEPS=...,ttft) the TTFT replay of the reasoning-dropped sample traces under the same budget,
 # (long) a 64K-token prompt, (decode) offloaded decode after a 512- and a 32K-token prefill.
-# Carry .whl .tok .traces-dev (scripts/gpu_ttft.sh prepare) and .triton-cache.tgz if present.
+# Carry .whl .tok .traces-dev (benchmarks/gpu_ttft.sh prepare) and .triton-cache.tgz if present.
 set -u
 cd "$(dirname "$0")/.."
-source scripts/device_env.sh
+source benchmarks/device_env.sh
 STEPS=",${STEPS:-tests,prefill},"
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 if has tests; then
@@ -25,7 +25,7 @@ if has prefill; then
 fi
 if has ttft; then
   VARIANTS=dropped NAME=ttft_offload PREFILL_CHUNK=8192 TTFT_ARGS="--vram-budget 16GiB ${TTFT_ARGS:-}" \
-    timeout "${TTFT_TIMEOUT:-300}" bash scripts/gpu_ttft.sh | tail -14
+    timeout "${TTFT_TIMEOUT:-300}" bash benchmarks/gpu_ttft.sh | tail -14
 fi
 tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" --exclude .seeded --exclude '*.ptx' \
   --exclude '*.ttir' --exclude '*.ttgir' --exclude '*.llir' --exclude '*.source' . 2>/dev/null

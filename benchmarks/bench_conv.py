@@ -3,7 +3,7 @@ GPU: the torch sum of shifted products against fla's fused kernel, per length. P
 with host time per call (launch cost, what an eager prefill pays) and GPU time per call (CUDA
 events over 50 back-to-back calls).
 
-    python scripts/bench_conv.py
+    python benchmarks/bench_conv.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ graph host step spends before its CPU experts can start. Prints JSON: microsecon
 `cudaMemcpyAsync` called directly (ctypes, when libcudart is loaded), timing events, stream
 waits and the stream context manager.
 
-    python scripts/host_step_costs.py
+    python benchmarks/host_step_costs.py
 """
 
 from __future__ import annotations

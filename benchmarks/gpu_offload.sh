@@ -4,7 +4,7 @@
 # kernel the bandwidth calibration (`bench bw`) and `agentrt bench decode` over every placement
 # under a 16GiB budget on the qwen3.5-35b-a3b-shaped synthetic model, decoding real text through
 # the Qwen3 tokenizer (each setting's 16 tokens after the timed ones run under cProfile).
-# Prepare on the dev machine first: bash scripts/gpu_ttft.sh prepare (copies the tokenizer to
+# Prepare on the dev machine first: bash benchmarks/gpu_ttft.sh prepare (copies the tokenizer to
 # .tok/), then run with carry .whl .tok. Writes into $OUT: summary.log (tests, costs, bw, the
 # tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 / NOSPIN=0 skip the
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
@@ -23,8 +23,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -rs tests/test_gpu.py -k "offload or native" 2>&1 | tail -8 | tee -a "$LOG"
 fi
 if [ "${PROBES:-1}" = 1 ]; then
-  python3 scripts/host_step_costs.py 2>&1 | tee -a "$LOG"
-  python3 scripts/bench_cpu_kernel.py 2>&1 | tee -a "$LOG"
+  python3 benchmarks/host_step_costs.py 2>&1 | tee -a "$LOG"
+  python3 benchmarks/bench_cpu_kernel.py 2>&1 | tee -a "$LOG"
 fi
 for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
   echo "=== cpu kernel $K ($(left) s left)" | tee -a "$LOG"

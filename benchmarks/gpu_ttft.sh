@@ -2,7 +2,7 @@
 # The sessions issue's GPU run (one H200): `agentrt bench ttft` with the qwen3.5-35b-a3b-shaped
 # synthetic model and the real Qwen3 tokenizer, on the mini-swe-agent and tau-bench samples, as
 # recorded and with earlier reasoning dropped. Prepare on the dev machine first (the shared data
-# does not travel):  bash scripts/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
+# does not travel):  bash benchmarks/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
 # Env: VARIANTS (default recorded,dropped), PREFILL_CHUNK (default 4096: on an H200 a suffix of
 # 2-4K tokens then runs as one forward pass instead of two launch-bound ones), TTFT_ARGS (more
 # options, e.g. --prefill-graphs), NAME (output file stem, default ttft), TRACES (trace files,

@@ -4,7 +4,7 @@ Builds a random `SequenceState` shaped like MODEL (default synthetic:qwen3.5-35b
 layers of KV, 30 linear-attention states) holding TOKENS tokens, saves one checkpoint into a fresh
 state directory, then restores it three times from a fresh cache object (nothing in RAM: every
 byte comes from LMDB) and prints the times. Usage:
-    python scripts/restore_bench.py [TOKENS] [MODEL]
+    python benchmarks/restore_bench.py [TOKENS] [MODEL]
 """
 
 from __future__ import annotations

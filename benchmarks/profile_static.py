@@ -7,7 +7,7 @@ same position (the state is rewound by length only: timing, not correctness). Pr
 then the GPU kernels of one decode step and of one static pass (the kernels a replay runs) at
 64 and 2048 tokens.
 
-    python scripts/profile_static.py [layers] [prefix] [reps]     (default 40 8000 5)
+    python benchmarks/profile_static.py [layers] [prefix] [reps]     (default 40 8000 5)
 """
 
 from __future__ import annotations

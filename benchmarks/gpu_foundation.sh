@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The foundation issue's GPU run (one H200): GPU tests, bf16-vs-fp32 accuracy on tiny, and prefill /
 # decode throughput of the qwen3.5-35b-a3b-shaped synthetic model, all on the GPU (no offload),
-# with and without fla. Usage (device tool): bash scripts/gpu_foundation.sh  (writes into $OUT).
+# with and without fla. Usage (device tool): bash benchmarks/gpu_foundation.sh  (writes into $OUT).
 set -u
 source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'; \

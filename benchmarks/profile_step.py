@@ -1,6 +1,6 @@
 """Profile one prefill chunk and eager decode steps of a layer-truncated synthetic model on CUDA
 (same per-layer shapes as the full model), and time the expert-dispatch variants. Prints tables.
-Usage: python scripts/profile_step.py [size] [num_layers]"""
+Usage: python benchmarks/profile_step.py [size] [num_layers]"""
 
 from __future__ import annotations
 

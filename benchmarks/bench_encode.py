@@ -3,10 +3,10 @@ remembered as if this runtime had generated it (so it is spliced back into later
 with a framework talking to `agentrt serve`). Prints JSON: prompts, their largest size, and the
 median and largest encode time.
 
-    python scripts/bench_encode.py TRACE TOKENIZER_DIR [CHAT_TEMPLATE] [REQUESTS]
+    python benchmarks/bench_encode.py TRACE TOKENIZER_DIR [CHAT_TEMPLATE] [REQUESTS]
 
 e.g. `.traces-dev/msa/mini-swe-agent-marshmallow-code__marshmallow-1359.jsonl.zst .tok/qwen3
-.tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja 30` (see scripts/gpu_ttft.sh prepare).
+.tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja 30` (see benchmarks/gpu_ttft.sh prepare).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ gated-delta-rule kernels at Qwen3.5-35B-A3B's linear-attention shapes (16 key he
 heads, head dims 128, bf16 inputs, fp32 state) for segment lengths T: where the recurrent kernel
 stops paying off (`kernels.FLA_RECURRENT_MAX`). Prints one JSON line per T.
 
-    python scripts/fla_crossover.py [T ...]     (default 1 8 16 32 64 128 256 512 1024 2048)
+    python benchmarks/fla_crossover.py [T ...]     (default 1 8 16 32 64 128 256 512 1024 2048)
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@
 #   crossover    fla's chunked vs recurrent kernel times
 #   conv         torch vs fla causal conv, host and GPU time per call (bench_conv.py)
 #   moe          the MoE combine before and after (bench_moe.py)
-#   copy         expert copies: copy_ per expert vs one zero-copy Triton gather (bench_copy.py)
 #   stall        how long the state-cache writer's packing stalls other threads (writer_stall.py)
 #   profile      the suffix prefill profile (PREFILL_GRAPHS=1 for the graphed path)
 #   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*)
@@ -17,7 +16,7 @@
 # run left one in $OUT (it saves the fla kernel compilation of a fresh machine).
 set -u
 cd "$(dirname "$0")/.."
-source scripts/device_env.sh
+source benchmarks/device_env.sh
 STEPS=",${STEPS:-tests,crossover,ttft,statecache},"
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 if has tests; then
@@ -28,31 +27,30 @@ fi
 # a script that prints JSON lines: STEP SECONDS SCRIPT OUTPUT_STEM
 json_step() {
   if has "$1"; then
-    timeout "$2" python3 scripts/$3 > "$OUT/$4.jsonl" 2>&1  # ($3: the script and its arguments)
+    timeout "$2" python3 benchmarks/$3 > "$OUT/$4.jsonl" 2>&1  # ($3: the script and its arguments)
     cat "$OUT/$4.jsonl"
   fi
 }
 json_step crossover 60 fla_crossover.py fla_crossover
 json_step conv 60 bench_conv.py conv
 json_step moe 60 bench_moe.py moe
-json_step copy 120 bench_copy.py copy
 json_step stall 60 "writer_stall.py 10 4" writer_stall
 if has profile; then
-  timeout 120 python3 scripts/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
+  timeout 120 python3 benchmarks/profile_suffix.py 8 24 2000 > "$OUT/suffix.txt" 2>&1
   grep median "$OUT/suffix.txt"
 fi
 if has ttft; then
-  VARIANTS=dropped timeout 240 bash scripts/gpu_ttft.sh | tail -14
+  VARIANTS=dropped timeout 240 bash benchmarks/gpu_ttft.sh | tail -14
 fi
 if has ttft_graphs; then
-  VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout "${TTFT_TIMEOUT:-240}" bash scripts/gpu_ttft.sh | tail -14
+  VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout "${TTFT_TIMEOUT:-240}" bash benchmarks/gpu_ttft.sh | tail -14
 fi
 if has static; then
-  timeout 200 python3 scripts/profile_static.py > "$OUT/static.jsonl" 2>&1
+  timeout 200 python3 benchmarks/profile_static.py > "$OUT/static.jsonl" 2>&1
   cat "$OUT/static.jsonl"
 fi
 if has statecache; then
-  SKIP_TESTS=1 LENGTHS="${LENGTHS:-8192,32768}" timeout "${STATECACHE_TIMEOUT:-400}" bash scripts/gpu_statecache.sh >/dev/null
+  SKIP_TESTS=1 LENGTHS="${LENGTHS:-8192,32768}" timeout "${STATECACHE_TIMEOUT:-400}" bash benchmarks/gpu_statecache.sh >/dev/null
   python3 - "$OUT/statecache.json" <<'EOF'
 import json, sys
 for r in json.load(open(sys.argv[1]))["runs"]:

@@ -5,7 +5,7 @@ JSON: GB/s of expert weights read per path and experts per call, the DRAM read b
 multi-threaded sum (`calibrate.dram_read_bandwidth`) and the largest difference of each path
 from fp32 math on the same bf16 values (relative to the output's largest value).
 
-    python scripts/bench_cpu_kernel.py
+    python benchmarks/bench_cpu_kernel.py
 """
 
 from __future__ import annotations

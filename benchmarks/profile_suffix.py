@@ -7,7 +7,7 @@ background writer running as in a real session), `flushed` (the same, after wait
 and `continue` (plain suffix prefill on a live state: the compute floor). Then a cProfile of one
 semantic step and a torch profile of one suffix prefill. Prints JSON lines, then tables.
 
-    python scripts/profile_suffix.py [layers] [steps] [prefix]     (default 8 24 2000)
+    python benchmarks/profile_suffix.py [layers] [steps] [prefix]     (default 8 24 2000)
 
 With PREFILL_GRAPHS=1 the engine runs prefills as CUDA graphs (`--prefill-graphs`).
 """

@@ -5,7 +5,7 @@ plain prefill; prefill with the cuts only (linear states recorded, nothing saved
 the saves (device->host copies queued, as `bench statecache` does); then a torch profile of one
 such run. Prints JSON, then the profile table.
 
-    python scripts/profile_capture.py [tokens] [layers] [every]     (default 8192 8 2000)
+    python benchmarks/profile_capture.py [tokens] [layers] [every]     (default 8192 8 2000)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ a 2-core machine is not oversubscribed; the state cache uses 4), while the main 
 total lateness and the longest, per packing; with glibc's malloc defaults, then with the state
 cache's `keep_freed_buffers` (one JSON line each).
 
-    python scripts/writer_stall.py [packings] [workers]     (default 10 1)
+    python benchmarks/writer_stall.py [packings] [workers]     (default 10 1)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ activations, then a plain sum) against the previous combine (unweighted outputs,
 `[1, k] x [k, H]` product per token). Prints JSON lines of GPU ms per call (CUDA events over 20
 back-to-back calls) and the largest difference between the two.
 
-    python scripts/bench_moe.py
+    python benchmarks/bench_moe.py
 """
 
 from __future__ import annotations
