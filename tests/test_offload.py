@@ -11,9 +11,9 @@ import torch
 
 from agentrt import Runtime
 from agentrt.models.registry import config_of
-from agentrt.offload.cache import ExpertCache
 from agentrt.offload.config import OffloadConfig
 from agentrt.offload.policy import LFU, LRU
+from agentrt.offload.slots import ExpertCache
 from agentrt.offload.split import q_star, split_time
 from agentrt.offload.store import ExpertStore
 

@@ -295,7 +295,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
     mode = offload_mode(opts["offload"], opts["vram_budget"], opts["expert_cache_slots"])
     prepare_cpu_threads(opts["device"], [mode])
     from agentrt import Runtime, RuntimeConfig
-    from agentrt.session.boundaries import parse_overrides
+    from agentrt.session.boundary_text import parse_overrides
 
     fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
     given = {name: value for name, value in opts.items() if name in fields}

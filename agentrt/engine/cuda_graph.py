@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.engine.state import SequenceState
-from agentrt.models.cache import KVCache
+from agentrt.models.kv import KVCache
 from agentrt.models.layers import CausalLM, Span
 
 HostStep = Callable[[int], None]  # called with the position being decoded

@@ -13,7 +13,6 @@ import torch
 from agentrt.env import home_dir
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.layers import CausalLM, MoEBlock
-from agentrt.offload.cache import ExpertCache
 from agentrt.offload.calibrate import (
     Profile,
     calibrate,
@@ -27,6 +26,7 @@ from agentrt.offload.cpu_kernel import kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.ring import staging_bytes_for
+from agentrt.offload.slots import ExpertCache
 from agentrt.offload.store import ExpertStore
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrt.models.cache import KVCache, LayerCache, LinearCache, Snapshot
 from agentrt.models.config import ModelConfig
+from agentrt.models.kv import KVCache, LayerCache, LinearCache, Snapshot
 
 
 def new_layer_caches(

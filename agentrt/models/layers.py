@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from agentrt.models import kernels
-from agentrt.models.cache import KVCache, LayerCache
 from agentrt.models.config import FULL, ModelConfig
+from agentrt.models.kv import KVCache, LayerCache
 from agentrt.models.moe import RoutedExperts
 
 # A position is a Python int (eager), a `[1]` long tensor on the device (static decode: the same

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentrt.models import kernels
-from agentrt.models.cache import LinearCache
 from agentrt.models.config import FULL, LINEAR, ModelConfig
+from agentrt.models.kv import LinearCache
 from agentrt.models.layers import (
     Attention,
     CausalLM,

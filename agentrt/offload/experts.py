@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.models.moe import expert_ffn
-from agentrt.offload.cache import ExpertCache
 from agentrt.offload.copies import CudaCalls
 from agentrt.offload.cpu_kernel import NativeExperts
 from agentrt.offload.host_step import CapturedDecode, LayerIO
 from agentrt.offload.prefetch import Prefetch
 from agentrt.offload.prefill import PrefillStreamer
+from agentrt.offload.slots import ExpertCache
 from agentrt.offload.split import q_star
 from agentrt.offload.stats import Totals
 from agentrt.offload.store import ExpertStore

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
-from agentrt.offload.cache import ExpertCache
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
 from agentrt.offload.pairs import Sorted, bincount, looped_ffn
 from agentrt.offload.planner import (
@@ -43,6 +42,7 @@ from agentrt.offload.planner import (
 )
 from agentrt.offload.prefill_cpu import cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
+from agentrt.offload.slots import ExpertCache
 from agentrt.offload.stats import PrefillTotals
 from agentrt.offload.store import ExpertStore
 

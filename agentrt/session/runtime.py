@@ -90,7 +90,7 @@ class Runtime:
 
     def checkpoint_label(self, kind: str | None) -> str | None:
         """How a reused checkpoint is reported: its boundary text, or "live" / "block"."""
-        from agentrt.session.boundaries import boundary_texts
+        from agentrt.session.boundary_text import boundary_texts
 
         if kind is None:
             return None
@@ -344,7 +344,7 @@ def _make_reuse(mode: str, engine: Engine, source, tokenizer, boundaries, config
         return NoReuse()
     if mode == "prefix":
         return PrefixReuse()
-    from agentrt.session.boundaries import resolve
+    from agentrt.session.boundary_text import resolve
     from agentrt.statecache import StateCache
     from agentrt.statecache.keys import fingerprint
     from agentrt.statecache.manager import layout_for

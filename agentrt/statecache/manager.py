@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from agentrt.host.cputhreads import keep_freed_buffers, single_threaded
-from agentrt.models.cache import KVCache
 from agentrt.models.config import ModelConfig
+from agentrt.models.kv import KVCache
 from agentrt.statecache.boundaries import Boundaries
 from agentrt.statecache.codec import (
     Layout,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrt.models.cache import KVCache, LinearCache
+from agentrt.models.kv import KVCache, LinearCache
 from agentrt.statecache.blobs import BlobLoad
 from agentrt.statecache.codec import (
     CorruptPayload,
