@@ -229,8 +229,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         model.set_experts(resident_experts(store, device))
     else:
         experts = install(model, store, device, config)
-    engine = Engine(model, EngineConfig(device=device, dtype=dtype, cuda_graphs=graphs))
-    engine.offload = experts
+    engine = Engine(model, EngineConfig(device=device, dtype=dtype, cuda_graphs=graphs), experts)
     state = engine.new_state(capacity=len(ids) + 8)
     engine.prefill(state, ids[:prompt_len])
     for token in ids[prompt_len : prompt_len + WARMUP_STEPS]:

@@ -91,8 +91,7 @@ def offload_prefill(
         )
         experts = install(model, store, device, config)
         filled = _fill_cache(experts, seed)
-        engine = _engine(model, device, dtype, chunk, linear_attn)
-        engine.offload = experts
+        engine = _engine(model, device, dtype, chunk, linear_attn, experts)
         for run in rows.time(engine, plan, experts):
             runs.append({**run, "cached_at_start": filled})
         staging = experts.prefill.staging_bytes
@@ -124,9 +123,9 @@ def offload_prefill(
     return report
 
 
-def _engine(model, device: str, dtype: str, chunk: int, linear_attn: str) -> Engine:
+def _engine(model, device: str, dtype: str, chunk: int, linear_attn: str, offload=None) -> Engine:
     config = EngineConfig(device=device, dtype=dtype, prefill_chunk=chunk, linear_attn=linear_attn)
-    return Engine(model, config)
+    return Engine(model, config, offload)
 
 
 def _bulk_copy_bw(store, device: str) -> float:

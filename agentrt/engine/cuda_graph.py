@@ -132,8 +132,7 @@ class DecodeGraph:
         """
         if not self.enabled:
             return None
-        experts_key = getattr(self.model.experts, "buffers_key", None)  # offloaded: the pool
-        key = _buffers_key(state) + (experts_key() if experts_key is not None else ())
+        key = _buffers_key(state) + self.model.experts.buffers_key()  # (offloaded: the pool)
         try:
             if self.current is None or self.current.key != key:
                 self.current = self._capture(state, key)

@@ -82,7 +82,7 @@ class Generation:
 class Engine:
     """Runs one model on one device for sequences held in `SequenceState`s."""
 
-    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, offload=None) -> None:
         self.model = model
         self.config = config
         self.cfg = model.config
@@ -90,7 +90,9 @@ class Engine:
         self.dtype = model.embed_tokens.weight.dtype
         self.linear_backend = resolve_backend(config.linear_attn, self.device)
         set_linear_backend(model, self.linear_backend)
-        self.offload = None  # OffloadedExperts when routed experts live in a host store
+        # the OffloadedExperts the model runs when its routed experts live in a host store
+        # (`engine.placement.install` put it there), whose cache gives KV room under a budget
+        self.offload = offload
         use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
         self.prefill_graphs = None

@@ -109,6 +109,14 @@ def bandwidths(
     )
 
 
+def _slots_for_kv(model, store, config: OffloadConfig):
+    """How many slots the budget leaves beside a KV of given bytes (None without a budget, or
+    with an explicit slot count: the cache's size is then fixed)."""
+    if config.vram_budget is None or config.expert_cache_slots is not None:
+        return None
+    return lambda kv: slots_for_budget(model, store, config, kv)
+
+
 def install(
     model: CausalLM, store: ExpertStore, device, config: OffloadConfig, recalibrate: bool = False
 ):
@@ -131,9 +139,8 @@ def install(
             cpu_kernel=kernel,
             prefill_plan=config.prefill_plan,
             staging_bytes=config.staging_bytes,
+            slots_for_kv=_slots_for_kv(model, store, config),
         )
-        if config.vram_budget is not None and config.expert_cache_slots is None:
-            experts.slots_for_kv = lambda kv: slots_for_budget(model, store, config, kv)
     else:
         cpu_layers = _cpu_expert_layers(model, store, config)
         resident = [layer for layer in store.layers if layer not in cpu_layers]

@@ -23,7 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from agentrt.models import kernels
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.kv import KVCache, LayerCache
-from agentrt.models.moe import RoutedExperts
+from agentrt.models.moe import ExpertBackend, RoutedExperts
 
 # A position is a Python int (eager), a `[1]` long tensor on the device (static decode: the same
 # kernels and shapes every step, so the step can be captured in a CUDA graph), or a `Span`.
@@ -453,7 +453,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def set_experts(self, experts: RoutedExperts) -> None:
+    def set_experts(self, experts: ExpertBackend) -> None:
         """Swap the routed-expert implementation (e.g. for the offload engine)."""
         self.experts = experts
         for module in self.modules():

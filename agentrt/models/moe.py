@@ -9,6 +9,8 @@ know where expert weights live.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,24 @@ def unsort(ys: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     return ys.index_select(0, inverse).view(-1, top_k, ys.shape[-1])
 
 
-class RoutedExperts:
+class ExpertBackend(ABC):
+    """Where a model's routed experts run: `RoutedExperts` (every expert on the model's device)
+    or the offload engine's `OffloadedExperts` (a host store behind a device cache). The model
+    calls it once per MoE layer; the engine's CUDA graphs key their captures on what
+    `buffers_key` names, so a backend whose device buffers change says so there."""
+
+    @abstractmethod
+    def __call__(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]`: the weighted sum of the chosen experts."""
+
+    def buffers_key(self) -> tuple[int, ...]:
+        """Device buffers a captured step reads beyond the sequence state's (none here)."""
+        return ()
+
+
+class RoutedExperts(ExpertBackend):
     """Stacked expert weights of every MoE layer, computed densely on their own device.
 
     Paths (all equal up to float rounding; tests compare them): `grouped_mm` (tokens sorted by

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from agentrt.models.moe import expert_ffn
+from agentrt.models.moe import ExpertBackend, expert_ffn
 from agentrt.offload.copies import CudaCalls
 from agentrt.offload.cpu_kernel import NativeExperts
 from agentrt.offload.host_step import CapturedDecode, LayerIO
@@ -84,7 +84,7 @@ class Bandwidths:
         setattr(self, side, (1 - self.alpha) * old + self.alpha * num_bytes / seconds)
 
 
-class OffloadedExperts(Prefetch, CapturedDecode):
+class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
     def __init__(
         self,
         store: ExpertStore,
@@ -97,6 +97,7 @@ class OffloadedExperts(Prefetch, CapturedDecode):
         cpu_kernel: NativeExperts | None = None,
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
+        slots_for_kv: Callable[[int], int] | None = None,
     ) -> None:
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
@@ -137,7 +138,9 @@ class OffloadedExperts(Prefetch, CapturedDecode):
         self._copy_only_decisions = 0
         # slots the VRAM budget allows next to this many bytes of KV (set under a budget: the
         # engine then lets growing KV take room from the cache, docs/architecture.md §5 elastic)
-        self.slots_for_kv: Callable[[int], int] | None = None
+        # the slots the budget leaves the cache beside `kv` bytes of KV (None: no budget, the
+        # cache's size is fixed)
+        self.slots_for_kv = slots_for_kv
         # many-token steps (prefill), layer by layer through a staging ring (`prefill.py`)
         self.prefill = PrefillStreamer(
             store,

@@ -138,11 +138,12 @@ class Runtime:
         store = expert_store(model, device, dtype) if placement.mode != "none" else None
         experts = store.as_routed() if store is not None else None
         source = open_model(model, device, dtype, seed=c.seed, experts=experts)
-        engine = Engine(source.model, config)
+        offload = None
         if store is not None:
             from agentrt.engine.placement import install
 
-            engine.offload = install(source.model, store, device, placement, c.recalibrate)
+            offload = install(source.model, store, device, placement, c.recalibrate)
+        engine = Engine(source.model, config, offload)
         rt = cls(engine, tok, source, c.seed, c.boundaries)
         rt.set_cache(c.cache, cache_config(c.state_cache, c.state_dir, c.state_max_gb))
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
