@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The foundation issue's GPU run (one H200): GPU tests, bf16-vs-fp32 accuracy on tiny, and prefill /
+# A GPU run (one CUDA device): GPU tests, bf16-vs-fp32 accuracy on tiny, and prefill /
 # decode throughput of the qwen3.5-35b-a3b-shaped synthetic model, all on the GPU (no offload),
 # with and without fla. Usage (device tool): bash benchmarks/gpu_foundation.sh  (writes into $OUT).
 set -u

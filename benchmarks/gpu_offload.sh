@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The offloading issue's GPU run (one H200): the CUDA offload tests, the host cost of the
+# Offloaded decode on one CUDA device: the CUDA offload tests, the host cost of the
 # CUDA calls a host step makes, the CPU expert kernels (torch's and the native one), then per CPU
 # kernel the bandwidth calibration (`bench bw`) and `agentrt bench decode` over every placement
 # under a 16GiB budget on the qwen3.5-35b-a3b-shaped synthetic model, decoding real text through

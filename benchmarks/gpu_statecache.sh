@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The state-cache issue's GPU run (one H200): the state-cache and CUDA-graph tests, then `agentrt bench
+# The state cache on one CUDA device: the state-cache and CUDA-graph tests, then `agentrt bench
 # statecache` on the qwen3.5-35b-a3b-shaped synthetic model for 8K/32K/64K-token prefixes.
 # Usage (device tool): bash benchmarks/gpu_statecache.sh  (writes into $OUT). Env TESTS: pytest -k
 # (SKIP_TESTS=1: the benchmark only), LENGTHS: prefix lengths, FIDELITY=1: `--fidelity` instead

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sessions issue's GPU run (one H200): `agentrt bench ttft` with the qwen3.5-35b-a3b-shaped
+# Worst-case TTFT on one CUDA device: `agentrt bench ttft` with the qwen3.5-35b-a3b-shaped
 # synthetic model and the real Qwen3 tokenizer, on the mini-swe-agent and tau-bench samples, as
 # recorded and with earlier reasoning dropped. Prepare on the dev machine first (the shared data
 # does not travel):  bash benchmarks/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
