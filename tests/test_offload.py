@@ -234,9 +234,9 @@ def _elastic_config(model_spec, reserve: int, slots: int) -> tuple[OffloadConfig
 
 
 def test_growing_kv_takes_room_from_the_expert_cache(model_spec, reference):
-    """Elastic (DESIGN §5): under a VRAM budget, KV that outgrows its reservation shrinks the
-    expert cache by what it takes, and outputs still equal the dense model's; a prompt whose
-    KV would leave no room for one token's experts is refused before anything changes."""
+    """Elastic (docs/architecture.md §5): under a VRAM budget, KV that outgrows its reservation
+    shrinks the expert cache by what it takes, and outputs still equal the dense model's; a prompt
+    whose KV would leave no room for one token's experts is refused before anything changes."""
     from agentrt.engine.placement import dense_bytes
     from agentrt.errors import PromptTooLongError
 
@@ -337,7 +337,7 @@ def test_baselines_take_the_fewest_cpu_layers_that_fit_the_budget():
 @pytest.mark.slow
 def test_bench_decode_compares_placements_in_one_run(tmp_path):
     """`bench decode --offload ...` runs every combination once and reports the per-token
-    figures, the DESIGN §8 bound and ratios (values are not asserted: this is no timing test)."""
+    figures, the decode bound and ratios (values are not asserted: this is no timing test)."""
     import json
 
     from util import run_cli
@@ -359,6 +359,7 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     split, static, alone = report["runs"][1], report["runs"][5], report["runs"][3]
     assert split["copied_per_token"] > 0 and split["cpu_experts_per_token"] > 0
     assert 0 <= split["hit_rate"] < 1 and split["bound_tok_s"] > 0
+    assert 0 < split["expert_residency"] < 1 and report["runs"][0]["expert_residency"] is None
     assert split["prefetched_per_token"] > 0 and alone["prefetched_per_token"] == 0
     moved = split["copied_per_token"] + split["prefetched_per_token"]
     assert split["pcie_bytes_per_token"] == moved * report["expert_bytes"]

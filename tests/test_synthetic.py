@@ -11,6 +11,7 @@ import pytest
 import torch
 from util import open_engine, random_ids, run_cli
 
+from agentrt import Runtime
 from agentrt.models.loader import load_model
 from agentrt.models.synthetic import (
     build_in_memory,
@@ -127,3 +128,35 @@ def test_bench_prefill_cli_prints_json(tmp_path):
     report = json.loads((tmp_path / "p.json").read_text())
     assert [r["prompt_tokens"] for r in report["runs"]] == [64, 130]
     assert all(r["tok_s"] > 0 and r["backend"] == "torch" for r in report["runs"])
+
+
+def _top_share(size: str) -> float:
+    """The share of routings that go to the most popular 15% of a synthetic model's first
+    router's experts, over random near-isotropic inputs."""
+    import math
+
+    from agentrt.models.synthetic import build_in_memory, named_tensors, resolve_size
+
+    model = build_in_memory(resolve_size(size), "cpu", torch.float32)
+    router = next(t for n, t in named_tensors(model) if n.endswith(".mlp.gate.weight"))
+    x = torch.randn(8192, router.shape[1], generator=torch.Generator().manual_seed(0))
+    ids = (x @ router.T).topk(model.config.num_experts_per_tok, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(ids, minlength=router.shape[0]).float().sort(descending=True).values
+    return float(counts[: math.ceil(0.15 * router.shape[0])].sum() / counts.sum())
+
+
+def test_router_skew_makes_expert_popularity_heavy_tailed():
+    """`synthetic:NAME@skew=S` scales each router row by exp(S * z): the most popular experts
+    take a growing share of the routings, `@skew=0` is the plain model, and a bad skew is a
+    one-line error."""
+    from agentrt.errors import InvalidArgumentError
+    from agentrt.models.synthetic import resolve_size
+
+    plain, mild, strong = (_top_share(s) for s in ("tiny", "tiny@skew=0.5", "tiny@skew=2"))
+    assert plain < 0.25 and mild > plain + 0.05 and strong > mild
+    assert resolve_size("tiny@skew=0") == "tiny"
+    for bad in ("tiny@skew=-1", "tiny@skew=x", "nope@skew=1"):
+        with pytest.raises(InvalidArgumentError):
+            resolve_size(bad)
+    rt = Runtime.open("synthetic:tiny@skew=1.5", cache="off")  # (the tiny tokenizer comes along)
+    assert rt.tokenizer is not None and len(rt.generate([10, 11, 12], max_tokens=3)) == 3

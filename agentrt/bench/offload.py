@@ -252,6 +252,11 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "ms_per_token": 1000 * elapsed / tokens,
         **_per_token(before, after, tokens, store.expert_bytes, setting["offload"] == "auto"),
         "expert_cache_slots": experts.cache.num_slots if experts else None,
+        # the share of all routed experts the cache holds: the hit rate's reference (near-uniform
+        # routing hits about this often from the cache alone; skewed routing, `@skew=`, more)
+        "expert_residency": (
+            experts.cache.num_slots / (len(store.layers) * store.num_experts) if experts else None
+        ),
         "q_star_bandwidths_gb_s": _gb(experts.bw) if experts else None,
         "cpu_layers": sorted(experts.cpu_layers) if experts else [],
         "peak_gpu_bytes": peak,  # (of the timed steps and those before them)

@@ -72,7 +72,8 @@ def tokenizer_dir_of(spec: str) -> Path | None:
     if spec.startswith(SYNTHETIC_PREFIX):
         from agentrt.models.synthetic import resolve_size
 
-        return ensure_tiny() if resolve_size(spec[len(SYNTHETIC_PREFIX) :]) in _TINY_SIZES else None
+        size = resolve_size(spec[len(SYNTHETIC_PREFIX) :])
+        return ensure_tiny() if size.partition("@")[0] in _TINY_SIZES else None
     path = Path(spec).expanduser()
     return path if path.is_dir() and _has_tokenizer(path) else None
 

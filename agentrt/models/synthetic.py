@@ -121,21 +121,44 @@ SIZES: dict[str, dict] = {
 _ARCH_OF_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_moe": "qwen3_moe"}
 
 
+SKEW = "@skew="  # `NAME@skew=S`: router rows scaled for skewed expert popularity
+
+
 def resolve_size(size: str, arch: str | None = None) -> str:
-    """Size entry for `--size S [--arch A]`; `tiny` follows the requested architecture."""
-    if size == "tiny" and arch == "qwen3_moe":
-        size = "tiny-qwen3-moe"
-    if size not in SIZES:
-        raise InvalidArgumentError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
-    own = _ARCH_OF_TYPE[SIZES[size]["model_type"]]
+    """Size entry for `--size S [--arch A]`; `tiny` follows the requested architecture. A size
+    may end in `@skew=S` (S >= 0: `router_skew`)."""
+    base, skew = _split_skew(size)
+    if base == "tiny" and arch == "qwen3_moe":
+        base = "tiny-qwen3-moe"
+    if base not in SIZES:
+        raise InvalidArgumentError(f"unknown size {base!r}; known: {', '.join(SIZES)}")
+    own = _ARCH_OF_TYPE[SIZES[base]["model_type"]]
     if arch is not None and arch != own:
-        raise InvalidArgumentError(f"size {size!r} is a {own} model, not {arch}")
-    return size
+        raise InvalidArgumentError(f"size {base!r} is a {own} model, not {arch}")
+    return base + (f"{SKEW}{skew:g}" if skew else "")
+
+
+def _split_skew(size: str) -> tuple[str, float]:
+    base, _, skew = size.partition(SKEW)
+    if not skew:
+        return base, 0.0
+    try:
+        value = float(skew)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise InvalidArgumentError(f"{size!r}: the skew must be a number >= 0 (e.g. @skew=1.5)")
+    return base, value
+
+
+def router_skew(size: str) -> float:
+    """The router skew of a size string (0: plain random routers, near-uniform routing)."""
+    return _split_skew(size)[1]
 
 
 def hf_config(size: str) -> dict:
     """The config.json dict of a synthetic size (layer types spelled out)."""
-    raw = json.loads(json.dumps(SIZES[size]))
+    raw = json.loads(json.dumps(SIZES[_split_skew(size)[0]]))
     if raw["model_type"] == "qwen3_5_moe_text":
         n = raw["num_hidden_layers"]
         raw["layer_types"] = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)]
@@ -166,8 +189,27 @@ def fill_uniform_(t: torch.Tensor, low: float, high: float, seed: int) -> torch.
     return t.copy_(ints.double().mul_((high - low) / 2**24).add_(low))
 
 
-def init_value(name: str, t: torch.Tensor, seed: int, zero_centered: bool) -> None:
-    """The synthetic init of one tensor, chosen by its name (mirrors HF's init scheme)."""
+def init_value(
+    name: str, t: torch.Tensor, seed: int, zero_centered: bool, skew: float = 0.0
+) -> None:
+    """The synthetic init of one tensor, chosen by its name (mirrors HF's init scheme); routers
+    skewed by `skew` (`skew_router_`)."""
+    _init_value(name, t, seed, zero_centered)
+    if skew and name.endswith(".mlp.gate.weight"):
+        skew_router_(t, skew, tensor_seed(seed, name + ":skew"))
+
+
+def skew_router_(t: torch.Tensor, skew: float, seed: int) -> None:
+    """Scale each expert's router row `t[e]` by exp(skew * z_e), z_e standard normal: with
+    near-isotropic inputs an expert is chosen more often the larger its row, so popularity
+    across experts grows heavy-tailed with `skew`. An emulation of real routers' favourites
+    (it adds no locality from one token to the next beyond what the hidden states carry)."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(t.shape[0], generator=gen, dtype=torch.float32)
+    t.mul_(torch.exp(skew * z).to(device=t.device, dtype=t.dtype).unsqueeze(1))
+
+
+def _init_value(name: str, t: torch.Tensor, seed: int, zero_centered: bool) -> None:
     s = tensor_seed(seed, name)
     half = INIT_STD * math.sqrt(3.0)
     if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
@@ -201,14 +243,15 @@ def build_in_memory(
     cfg = model_config(size)
     model = build_empty(cfg, device, dtype or torch_dtype(cfg.torch_dtype), experts)
     zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
+    skew = router_skew(size)
     device = torch.device(device)
     with torch.inference_mode():
         for name, tensor in named_tensors(model):
             if tensor.device.type == device.type:
-                init_value(name, tensor, seed, zero_centered)
+                init_value(name, tensor, seed, zero_centered, skew)
             else:  # host store of a device model: draw on the device, then copy down
                 scratch = torch.empty_like(tensor, device=device)
-                init_value(name, scratch, seed, zero_centered)
+                init_value(name, scratch, seed, zero_centered, skew)
                 tensor.copy_(scratch)
     return model
 
@@ -255,7 +298,7 @@ def write_checkpoint(
     weight_map = {}
     for i, (shard, entries) in enumerate(sorted(shards.items())):
         file = "model.safetensors" if shard == "all" else f"model-{shard}.safetensors"
-        _write_shard(out / file, entries, cfg, target, seed)
+        _write_shard(out / file, entries, cfg, target, seed, router_skew(size))
         weight_map.update({name: file for name, _ in entries})
         if progress:
             progress(i + 1, len(shards))
@@ -266,13 +309,13 @@ def write_checkpoint(
     return out
 
 
-def _write_shard(path: Path, entries, cfg: ModelConfig, target: torch.dtype, seed: int) -> None:
+def _write_shard(path: Path, entries, cfg: ModelConfig, target, seed: int, skew: float) -> None:
     from safetensors.torch import save_file
 
     tensors = {}
     for name, shape in entries:
         t = torch.empty(shape, dtype=torch.float32)
-        init_value(name, t, seed, architecture(cfg.arch).ZERO_CENTERED_NORMS)
+        init_value(name, t, seed, architecture(cfg.arch).ZERO_CENTERED_NORMS, skew)
         keep_fp32 = name.rsplit(".", 1)[-1] in FP32_PARAMS
         tensors[name] = t if keep_fp32 else t.to(target)
     with private_output(path) as tmp:  # 0600; save_file truncates it, keeping the mode
