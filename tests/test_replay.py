@@ -356,3 +356,22 @@ def test_importer_tolerates_odd_fields(tmp_path):
     path.write_text(json.dumps([{"task_id": 1, "trial": 0, "traj": traj}]))
     (trace,) = import_traces("tau-bench", [path])
     assert trace.requests[0].response.tool_calls[0]["function"]["arguments"] == '{"x": 1}'
+
+
+def test_bench_ttft_reports_each_finished_mode_as_it_goes():
+    """`bench ttft` hands over the report after every mode (the CLI writes it to --json), so a
+    run that a time limit cuts short keeps the modes it finished; the last one is complete."""
+    from agentrt import Runtime
+    from agentrt.bench.ttft import ttft
+
+    rt = Runtime.open("tiny", cache="off")
+    modes, seen = ["semantic", "off"], []
+
+    def run(traces, target, label):
+        return {"summary": {"cache": label.split("/")[1], "ttft_s": {"p50": 1, "p99": 1, "max": 1}}}
+
+    final = ttft(rt, lambda drop: [], modes, ["recorded"], 4, run, warmup=0, partial=seen.append)
+    assert [len(r["reports"]["recorded"]) for r in seen] == [1, 2]
+    assert [r["complete"] for r in seen] == [False, False] and final["complete"]
+    assert [r["summary"]["cache"] for r in final["reports"]["recorded"]] == modes
+    assert final["ratios"]["recorded:off/semantic:max"] == 1.0

@@ -12,13 +12,16 @@ from agentrt.engine.config import EngineConfig
 from agentrt.models import torch_dtype
 
 
-def ttft(rt, load, modes, variants, max_tokens, run, warmup: int = 8) -> dict[str, Any]:
+def ttft(
+    rt, load, modes, variants, max_tokens, run, warmup: int = 8, partial=None
+) -> dict[str, Any]:
     """Replay the same traces in every cache mode (fresh state directory each) on one runtime.
 
     `load(drop_reasoning)` returns the traces; `run(traces, target, label)` returns a report.
     First, untimed, the first `warmup` requests of the first trace run once in semantic mode
     (kernel compilation and autotuning, CUDA-graph capture, pinned buffers), so that one-time
-    start-up costs land in no mode's figures.
+    start-up costs land in no mode's figures. `partial(report)` hears the report so far after
+    each mode (a run cut short by a time limit keeps the modes it finished).
     """
     import tempfile
     from pathlib import Path
@@ -49,8 +52,16 @@ def ttft(rt, load, modes, variants, max_tokens, run, warmup: int = 8) -> dict[st
                     rep["state_cache_stats"] = dict(cache.stats)
                 rt.set_cache("off")
             reports[variant].append(rep)
+            if partial is not None:
+                so_far = {v: list(reps) for v, reps in reports.items()}  # (a snapshot)
+                partial(_report(rt, max_tokens, warmup, so_far, complete=False))
+    return _report(rt, max_tokens, warmup, reports, complete=True)
+
+
+def _report(rt, max_tokens: int, warmup: int, reports, complete: bool) -> dict[str, Any]:
     return {
         "bench": "ttft",
+        "complete": complete,  # (False: written after a mode, more were to come)
         "machine": machine(),
         "max_tokens": max_tokens,
         "warmup_requests": warmup,

@@ -244,6 +244,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
         max_tokens,
         lambda traces_, target, label: _run_replay(traces_, target, max_tokens, label),
         warmup,
+        partial=lambda report: write_json(json_out, report),  # (kept if a time limit cuts in)
     )
     for variant, reports in result["reports"].items():
         click.echo(f"\n[{variant}]")
