@@ -75,17 +75,16 @@ def test_environment_is_read_in_env_only():
 
 
 MAX_LINES = 500
-SHARED_LAYERS = {"models/layers.py", "models/kernels.py"}  # the models' shared layers
 
 
 def test_no_module_is_over_500_lines():
-    """Modules stay small enough to read in one sitting (the models' shared layers aside)."""
+    """Modules stay small enough to read in one sitting."""
     long = {
         str(p.relative_to(PKG)): n
         for p in PKG.rglob("*.py")
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
-    assert not {k: v for k, v in long.items() if k not in SHARED_LAYERS}, long
+    assert not long, long
 
 
 def test_every_module_has_a_docstring():

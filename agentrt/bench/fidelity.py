@@ -27,14 +27,13 @@ from typing import Any
 import torch
 
 from agentrt.bench.engine import machine, random_ids
+from agentrt.bench.statecache import bench_cache, prefill_capture, restore
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.errors import AgentrtError
 from agentrt.models import copy_model, torch_dtype
 from agentrt.models.registry import open_model
-from agentrt.statecache import Boundaries, StateCache
 from agentrt.statecache.config import StateCacheConfig
-from agentrt.statecache.manager import layout_for
 
 DESIGNS = {"grid": 64, "split": 0}  # capture design -> EngineConfig.capture_grid
 REFERENCE_MAX_PARAMS = 2 * 10**9  # an fp32 CPU copy of larger models is not built
@@ -123,21 +122,13 @@ def _reference(model, device: str, dtype: str) -> Engine | None:
     return Engine(model, EngineConfig(device="cpu", dtype="float32", linear_attn="torch"))
 
 
-def _open_cache(engine: Engine, spec: str, root: Path) -> StateCache:
+def _open_cache(engine: Engine, spec: str, root: Path):
     """A state cache of its own (nothing in RAM: restores read LMDB)."""
-    marker = engine.cfg.vocab_size - 1
     config = StateCacheConfig(
         state_dir=root, max_bytes=64 * 2**30, ram_bytes=0, min_distance=0, queue_size=8
     )
-    return StateCache(
-        config,
-        b"fidelity-" + spec.encode() + str(engine.capture_grid).encode(),
-        spec,
-        layout_for(engine.cfg, engine.dtype),
-        Boundaries({"message_end": ((marker,),)}),
-        not engine.cfg.is_hybrid,
-        engine.device,
-    )
+    fingerprint = b"fidelity-" + spec.encode() + str(engine.capture_grid).encode()
+    return bench_cache(engine, config, fingerprint, spec)
 
 
 def _one_prompt(engine, cache, ids, length, noise, reference, generate) -> dict[str, dict]:
@@ -145,16 +136,11 @@ def _one_prompt(engine, cache, ids, length, noise, reference, generate) -> dict[
     suffix."""
     capacity = len(ids) + generate + 8
     state = engine.new_state(capacity=capacity)
-    engine.prefill(state, ids[:length], capture=[length])
-    at, conv, rec = state.capture_for(length)
-    cache.save(ids, length, "message_end", state.kv_caches(), conv, rec, at=at)
+    prefill_capture(engine, cache, state, ids[:length], [length])
     cache.flush()
-    state.reset()
-    hit = cache.restore_into(ids, 0, state.kv_caches(), state.linear_caches())
-    if hit is None:
+    if restore(cache, state, ids) is None:
         raise AgentrtError("bench statecache --fidelity: the checkpoint was not restored")
-    state.adopt(ids[: hit.pos])
-    held = hit.pos
+    held = state.num_tokens
     restored = _continue(engine, state, ids[held:], generate)
     recomputed = _split_run(engine, ids, held, generate, capacity)
     others = {"restored": restored}

@@ -31,33 +31,22 @@ def statecache(
     import shutil
     from pathlib import Path
 
-    from agentrt.statecache import Boundaries, StateCache
+    from agentrt.statecache import StateCache
     from agentrt.statecache.config import StateCacheConfig
-    from agentrt.statecache.manager import layout_for
 
     dtype = dtype or EngineConfig.default_dtype(device)
     source = open_model(spec, device, torch_dtype(dtype), seed=seed)
     engine = Engine(source.model, EngineConfig(device=device, dtype=dtype))
     marker = engine.cfg.vocab_size - 1  # a token that ends a "message": checkpoints go after it
-    bounds = Boundaries({"message_end": ((marker,),)})
     root = Path(state_dir)
     shutil.rmtree(root, ignore_errors=True)
     config = StateCacheConfig(
         state_dir=root, max_bytes=64 * 2**30, ram_bytes=16 * 2**30, min_distance=0, queue_size=64
     )
-    layout = layout_for(engine.cfg, engine.dtype)
 
     def open_cache(ram: int = config.ram_bytes) -> StateCache:
         cfg = StateCacheConfig(**{**config.__dict__, "ram_bytes": ram})
-        return StateCache(
-            cfg,
-            b"bench-" + spec.encode(),
-            spec,
-            layout,
-            bounds,
-            not engine.cfg.is_hybrid,
-            engine.device,
-        )
+        return bench_cache(engine, cfg, b"bench-" + spec.encode(), spec)
 
     cache = open_cache()
     cache.wait_staging()  # as in a long-running server, whose ring was pinned at start-up
@@ -94,12 +83,12 @@ def _statecache_run(
     warm = random_ids(
         engine.cfg.vocab_size - 1, 2048, seed + 1
     )  # warm kernels and the capture path
-    _prefill_capture(engine, cache, _reset(state), warm, [2047])
+    prefill_capture(engine, cache, _reset(state), warm, [2047])
     cache.flush()
     _, logits = timed(device, lambda: engine.prefill(_reset(state), ids))
 
     def capture(prompt: list[int], positions: list[int]) -> float:
-        run = lambda: _prefill_capture(engine, cache, _reset(state), prompt, positions)  # noqa: E731
+        run = lambda: prefill_capture(engine, cache, _reset(state), prompt, positions)  # noqa: E731
         return timed(device, run)[0]
 
     # plain, one checkpoint, many checkpoints: interleaved, each round on its own prompts, the
@@ -119,9 +108,9 @@ def _statecache_run(
         cache.flush()
     record = cache.store.get_record(_key(cache, ids, target))
     t_plain = _median(plain)
-    t_ram, hit_ram = _median_timed(reps, device, lambda: _restore(cache, state, ids))
+    t_ram, hit_ram = _median_timed(reps, device, lambda: restore(cache, state, ids))
     t_lmdb, hit_lmdb = _lmdb_restores(reps, device, open_cache, state, ids)
-    _restore(cache, state, ids)
+    restore(cache, state, ids)
     held = state.num_tokens  # the checkpoint's state: `target`, or up to 63 tokens before it
     if held == 0:  # not stored (the writer dropped it, counted in `dropped_many` / stats)
         raise AgentrtError(
@@ -192,7 +181,7 @@ def _lmdb_restores(reps: int, device: str, open_cache, state, ids):
     for _ in range(reps):
         fresh = open_cache(0)
         fresh.wait_staging()
-        seconds, source = timed(device, lambda fresh=fresh: _restore(fresh, state, ids))
+        seconds, source = timed(device, lambda fresh=fresh: restore(fresh, state, ids))
         fresh.close()
         times.append(seconds)
         hit = hit or source
@@ -210,14 +199,30 @@ def _key(cache, ids, pos):
     return PrefixKeys(cache.fp, ids).key(pos)
 
 
-def _prefill_capture(engine, cache, state, ids, positions):
+def bench_cache(engine, config, fingerprint: bytes, label: str):
+    """A state cache for the benchmarks' random prompts: checkpoints after the marker token (the
+    vocabulary's last id, which `random_ids` never draws)."""
+    from agentrt.statecache import Boundaries, StateCache
+    from agentrt.statecache.manager import layout_for
+
+    marker = engine.cfg.vocab_size - 1
+    bounds = Boundaries({"message_end": ((marker,),)})
+    layout = layout_for(engine.cfg, engine.dtype)
+    return StateCache(
+        config, fingerprint, label, layout, bounds, not engine.cfg.is_hybrid, engine.device
+    )
+
+
+def prefill_capture(engine, cache, state, ids, positions):
+    """Prefill `ids` into `state` with checkpoints at `positions`, each handed to `cache`."""
     engine.prefill(state, ids, capture=positions)
     for pos in positions:
         at, conv, rec = state.capture_for(pos)  # eager fla prefill: on the 64-token grid
         cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec, at=at)
 
 
-def _restore(cache, state, ids) -> str | None:
+def restore(cache, state, ids) -> str | None:
+    """`state` from the longest checkpoint of `ids` in `cache`: its source, or None."""
     state.reset()
     hit = cache.restore_into(ids, 0, state.kv_caches(), state.linear_caches())
     if hit is None:

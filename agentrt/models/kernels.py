@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -317,46 +318,25 @@ def _fla_states_fp32(kernel, k, w, u, g, initial):
     def grid(meta):
         return (triton.cdiv(value_dim, meta["BV"]) * batch * value_heads,)
 
-    kernel[grid](
-        k=k,
-        v=u,
-        w=w,
-        v_new=v_new,
-        g=g,
-        gk=None,
-        h=h,
-        h0=initial,
-        ht=final,
-        cu_seqlens=None,
-        chunk_offsets=None,
-        T=length,
-        H=heads,
-        HV=value_heads,
-        K=key_dim,
-        V=value_dim,
-        BT=CHUNK,
-        STATE_V_FIRST=False,
-    )
+    tensors = dict(k=k, v=u, w=w, v_new=v_new, g=g, gk=None, h=h, h0=initial, ht=final)
+    sizes = dict(T=length, H=heads, HV=value_heads, K=key_dim, V=value_dim, BT=CHUNK)
+    kernel[grid](**tensors, cu_seqlens=None, chunk_offsets=None, **sizes, STATE_V_FIRST=False)
     return h, v_new, final
 
 
 def _fla_states_own(k, w, u, g, initial, reason: Exception):
     """fla's own state step (chunk-start states in k's dtype), where `_fla_states_fp32` could
-    not call its kernel; says so once."""
+    not call its kernel; warns (once per place, as Python's warnings do)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
-    _say_once(
-        f"agentrt: fla's state kernel could not be called ({reason}); checkpoints inside a "
-        "prefill piece keep fla's chunk-start states in the model's dtype"
+    warnings.warn(
+        f"fla's state kernel could not be called ({reason}); checkpoints inside a prefill "
+        "piece keep fla's chunk-start states in the model's dtype",
+        stacklevel=2,
     )
     return chunk_gated_delta_rule_fwd_h(
         k=k, w=w, u=u, g=g, initial_state=initial, output_final_state=True, chunk_size=CHUNK
     )
-
-
-@functools.cache
-def _say_once(text: str) -> None:
-    print(text, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -93,7 +93,7 @@ class PrefillStreamer:
         self.dispatch_s = 0.0
         # routed layers' measured time beyond their plans' (EMA), per size of chunk
         self.overheads: dict[int, float] = {}
-        self.bucket = 0  # the size class of the chunk being run (`_bucket`)
+        self.bucket = 0  # the size class of the chunk being run (`planner.size_class`)
         # (layer, its experts' end, its routing, its plan, the overhead it was planned with):
         # events, or host times off CUDA
         self._layer_end: tuple | None = None
