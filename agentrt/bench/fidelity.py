@@ -5,15 +5,17 @@ Per prompt length and random prompt: a checkpoint is captured at the prompt's en
 LMDB and restored (nothing in the RAM tier: the durable path), and a suffix is prefilled after
 it (`restored`). The baselines prefill the same prefix live and then the same suffix, split at
 the same position as the restore (`recomputed`); with other prefill chunk sizes (`chunk N`: the
-engine's noise floor); in one pass (`one pass`: its last position and continuation only); and,
-for models small enough, in fp32 on the CPU (`fp32 cpu`). Each is compared with `recomputed`
+engine's noise floor; one size is off the delta rule's 64-token chunk grid, which moves where
+its chunks start, as a turn resumed at an arbitrary position does); in one pass (`one pass`:
+its last position and continuation only); and, for models small enough, in fp32 on the CPU
+(`fp32 cpu`). Each is compared with `recomputed`
 over every suffix position: max and mean |delta logit|, mean KL(recomputed || other), top-1
 agreement; and over a greedy continuation of `generate` tokens from each state: the tokens they
 share before the first difference.
 
 Two capture designs are measured: `grid` (inside a prefill piece, the state at the delta rule's
-last 64-token chunk start before the checkpoint, from the same pass: fla's kernels keep it in
-the model's dtype) and `split` (the piece split at the checkpoint, so the state is the pass's
+last 64-token chunk start before the checkpoint, from the same pass, computed in fp32 like the
+live state) and `split` (the piece split at the checkpoint, so the state is the pass's
 own final state, at the live precision). On the CPU's torch kernels both are exact.
 """
 
@@ -75,7 +77,7 @@ def fidelity(
 
     base = engine(chunk, 0)
     designs = {name: engine(chunk, grid) for name, grid in DESIGNS.items()}
-    noise = {size: engine(size, 0) for size in (chunk // 2, chunk * 2) if size >= 1}
+    noise = {size: engine(size, 0) for size in _noise_chunks(chunk)}
     root = Path(state_dir)
     shutil.rmtree(root, ignore_errors=True)
     out = []
@@ -110,6 +112,14 @@ def fidelity(
         "machine": machine(),
         "runs": out,
     }
+
+
+def _noise_chunks(chunk: int) -> list[int]:
+    """Prefill chunk sizes of the noise-floor baselines: half and twice `chunk` (multiples of the
+    delta rule's 64-token chunks when `chunk` is: the same chunk grid, only other pieces), and one
+    off that grid (pieces, so the delta rule's chunks, start at other positions)."""
+    sizes = [chunk // 2, chunk * 2, chunk * 3 // 4 + 1]
+    return [s for s in dict.fromkeys(sizes) if s >= 1 and s != chunk]
 
 
 def _reference(model, device: str, dtype: str) -> Engine | None:
