@@ -8,10 +8,9 @@ the same position as the restore (`recomputed`); with other prefill chunk sizes 
 engine's noise floor; one size is off the delta rule's 64-token chunk grid, which moves where
 its chunks start, as a turn resumed at an arbitrary position does); in one pass (`one pass`:
 its last position and continuation only); and, for models small enough, in fp32 on the CPU
-(`fp32 cpu`). Each is compared with `recomputed`
-over every suffix position: max and mean |delta logit|, mean KL(recomputed || other), top-1
-agreement; and over a greedy continuation of `generate` tokens from each state: the tokens they
-share before the first difference.
+(`fp32 cpu`). Each is compared with `recomputed` over every suffix position: max and mean
+|delta logit|, mean KL(recomputed || other), top-1 agreement; and over a greedy continuation of
+`generate` tokens from each state: the tokens they share before the first difference.
 
 Two capture designs are measured: `grid` (inside a prefill piece, the state at the delta rule's
 last 64-token chunk start before the checkpoint, from the same pass, computed in fp32 like the
