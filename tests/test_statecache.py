@@ -702,6 +702,45 @@ def test_payload_checks_cover_the_frame_header_and_the_data():
         unpack(payload[:-5])
 
 
+def test_payloads_zstd_does_not_shrink_are_stored_raw_and_still_checked():
+    """Random-looking values (zstd keeps > 2/3 of them) are stored raw, compressible ones
+    (fp32 holding bf16 values) compressed; both read back to the same bytes, scattered or
+    whole, and a flipped bit or a wrong size in a raw payload is refused like a damaged
+    frame."""
+    import torch
+
+    from agentrt.statecache.codec import (
+        _HEAD,
+        MAGIC,
+        RAW_MAGIC,
+        CorruptPayload,
+        pack_parts,
+        pack_tensors,
+        row_bytes,
+        unpack,
+        unpack_scatter,
+    )
+
+    noise = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)).bfloat16()
+    smooth = torch.randn(64000).bfloat16().float()  # fp32 holding bf16 values: ~48% after zstd
+    raw, packed = bytes(pack_tensors([noise])), bytes(pack_tensors([smooth]))
+    assert raw[:4] == RAW_MAGIC and len(raw) == _HEAD.size + noise.numel() * 2
+    assert packed[:4] == MAGIC and len(packed) < smooth.numel() * 4 // 2
+    assert bytes(unpack(raw)) == noise.view(torch.uint16).numpy().tobytes()
+    dest = torch.zeros(2, 32000, dtype=torch.bfloat16)
+    assert unpack_scatter(raw, [row_bytes(dest[0]), row_bytes(dest[1])]) == noise.numel() * 2
+    assert torch.equal(dest.reshape(-1), noise.reshape(-1))
+    blob = bytes(pack_parts([smooth, noise], part_bytes=64000 * 4))  # one part of each kind
+    assert bytes(unpack(blob)) == smooth.numpy().tobytes() + raw[_HEAD.size :]
+    for position in (len(raw) // 2, 9, _HEAD.size - 1):  # data, the size field, its high byte
+        bad = bytearray(raw)
+        bad[position] ^= 0x10
+        with pytest.raises(CorruptPayload):
+            unpack(bytes(bad))
+    with pytest.raises(CorruptPayload):
+        unpack(raw[:-2])
+
+
 def test_scattered_decompression_fills_each_place_and_checks_the_data():
     """A chunk decompresses straight into several places (its rows in the caches): the same
     bytes as one buffer, and a corrupt payload or places of the wrong total size are refused."""

@@ -17,8 +17,9 @@ from typing import Any
 BLOCK = 256
 # 2: record blobs are containers of parts (codec.pack_parts); 3: a record may hold the state of
 # up to 63 fewer tokens than its prefix (`StateCache.save(at=...)`), which builds of format 2
-# would take as invalid and never rewrite: in the key root, formats never share keys
-FORMAT_VERSION = 3
+# would take as invalid and never rewrite: in the key root, formats never share keys; 4: payloads
+# may be stored uncompressed (`codec.RAW_MAGIC`), which builds of format 3 would take as corrupt
+FORMAT_VERSION = 4
 
 
 def _h(*parts: bytes) -> bytes:
