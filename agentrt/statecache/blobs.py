@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -22,18 +23,34 @@ from agentrt.statecache.keys import BLOCK
 from agentrt.statecache.staging import PinnedRing
 from agentrt.statecache.store import Store
 
+T = TypeVar("T")
+
+
+Reader = Callable[[Callable[[memoryview], T]], T | None]  # decode(stored blob), None: absent
+
+
+def lmdb_reader(store: Store, key: bytes) -> Reader:
+    """Reads of the blob of `key` from LMDB (inside `Store.parallel_reads`)."""
+    return functools.partial(store.read_chunk, key, blob=True)
+
+
+def ram_reader(payload: memoryview) -> Reader:
+    """Reads of a blob the RAM tier holds."""
+    return lambda decode: decode(memoryview(payload))
+
 
 class BlobLoad:
     """One blob being read. Create it inside `Store.parallel_reads`, run `jobs()` on workers
     (inside the same hold), then `tensors()`; `release()` once the uploads from it are queued."""
 
-    def __init__(self, store: Store, ring: PinnedRing | None, key: bytes, raw: int) -> None:
-        """`raw`: the blob's raw size by the model's layout; a part table that disagrees is
-        `CorruptPayload` before anything is allocated."""
-        table = store.read_chunk(key, lambda view: (blob_parts(view), len(view)), blob=True)
+    def __init__(self, read: Reader, ring: PinnedRing | None, raw: int) -> None:
+        """`read`: where the stored blob is (`lmdb_reader`, `ram_reader`); `raw`: its raw size
+        by the model's layout; a part table that disagrees is `CorruptPayload` before anything
+        is allocated."""
+        table = read(lambda view: (blob_parts(view), len(view)))
         if table is None:
             raise KeyError("payload missing")
-        self.store, self.ring, self.key = store, ring, key
+        self.read, self.ring = read, ring
         self.parts, self.stored_len = table
         if sum(size for _, _, size in self.parts) != raw:
             raise CorruptPayload("blob size does not match the model's state layout")
@@ -62,7 +79,7 @@ class BlobLoad:
             unpack_into(memoryview(view)[start : start + length], place)
             return True
 
-        if self.store.read_chunk(self.key, decode, blob=True) is None:
+        if self.read(decode) is None:
             raise KeyError("payload missing")  # deleted (evicted) since the part table was read
 
     def tensors(self, layout: Layout, pos: int) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""The state cache's RAM tier: recently written or read payloads (KV chunks, snapshots) of
-this process, decoded, bounded by bytes, least recently used first out."""
+"""The state cache's RAM tier: the payloads (KV chunks, record blobs) this process wrote
+recently, as stored in LMDB (a restore reads both alike), bounded by bytes, least recently
+used first out."""
 
 from __future__ import annotations
 

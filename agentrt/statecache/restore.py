@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrt.models.kv import KVCache, LinearCache
-from agentrt.statecache.blobs import BlobLoad
+from agentrt.statecache.blobs import BlobLoad, lmdb_reader, ram_reader
 from agentrt.statecache.codec import (
     CorruptPayload,
     Record,
@@ -21,7 +21,6 @@ from agentrt.statecache.codec import (
     unpack_scatter,
 )
 from agentrt.statecache.keys import BLOCK, FORMAT_VERSION, PrefixKeys
-from agentrt.statecache.staging import PinnedRing
 
 
 @dataclass
@@ -36,6 +35,9 @@ class Hit:
 # how many tokens before its prefix's end a checkpoint's state may be (the delta rule's chunk:
 # `Engine.capture_grid`)
 MAX_EARLY = 63
+
+# chunks go to the device in groups of about this many bytes (through one scratch buffer there)
+UPLOAD_GROUP_BYTES = 32 << 20
 
 # longest a restore waits for the writer to store a checkpoint an earlier request queued (past
 # that the request recomputes instead: a writer that far behind must not stall requests)
@@ -174,87 +176,61 @@ class Restorer:
     def _fill(
         self, key, pos, chunk_keys, entry, kv_caches, linear, needs_blob: bool, kv_ready: bool
     ) -> None:
-        """Worker threads read what RAM lacks straight from LMDB's memory map, decompress it into
-        host buffers laid out like the caches (the blob in parts, see `BlobLoad`), then one
-        upload per tensor. A payload that vanished raises KeyError (caches then hold a partial
-        state: `dirty`). With `kv_ready` (and no `chunk_keys`) the caches keep their KV."""
+        """Worker threads copy (or decompress) each KV chunk, from the RAM tier or straight
+        from LMDB's memory map, into a host staging buffer in the payloads' own order, while
+        this thread uploads the finished ones a group at a time and lays them out in the
+        caches on the device (`_upload_group`); the record's blob is read beside them. A
+        payload that vanished raises KeyError (caches then hold a partial state: `dirty`).
+        With `kv_ready` (and no `chunk_keys`) the caches keep their KV."""
         ram_chunks = {ck: self.ram.get(ck) for ck in chunk_keys}
-        blob = entry[1] if entry is not None else None
-        load: BlobLoad | None = None
+        read = ram_reader(entry[1]) if entry is not None else lmdb_reader(self.store, key)
         with torch.inference_mode():
             if any(cache.capacity < pos for cache in kv_caches):
                 self.dirty = True  # growing drops what the caches held
             for cache in kv_caches:
                 cache.reserve(pos, pos if kv_ready else 0)
+            span = BLOCK * self.layout.kv_token_bytes()
+            staged, region = self._staging(len(chunk_keys) * span)
+            load = None
             try:
-                if not chunk_keys:  # a prefix shorter than a chunk, or the live KV kept
-                    if needs_blob:
-                        if blob is None:
-                            load = self._load_chunks(key, pos, [], {}, [], True)
-                            blob = load.tensors(self.layout, pos)
-                        self.dirty = True
-                        self._fill_blob(kv_caches, linear, pos, blob, load)
-                    return
-                self._fill_chunks(
-                    key, pos, chunk_keys, ram_chunks, blob, kv_caches, linear, needs_blob
+                load = self._load(
+                    pos, chunk_keys, ram_chunks, staged, span, read, needs_blob, kv_caches
                 )
+                if needs_blob:
+                    self.dirty = True
+                    self._fill_blob(kv_caches, linear, pos, load.tensors(self.layout, pos), load)
             finally:
+                if region is not None:  # one wait for the copies queued from the ring
+                    torch.cuda.current_stream(self.device).synchronize()
+                    self._ring.free(region)
                 if load is not None:
                     load.release(self.device)
-
-    def _fill_chunks(self, key, pos, chunk_keys, ram_chunks, blob, kv_caches, linear, needs_blob):
-        full = len(chunk_keys) * BLOCK
-        targets = [t[:, :full] for cache in kv_caches for t in (cache.k, cache.v)]
-        staged, region = self._stage_for_upload(targets)
-        if staged is targets:
-            self.dirty = True  # chunks land straight in the caches
-        load = None
-        try:
-            load_blob = needs_blob and blob is None
-            load = self._load_chunks(key, pos, chunk_keys, ram_chunks, staged, load_blob)
-            blob = blob if load is None else load.tensors(self.layout, pos)
-            self.dirty = True
-            self._upload(staged, targets, non_blocking=region is not None)
-            if needs_blob:
-                self._fill_blob(kv_caches, linear, pos, blob, load)
-        finally:
-            if region is not None:  # one wait for the KV and blob copies queued from the ring
-                torch.cuda.current_stream(self.device).synchronize()
-                self._ring.free(region)
-            if load is not None:
-                load.release(self.device)
         self.dirty = False
 
-    def _load_chunks(self, key, pos, chunk_keys, ram_chunks, staged, load_blob: bool):
-        """Chunks into `staged` on worker threads (what RAM lacks read straight from LMDB's map),
-        and the record's blob parts beside them when `load_blob`; returns the `BlobLoad` (or
-        None). Waits for every worker before returning or raising, so none writes afterwards."""
-
-        # each chunk decompresses straight into its rows of the staged buffers: per attention
-        # layer k then v, per kv head BLOCK tokens (the chunk payload's own order)
-        heads = [[row_bytes(t[h]) for h in range(t.shape[0])] for t in staged]
-        span = BLOCK * self.layout.kv_row_bytes()
+    def _load(self, pos, chunk_keys, ram_chunks, staged, span, read, needs_blob, kv_caches):
+        """Chunks into `staged` on worker threads, uploaded into the caches group by group as
+        they finish, and the record's blob parts beside them when `needs_blob`; returns the
+        `BlobLoad` (or None). Waits for every worker before returning or raising, so none
+        writes afterwards."""
 
         def fill(index: int, ck: bytes) -> None:
-            tensors = ram_chunks[ck]
-            if tensors is not None:
-                self._fill_chunk(staged, index, tensors)
-                return
-            places = [row[index * span : (index + 1) * span] for rows in heads for row in rows]
-            if self.store.read_chunk(ck, functools.partial(unpack_scatter, outs=places)) is None:
+            place = [row_bytes(staged[index * span : (index + 1) * span])]
+            payload = ram_chunks[ck]
+            if payload is not None:
+                unpack_scatter(payload, place)
+            elif self.store.read_chunk(ck, functools.partial(unpack_scatter, outs=place)) is None:
                 raise KeyError("payload missing")
 
         load, jobs = None, []
         try:
             with self.store.parallel_reads():
-                if load_blob:
-                    raw = self.layout.blob_bytes(pos % BLOCK)
-                    load = BlobLoad(self.store, self._ring, key, raw)
-                tasks = load.jobs() if load is not None else []
-                tasks += [functools.partial(fill, i, ck) for i, ck in enumerate(chunk_keys)]
+                if needs_blob:
+                    load = BlobLoad(read, self._ring, self.layout.blob_bytes(pos % BLOCK))
+                # (one list of futures, which `_raise_first` clears: see there)
+                jobs = [self._pool.submit(fill, i, ck) for i, ck in enumerate(chunk_keys)]
+                jobs += [self._pool.submit(job) for job in (load.jobs() if load else [])]
                 try:
-                    for task in tasks:
-                        jobs.append(self._pool.submit(task))
+                    self._upload_chunks(jobs[: len(chunk_keys)], staged, span, kv_caches)
                 finally:
                     wait(jobs)  # none may write into the buffers after this returns
             _raise_first(jobs)
@@ -264,37 +240,56 @@ class Restorer:
             raise
         return load
 
-    def _stage_for_upload(self, targets: list[torch.Tensor]):
-        """Host buffers to assemble device-bound KV in: the targets themselves on CPU, else a
-        pinned ring region when free, else ordinary memory."""
-        if self.device.type != "cuda":
-            return targets, None
-        region = self._ring.alloc(PinnedRing.span(targets)) if self._ring is not None else None
+    def _staging(self, num_bytes: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """A host buffer to assemble chunks in: a pinned ring region when free (on CUDA), else
+        ordinary memory."""
+        region = None
+        if self._ring is not None and num_bytes:
+            region = self._ring.alloc(num_bytes)
         if region is not None:
-            return self._ring.views(region, targets), region
-        return [torch.empty(t.shape, dtype=t.dtype) for t in targets], None
+            return self._ring.buffer[region[0] : region[0] + num_bytes], region
+        return torch.empty(num_bytes, dtype=torch.uint8), None
 
-    def _upload(
-        self, staged: list[torch.Tensor], targets: list[torch.Tensor], non_blocking
-    ) -> None:
-        """Staged KV into the caches (asynchronous from a pinned region: the caller waits for
-        the copies before freeing it)."""
-        if staged is targets:
+    def _upload_chunks(self, jobs: list[Future], staged, span: int, kv_caches) -> None:
+        """As the chunk jobs finish in order, each group of `UPLOAD_GROUP_BYTES` goes to the
+        device in one copy and into the caches (stops at the first failed job)."""
+        if not jobs:
             return
-        for host, dev in zip(staged, targets, strict=True):
-            dev.copy_(host, non_blocking=non_blocking)
+        group = max(1, UPLOAD_GROUP_BYTES // span)
+        scratch = None
+        if self.device.type == "cuda":
+            scratch = torch.empty(
+                min(group, len(jobs)) * span, dtype=torch.uint8, device=self.device
+            )
+        self.dirty = True  # chunks land in the caches from here on
+        for lo in range(0, len(jobs), group):
+            hi = min(lo + group, len(jobs))
+            wait(jobs[lo:hi])
+            if any(job.exception() is not None for job in jobs[lo:hi]):
+                return  # (the caller raises it)
+            self._upload_group(staged[lo * span : hi * span], lo, hi - lo, scratch, kv_caches)
 
-    def _fill_chunk(self, staged: list[torch.Tensor], index: int, tensors) -> None:
-        """Copy one chunk (all layers' k and v, `[Hkv, BLOCK, D]` each) into the staged buffers."""
-        lo = index * BLOCK
-        with torch.inference_mode():
-            for dest, src in zip(staged, tensors, strict=True):
-                dest[:, lo : lo + BLOCK].copy_(src)
+    def _upload_group(self, host: torch.Tensor, first: int, count: int, scratch, kv_caches):
+        """`count` chunks from chunk `first` (payload order: per attention layer k then v, per
+        kv head BLOCK tokens) into the caches: one copy to the device, then per tensor one copy
+        that lays the chunks' rows out in the cache."""
+        data = host
+        if scratch is not None:
+            data = scratch[: host.numel()]
+            data.copy_(host, non_blocking=host.is_pinned())
+        layout = self.layout
+        shape = (count, layout.num_attn, 2, layout.kv_heads, BLOCK, layout.head_dim)
+        chunks = data.view(kv_caches[0].k.dtype).view(shape)
+        lo, hi = first * BLOCK, (first + count) * BLOCK
+        for i, cache in enumerate(kv_caches):
+            for j, target in enumerate((cache.k, cache.v)):
+                rows = target[:, lo:hi].view(layout.kv_heads, count, BLOCK, layout.head_dim)
+                rows.copy_(chunks[:, i, j].transpose(0, 1))
 
     def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor], load) -> None:
         """Blob tensors into the caches; asynchronous copies when `load` holds them pinned (its
         `release` waits for them)."""
-        non_blocking = load is not None and load.pinned
+        non_blocking = load.pinned
         tail = pos % BLOCK
         for i, cache in enumerate(kv_caches):
             cache.k[:, pos - tail : pos].copy_(blob[2 * i], non_blocking=non_blocking)

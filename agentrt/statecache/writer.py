@@ -1,6 +1,6 @@
 """The state cache's write side (a mixin of `StateCache`): a checkpoint's new KV chunks and
 snapshot copied to host (pinned, non-blocking), queued, then compressed and committed in one
-LMDB transaction by the writer thread; the RAM tier keeps what it wrote."""
+LMDB transaction by the writer thread; the RAM tier keeps the payloads it wrote."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from agentrt.statecache.codec import (
     Record,
     pack_parts,
     pack_tensors,
+    raw_length,
 )
 from agentrt.statecache.keys import BLOCK, PrefixKeys
 from agentrt.statecache.ram import nbytes
@@ -172,28 +173,31 @@ class Writer:
         self.stats["write_seconds"] += time.perf_counter() - t0
 
     def _commit(self, job: _Job) -> None:
+        """Pack the checkpoint's new chunks and its blob, keep the payloads in the RAM tier (a
+        restore reads them as it reads LMDB's), then store them."""
         tail = job.pos % BLOCK
         tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
         blob = tail_kv + job.linear()
-        self.ram.put(job.key, (job.kind, blob, job.pos), nbytes(blob))
-        chunks = {}
+        chunks, payloads = {}, {}
         for ck in self.store.missing_chunks(job.chunk_keys):
-            index = job.chunk_keys.index(ck)
-            tensors = self._chunk_from_job(job, index) or self.ram.get(ck)
-            if tensors is None:
+            tensors = self._chunk_from_job(job, job.chunk_keys.index(ck))
+            payload = self.ram.get(ck) if tensors is None else None  # (packed by an earlier job)
+            if tensors is None and payload is None:
                 self.stats["dropped_missing_chunk"] += 1
                 with self._lock:
                     self._known.discard(ck)
                 return
-            chunks[ck] = tensors
-        for index, ck in enumerate(job.chunk_keys):
-            tensors = self._chunk_from_job(job, index)
-            if tensors is not None:
-                self.ram.put(ck, tensors, nbytes(tensors))
+            if tensors is None:
+                payloads[ck] = payload
+            else:
+                chunks[ck] = tensors
         level = self.config.compress_level
         packing = {ck: self._compress.submit(pack_tensors, t, level) for ck, t in chunks.items()}
         blob_payload = pack_parts(blob, level, pool=self._compress)  # beside the chunks
-        payloads = {ck: future.result() for ck, future in packing.items()}
+        payloads.update((ck, future.result()) for ck, future in packing.items())
+        for ck, payload in payloads.items():
+            self.ram.put(ck, payload, len(payload))
+        self.ram.put(job.key, (job.kind, blob_payload, job.pos), len(blob_payload))
         now = time.time()
         chunk_bytes = sum(map(len, payloads.values()))
         record = Record(
@@ -211,6 +215,7 @@ class Writer:
         self.stats[f"write_{result}"] += 1
         if result == "written":
             self.stats["bytes_written"] += len(blob_payload) + chunk_bytes
-            self.stats["raw_bytes_written"] += nbytes(blob) + sum(map(nbytes, chunks.values()))
+            raw_chunks = sum(raw_length(p) for p in payloads.values())
+            self.stats["raw_bytes_written"] += nbytes(blob) + raw_chunks
             with self._lock:
                 self._known.update(job.chunk_keys)
