@@ -51,6 +51,7 @@ def client_for(runtime):
 class _FakeRuntime:
     model_name = "tiny"
     cache = "off"
+    startup = {"total_s": 2.0}  # (`Runtime.open`'s phase times)
 
     def close(self) -> None:
         pass

@@ -124,3 +124,8 @@ def test_runtime_config_and_keywords_open_the_same_runtime():
     assert by_config.generate(ids, max_tokens=6) == by_keywords.generate(ids, max_tokens=6)
     with pytest.raises(TypeError, match="prefil_chunk"):
         Runtime.open("tiny", prefil_chunk=32)
+    phases = by_config.startup  # seconds per start-up phase, and their sum
+    assert set(phases) == {"total_s", "weights_s", "engine_s", "prefill_graphs_s", "warm_up_s"}
+    assert all(v >= 0 for v in phases.values()) and phases["total_s"] > 0
+    parts = sum(v for k, v in phases.items() if k != "total_s")
+    assert abs(phases["total_s"] - parts) < 1e-3

@@ -67,6 +67,7 @@ def _report(rt, max_tokens: int, warmup: int, reports, complete: bool) -> dict[s
         "warmup_requests": warmup,
         "prefill_chunk": rt.engine.config.prefill_chunk,
         "prefill_graphs": rt.engine.prefill_graphs is not None,
+        "startup": dict(rt.startup),  # seconds Runtime.open took, per phase
         "reports": reports,
         "ratios": _ttft_ratios(reports),
     }

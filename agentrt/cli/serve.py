@@ -83,8 +83,11 @@ def serve(
     )
     check_exposure(config)  # before the model loads
     rt = open_runtime(opts, require_tokenizer=True)
+    ready = rt.startup.get("total_s", 0.0)
     click.echo(
-        f"agentrt: serving {rt.model_name} (cache={rt.cache}) on http://{host}:{port}/v1", err=True
+        f"agentrt: serving {rt.model_name} (cache={rt.cache}) on http://{host}:{port}/v1 "
+        f"(ready in {ready:.1f} s)",
+        err=True,
     )
     try:
         run_server(rt, config)

@@ -68,6 +68,9 @@ class Runtime:
         self._state = None  # one live sequence, reused so its buffers (and CUDA graph) persist
         self.reuse: NoReuse = NoReuse()
         self.generated = GeneratedIds(tokenizer) if tokenizer is not None else None
+        # seconds `open` spent per phase after the tokenizer: weights_s, engine_s (engine and
+        # state cache), prefill_graphs_s, warm_up_s, and total_s (empty when built directly)
+        self.startup: dict[str, float] = {}
 
     @property
     def cache(self) -> str:
@@ -135,6 +138,7 @@ class Runtime:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
         tok = load_tokenizer(tok_dir, c.chat_template) if tok_dir else None
         dtype = torch_dtype(config.dtype)
+        clock = _Clock()
         store = expert_store(model, device, dtype) if placement.mode != "none" else None
         experts = store.as_routed() if store is not None else None
         source = open_model(model, device, dtype, seed=c.seed, experts=experts)
@@ -143,12 +147,17 @@ class Runtime:
             from agentrt.engine.placement import install
 
             offload = install(source.model, store, device, placement, c.recalibrate)
+        clock.lap("weights_s")
         engine = Engine(source.model, config, offload)
         rt = cls(engine, tok, source, c.seed, c.boundaries)
         rt.set_cache(c.cache, cache_config(c.state_cache, c.state_dir, c.state_max_gb))
+        clock.lap("engine_s")
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
             engine.prepare_prefill_graphs(rt._live_state())
+        clock.lap("prefill_graphs_s")
         engine.warm_up(rt._live_state())  # (CUDA: kernels compiled, decode graph captured)
+        clock.lap("warm_up_s")
+        rt.startup = clock.laps
         return rt
 
     # ------------------------------------------------------------------ token level
@@ -423,3 +432,17 @@ class _StopScanner:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class _Clock:
+    """Seconds per named phase since the last lap (`laps`, with their running `total_s`)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.laps: dict[str, float] = {"total_s": 0.0}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self.last, 4)
+        self.laps["total_s"] = round(self.laps["total_s"] + now - self.last, 4)
+        self.last = now
