@@ -270,6 +270,43 @@ def test_prefill_graphs_match_eager_on_cuda(kernel):
     _within_twice_eager(*(e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)))
 
 
+def test_prefill_graph_recording_that_fails_is_warmed_up_and_recorded_again_on_cuda():
+    """Start-up warms up only before the first capture; a later recording that fails (here: a
+    synchronize inside the capture, as a kernel's first compilation or tuning would) is warmed
+    up and recorded again into a new memory pool, and the graphs give the eager logits."""
+    from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
+    from agentrt.engine.cuda_graph import PrefillGraphs
+    from agentrt.models.registry import open_model
+
+    class SyncsOnce(PrefillGraphs):
+        synced = False
+
+        def _step(self, state, ids, span):
+            if ids.numel() == 32 and not self.synced:
+                self.synced = True
+                torch.cuda.synchronize()
+            return super()._step(state, ids, span)
+
+    model = open_model("tiny", "cuda", torch.bfloat16).model
+    config = EngineConfig(device="cuda", dtype="bfloat16", prefill_graphs=False, capture_grid=0)
+    graphed, eager = Engine(model, config), Engine(model, config)
+    graphs = SyncsOnce(model, torch.device("cuda"), (16, 32, 64), reserve=4096)
+    state = graphed.new_state()
+    assert graphs.prepare(state) and graphs.enabled
+    assert len(graphs.graphs) == 3 and graphs.cold_captures == 1
+    graphed.prefill_graphs = graphs
+    reference = Engine(
+        open_model("tiny", "cuda", torch.float32).model,
+        EngineConfig(device="cuda", dtype="float32", linear_attn="torch"),
+    )
+    engines = [graphed, eager, reference]
+    states = [state, eager.new_state(), reference.new_state()]
+    for piece in (range(10, 40), range(40, 60), range(60, 100)):
+        ids = [t % 2000 for t in piece]
+        _within_twice_eager(*(e.prefill(s, ids) for e, s in zip(engines, states, strict=True)))
+
+
 @needs_fla
 def test_fla_eager_captures_move_onto_the_chunk_grid():
     """With fla, eager prefill takes a capture inside a piece at the last 64-token chunk start

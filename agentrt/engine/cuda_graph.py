@@ -204,14 +204,15 @@ def _cutters(model: CausalLM) -> list:
 # tensor; a mask over the whole capacity where that kernel is unusable). Every replay streams
 # (nearly) all expert weights once: on the H200 a replay cost 36 ms at 64 tokens and 94 ms at
 # 2048, ~31 us per token above 1K (`benchmarks/profile_static.py`, qwen3.5-35b-a3b), so one replay
-# beats two and padding is what is left to cut: from 768 tokens on, buckets every 256 tokens,
-# every 128 above 2048 (the longest suffixes set the worst-case TTFT; 4 ms of padding less there).
-PREFILL_BUCKETS = (64, 128, 256, 512, *range(768, 2049, 256), *range(2176, 3073, 128))
-# Every bucket also has a graph with cut slots: linear layers take the states at the cuts from the
-# pass itself (`kernels.gated_delta_rule_states`: one 64-row window per cut), so a cut costs little
-# more than the plain replay; a request whose piece holds a boundary no longer pads up to a
-# sparser set of cut buckets (its worst case was a 2.7K-token suffix padded to 3072 plus cuts).
+# beats two. Padding costs at most ~16 ms at these steps; each bucket costs start-up one capture
+# (~0.1-0.2 s there), so the steps widen with length.
+PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072)
+# Every bucket's graph has cut slots: linear layers take the states at the cuts from the pass
+# itself (`kernels.gated_delta_rule_states`: one 64-row window per cut), so a cut costs little
+# more than the plain replay, and a piece without cuts replays the same graph (its slots repeat
+# the end). `plain=True` also captures a graph without cuts per bucket (twice the captures).
 PREFILL_CUT_BUCKETS = None
+PREFILL_PLAIN = False
 PREFILL_RESERVE = 32768  # KV positions reserved at once: each growth means new captures
 # KV reserved up front for the graphs (`graph_kv_tokens`) may take at most this share of the
 # device memory free when the engine opens
@@ -249,9 +250,10 @@ class PrefillGraphs:
     serves every prompt up to that length at any position. An eager forward of a large model
     costs host time per kernel launch whatever its length; a replay costs one launch.
 
-    Each bucket has a graph without cuts and, by default, one with `cut_slots` cuts (capture
-    positions inside the piece, whose linear states the pass records; unused slots repeat the
-    end; `cut_buckets` limits which buckets have one). Graphs are valid for the cache buffers
+    Each bucket has a graph with `cut_slots` cuts (capture positions inside the piece, whose
+    linear states the pass records; unused slots repeat the end), which pieces without cuts
+    replay too; with `plain`, each also has one without cuts (`cut_buckets` then limits which
+    buckets have a cut variant). Graphs are valid for the cache buffers
     they were captured on: all are captured together (`prepare`, or at first use) and again
     whenever the KV buffers change (so capture costs land in one request; KV is reserved
     `reserve` positions at a time, so growth is rare); they share one memory pool (they never
@@ -269,6 +271,7 @@ class PrefillGraphs:
         max_prompt: int = PREFILL_MAX_PROMPT,
         cut_slots: int = PREFILL_CUT_SLOTS,
         cut_buckets: tuple[int, ...] | None = PREFILL_CUT_BUCKETS,
+        plain: bool = PREFILL_PLAIN,
     ) -> None:
         self.model = model
         self.device = device
@@ -280,17 +283,22 @@ class PrefillGraphs:
         self.reserve = reserve
         self.max_prompt = max_prompt
         self.cut_slots = cut_slots
+        self.plain = plain or not cut_slots
+        if not self.plain:  # one graph per bucket, with cuts
+            self.cut_buckets = self.buckets
         self.enabled = True
         self.graphs: dict[tuple[int, int], _CapturedPrefill] = {}  # (bucket, slots) -> graph
         self.key: tuple[int, ...] | None = None
         self.pool = None
+        self.warmed = False  # (see `_capture`)
+        self.cold_captures = 0  # captures that needed an eager warm-up after all
 
     def bucket(self, num_tokens: int, cuts: bool = False) -> int | None:
-        sizes = self.cut_buckets if cuts and self.cut_slots else self.buckets
+        sizes = self.cut_buckets if (cuts or not self.plain) and self.cut_slots else self.buckets
         return next((b for b in sizes if b >= num_tokens), None)
 
     def _variants(self) -> list[tuple[int, int]]:
-        plain = [(b, 0) for b in self.buckets]
+        plain = [(b, 0) for b in self.buckets] if self.plain else []
         return plain + ([(b, self.cut_slots) for b in self.cut_buckets] if self.cut_slots else [])
 
     def prepare(self, state: SequenceState) -> bool:
@@ -328,7 +336,7 @@ class PrefillGraphs:
         size = self.bucket(len(token_ids), bool(cuts))
         if size is None or not self.enabled or len(cuts) > self.cut_slots:
             return None
-        slots = self.cut_slots if cuts else 0
+        slots = self.cut_slots if cuts or not self.plain else 0
         padded_cuts = list(cuts) + [len(token_ids)] * (slots - len(cuts))
         start = state.num_tokens
         self._reserve(state, start, size)
@@ -371,13 +379,47 @@ class PrefillGraphs:
             return False
 
     def _capture(self, state: SequenceState, size: int, slots: int) -> _CapturedPrefill:
-        """Static input buffers for one graph, a warm-up, then the recorded step."""
+        """Static input buffers for one graph, then the recorded step. The engine's first
+        capture runs the step eagerly first (lazy initialisation, the kernels' probes, Triton
+        compilation and autotuning); later ones record at once and warm up only if recording
+        failed (a bucket that needs a kernel variant not compiled yet): an eager pass of the
+        whole model per bucket doubled the start-up time of the graphs."""
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         span = self._span(state.num_tokens, size, [size] * slots if slots else None)
-        _warm_up(state, self.device, lambda: self._step(state, ids, span))
-        replay, logits = self._record(lambda: self._step(state, ids, span))
+
+        def step() -> torch.Tensor:
+            return self._step(state, ids, span)
+
+        if not self.warmed:
+            _warm_up(state, self.device, step)
+            self.warmed = True
+        try:
+            replay, logits = self._record(step)
+        except Exception:  # noqa: BLE001 - compile or tune eagerly, then record again
+            self._abandon_pool()
+            self.cold_captures += 1
+            _warm_up(state, self.device, step)
+            replay, logits = self._record(step)
         taken = [c.slots for c in state.linear_caches()] if slots else []
         return _CapturedPrefill(replay, ids, span, logits, taken)
+
+    def _abandon_pool(self) -> None:
+        """After a failed recording: later graphs record into a new memory pool. The failed
+        capture ended without closing the allocator's recording into the old pool (torch ends
+        it only after a successful capture), which would refuse the next capture into it."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize(self.device)
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None and self.pool is not None:
+            index = (
+                self.device.index if self.device.index is not None else torch.cuda.current_device()
+            )
+            try:
+                end(index, self.pool)
+            except RuntimeError:  # it was closed after all
+                pass
+        self.pool = None
 
     def _record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """Capture `step` as a CUDA graph: (replay, the output tensor each replay refills)."""

@@ -26,8 +26,9 @@ from agentrt.models.kernels import CHUNK, resolve_backend
 from agentrt.models.layers import CausalLM
 
 # the scratch prompt `Engine.warm_up` runs: past fla's recurrent bound (64), so its chunked
-# kernels run, with a capture inside the piece
-WARM_UP_TOKENS = 200
+# kernels run, with a capture inside the piece; one of its pieces is this many tokens long
+WARM_UP_TOKENS = 344
+WARM_UP_ALIGNED = 128
 
 
 class Cancelled(Exception):
@@ -217,7 +218,7 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Append `token_ids` to `state`; record linear states at absolute positions in `capture`
-        (eager pieces may take one up to 63 tokens earlier, see `capture_grid`: the position
+        (a piece may take one up to 63 tokens earlier, see `capture_grid`: the position
         taken is `state.capture_position(pos)`).
 
         Returns fp32 logits of the last token `[V]` (or of every token `[T, V]` with `all_logits`).
@@ -296,22 +297,24 @@ class Engine:
         self, state: SequenceState, token_ids: Sequence[int], wanted: list[int], should_stop
     ) -> tuple[int, torch.Tensor | None]:
         """Run a prompt of at most `max_prompt` tokens as CUDA-graph replays, one per piece (see
-        `_pieces`): capture positions inside a piece are the replay's cuts, one at its end is
-        its final state. Stops at the first piece no graph takes. Returns how many tokens ran
-        and the logits after them."""
+        `_pieces`): capture positions inside a piece are the replay's cuts (moved onto the
+        capture grid of the piece, as in eager pieces), one at its end is its final state.
+        Stops at the first piece no graph takes. Returns how many tokens ran and the logits
+        after them."""
         graphs = self.prefill_graphs
         start, done, logits = state.num_tokens, 0, None
         for end, inner in _pieces(len(token_ids), [p - start for p in wanted], graphs):
             if should_stop is not None and should_stop():
                 raise Cancelled("generation cancelled during prefill")
             piece = list(token_ids[done:end])
-            out = graphs.run(state, piece, [p - done for p in inner])
+            cuts = self._on_grid(state, start + done, [p - done for p in inner], end - done)
+            out = graphs.run(state, piece, cuts)
             if out is None:
                 break
             logits, slots = out
             state.token_ids.extend(piece)
-            for j, pos in enumerate(inner):
-                state.record_slot(start + pos, slots, j)
+            for j, cut in enumerate(cuts):
+                state.record_slot(start + done + cut, slots, j)
             if start + end in wanted:
                 state.record_capture(start + end)
             done = end
@@ -328,22 +331,40 @@ class Engine:
     def warm_up(self, state: SequenceState) -> None:
         """On CUDA, before the first request: compile and tune what a request runs (chunked and
         short prefill pieces, captures inside a piece, the decode step, whose CUDA graph is
-        captured for `state`'s buffers) on a scratch prompt, then empty `state`. Elsewhere
-        nothing (there is nothing to compile)."""
+        captured for `state`'s buffers) on a scratch prompt, then empty `state`. With prefill
+        graphs the prompt runs twice, eagerly first: prompts longer than the graphs take run
+        eagerly, and their kernels (other variants than a replay's static pass) would otherwise
+        compile inside the first such request. Elsewhere nothing (there is nothing to
+        compile)."""
         if self.device.type != "cuda":
             return
         short = min(WARM_UP_TOKENS, self.max_context - 2)  # (a model of a short context)
-        long = short - 16
-        if long < 2:
+        if short - WARM_UP_ALIGNED < 2:
             return
         vocab = self.cfg.vocab_size - 1
         ids = [(7 + 31 * i) % vocab for i in range(short + 2)]
-        self.prefill(state, ids[:long], capture=[long // 2, long])  # (chunked kernels, captures)
-        self.prefill(state, ids[long:short])  # (a short piece: the recurrent kernels)
+        graphs = self.prefill_graphs
+        if graphs is not None:
+            self.prefill_graphs = None
+            try:
+                self._warm_up_prompt(state, ids[:short])
+            finally:
+                self.prefill_graphs = graphs
+            state.reset()
+        self._warm_up_prompt(state, ids[:short])
         for token in ids[short:]:
             self.decode_step(state, token)
         self.synchronize()
         state.reset()
+
+    def _warm_up_prompt(self, state: SequenceState, ids: list[int]) -> None:
+        """The scratch prompt in three pieces: a long one with captures inside and at its end
+        (chunked kernels), one of a multiple of 16 tokens (Triton compiles separate variants
+        for lengths divisible by 16) and a short one (the recurrent kernels)."""
+        long = len(ids) - WARM_UP_ALIGNED - 16
+        self.prefill(state, ids[:long], capture=[long // 2, long])
+        self.prefill(state, ids[long : long + WARM_UP_ALIGNED], capture=[long + 100])
+        self.prefill(state, ids[long + WARM_UP_ALIGNED :])
 
     @torch.inference_mode()
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
