@@ -8,8 +8,9 @@
 #   moe          the MoE combine before and after (bench_moe.py)
 #   stall        how long the state-cache writer's packing stalls other threads (writer_stall.py)
 #   profile      the suffix prefill profile (PREFILL_GRAPHS=1 for the graphed path)
-#   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*)
-#   ttft_graphs  the same with --prefill-graphs (into ttft_graphs.*)
+#   ttft         the TTFT replay of the reasoning-dropped traces (into ttft.*; prefill graphs on,
+#                the default)
+#   ttft_eager   the same with --no-prefill-graphs (into ttft_eager.*)
 #   static       graphed vs eager prefill per piece length, and decode (profile_static.py)
 #   statecache   the state-cache benchmark at LENGTHS (default 8192,32768)
 # Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare), and .triton-cache.tgz when a previous
@@ -42,8 +43,8 @@ fi
 if has ttft; then
   VARIANTS=dropped timeout 240 bash benchmarks/gpu_ttft.sh | tail -14
 fi
-if has ttft_graphs; then
-  VARIANTS=dropped NAME=ttft_graphs TTFT_ARGS=--prefill-graphs timeout "${TTFT_TIMEOUT:-240}" bash benchmarks/gpu_ttft.sh | tail -14
+if has ttft_eager; then
+  VARIANTS=dropped NAME=ttft_eager TTFT_ARGS=--no-prefill-graphs timeout "${TTFT_TIMEOUT:-240}" bash benchmarks/gpu_ttft.sh | tail -14
 fi
 if has static; then
   timeout 200 python3 benchmarks/profile_static.py > "$OUT/static.jsonl" 2>&1

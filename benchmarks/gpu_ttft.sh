@@ -5,7 +5,7 @@
 # does not travel):  bash benchmarks/gpu_ttft.sh prepare   then carry .whl .tok .traces-dev.
 # Env: VARIANTS (default recorded,dropped), PREFILL_CHUNK (default 4096: on an H200 a suffix of
 # 2-4K tokens then runs as one forward pass instead of two launch-bound ones), TTFT_ARGS (more
-# options, e.g. --prefill-graphs), NAME (output file stem, default ttft), TRACES (trace files,
+# options, e.g. --no-prefill-graphs), NAME (output file stem, default ttft), TRACES (trace files,
 # default the two samples' directories; e.g. .traces-dev/long/*.zst, a session generated with
 # `agentrt trace gen --tokens 90000 --max-turns 150 -o .traces-dev/long/gen-90k.jsonl.zst`).
 set -u

@@ -73,6 +73,30 @@ def test_captures_on_the_grid_equal_prefix_prefill(ckpt, chunk):
         _assert_snapshots_close(state.export(at), separate.export())
 
 
+def test_graph_replays_take_captures_on_the_grid_of_their_piece(hf_checkpoints):
+    """With prefill graphs and `capture_grid=64`, a capture inside a replayed piece moves back
+    to the piece's last 64-token step, as in eager pieces; the state there equals a prefill
+    of the prefix alone (the static pass here runs eagerly on the CPU)."""
+    from agentrt.engine.cuda_graph import PrefillGraphs
+
+    ids = random_ids(300, seed=37)
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    eng.config = replace(eng.config, capture_grid=64)
+    eng.prefill_graphs = PrefillGraphs(
+        eng.model, torch.device("cpu"), (64, 256), capture=False, reserve=0, max_prompt=400
+    )
+    state = eng.new_state()
+    asked = [30, 137, 200, 290]  # pieces: [0, 200) with 30 and 137 inside, then [200, 300)
+    eng.prefill(state, ids, capture=asked)
+    assert state.moved == {137: 128, 290: 264}
+    for pos in asked:
+        at = state.capture_position(pos)
+        separate = eng.new_state()
+        eng.prefill_graphs = None
+        eng.prefill(separate, ids[:at])
+        _assert_snapshots_close(state.export(at), separate.export())
+
+
 def test_snapshot_import_then_suffix_reproduces_logits(ckpt):
     ids = random_ids(N, seed=13)
     eng = open_engine(ckpt, chunk=64)
@@ -287,8 +311,42 @@ def test_prefill_graph_replays_refill_their_static_buffers(hf_checkpoints):
                 assert (a - b).abs().max().item() < 1e-5
         capacities.append(state.kv_caches()[0].capacity)
     assert graphs.enabled
-    per_buffers = 2 * len(graphs.buckets)  # with and without cuts
+    per_buffers = len(graphs.buckets)  # one graph per bucket, with cuts
     assert graphs.recorded == per_buffers * len(set(capacities)) > 2 * per_buffers
+
+
+def test_prefill_graphs_warm_up_once_and_again_only_where_recording_failed(
+    hf_checkpoints, monkeypatch
+):
+    """Start-up runs the model eagerly before the first capture only; a later bucket whose
+    recording fails (a kernel variant not compiled yet) is warmed up and recorded again, and
+    the graphs stay on."""
+    from agentrt.engine import cuda_graph
+    from agentrt.engine.cuda_graph import PrefillGraphs
+
+    warmed: list[int] = []
+    real_warm_up = cuda_graph._warm_up
+    monkeypatch.setattr(
+        cuda_graph,
+        "_warm_up",
+        lambda state, dev, step: (warmed.append(1), real_warm_up(state, dev, step)),
+    )
+
+    class FailsOnce(PrefillGraphs):
+        attempts = 0
+
+        def _record(self, step):
+            self.attempts += 1
+            if self.attempts == 2:  # the second bucket's recording
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return (lambda: None), step().clone()
+
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    graphs = FailsOnce(eng.model, torch.device("cpu"), (16, 32, 64), reserve=0)
+    state = eng.new_state()
+    assert graphs.prepare(state) and graphs.enabled
+    assert len(graphs.graphs) == 3 and graphs.attempts == 4
+    assert len(warmed) == 2 and graphs.cold_captures == 1
 
 
 def test_failed_prefill_graph_capture_falls_back_to_eager(hf_checkpoints, capsys):
@@ -328,8 +386,9 @@ def test_tiny_top_p_and_temperature_stay_finite():
 
 
 def test_prefill_graph_buckets(hf_checkpoints):
-    """Pieces without cuts take the tightest bucket; pieces with cuts the tightest bucket that
-    has a cut variant (the largest always has one); nothing longer than the largest."""
+    """Every piece takes the tightest bucket (one graph per bucket, with cut slots); nothing
+    longer than the largest. With plain graphs too, pieces with cuts take the tightest bucket
+    that has a cut variant (the largest always has one)."""
     from agentrt.engine.cuda_graph import PrefillGraphs
 
     eng = open_engine(hf_checkpoints["qwen3_5_moe"])
@@ -342,12 +401,13 @@ def test_prefill_graph_buckets(hf_checkpoints):
         1280,
         3072,
     ]
-    # by default every bucket has a cut variant
-    assert [graphs.bucket(n, cuts=True) for n in (65, 700, 1025, 2049)] == [128, 768, 1280, 2176]
+    assert [graphs.bucket(n, cuts=True) for n in (65, 700, 1025, 2049)] == [128, 768, 1280, 2560]
     assert graphs.bucket(3073) is None and graphs.bucket(3073, cuts=True) is None
-    odd = PrefillGraphs(eng.model, torch.device("cpu"), (16, 48), cut_buckets=(16, 32))
+    assert graphs._variants() == [(b, graphs.cut_slots) for b in graphs.buckets]
+    odd = PrefillGraphs(eng.model, torch.device("cpu"), (16, 48), cut_buckets=(16, 32), plain=True)
     assert odd.cut_buckets == (16, 48)
     assert len(odd._variants()) == 4
+    assert odd.bucket(20) == 48 and odd.bucket(10, cuts=True) == 16
 
 
 def test_common_prefix_matches_a_plain_scan():
@@ -380,3 +440,23 @@ def test_graph_kv_covers_the_context_when_it_fits():
     assert tight == 3 * PREFILL_RESERVE and tight * per_token <= 2 * 2**30
     assert graph_kv_tokens(262144, per_token, 2**20) == PREFILL_RESERVE  # at least one step
     assert graph_kv_tokens(4096, per_token, 2**20) == 4096  # never past the context
+
+
+def test_cuda_defaults_turn_on_prefill_graphs_only_where_they_apply():
+    """With nothing asked: CUDA with the experts on the GPU gets prefill graphs (and 2048-token
+    chunks); offloaded experts, --eager and the CPU do not get graphs; an explicit choice wins."""
+    from agentrt.session.options import RuntimeConfig, engine_config, offload_config
+
+    def config(device: str, **kw):
+        c = RuntimeConfig(**kw)
+        return engine_config(c, device, offload_config(c))
+
+    resident = config("cuda")
+    assert resident.prefill_graphs and resident.prefill_chunk == 2048
+    offloaded = config("cuda", vram_budget="16GiB")
+    assert not offloaded.prefill_graphs and offloaded.prefill_chunk == 8192
+    assert not config("cuda", eager=True).prefill_graphs
+    assert not config("cuda", prefill_graphs=False).prefill_graphs
+    cpu = config("cpu")
+    assert not cpu.prefill_graphs and cpu.prefill_chunk == 2048
+    assert config("cpu", prefill_graphs=True).prefill_graphs  # (the engine ignores it off CUDA)

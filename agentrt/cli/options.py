@@ -182,13 +182,14 @@ def model_options(fn=None, *, cache_list: bool = False):
             "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
         ),
         click.option(
-            "--prefill-graphs",
-            is_flag=True,
-            help="CUDA, experts on the GPU: run prompts and suffixes of up to 4096 tokens as "
-            "CUDA-graph replays of padded lengths (64-3072), one launch instead of thousands "
-            "(suffix prefill 2-2.5x faster on an H200). The graphs are captured when the model "
-            "opens, on KV reserved for the model's whole context (or as much as a quarter of "
-            "the free GPU memory holds), so no request captures them again.",
+            "--prefill-graphs/--no-prefill-graphs",
+            default=None,
+            help="Run prompts and suffixes of up to 4096 tokens as CUDA-graph replays of padded "
+            "lengths (64-3072), one launch instead of thousands (suffix prefill 2-2.5x faster "
+            "on an H200). The graphs are captured when the model opens, on KV reserved for the "
+            "model's whole context (or as much as a quarter of the free GPU memory holds), so "
+            "no request captures them again.  [default: on for CUDA with the experts on the "
+            "GPU, unless --eager; never used with offloaded experts]",
         ),
         *offload_options(),
     ]

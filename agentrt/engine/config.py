@@ -20,7 +20,7 @@ class EngineConfig:
     linear_attn: str = "auto"  # auto | torch | fla
     kv_grow_tokens: int = 1024
     cuda_graphs: bool = True  # capture the decode step on CUDA (False = --eager)
-    prefill_graphs: bool = False  # short prefills as CUDA graphs of padded lengths (experimental)
+    prefill_graphs: bool = False  # short prefills as CUDA graphs of padded lengths
     # eager prefill moves a capture inside a piece back onto this grid of the piece (tokens; 0:
     # captures stay where asked; None: 64 with fla's kernels, else 0), see Engine.capture_grid
     capture_grid: int | None = None
@@ -45,7 +45,8 @@ class EngineConfig:
     def default_prefill_chunk(device: str, offloaded: bool) -> int:
         """Tokens per prefill chunk when none is asked for: with offloaded experts on CUDA each
         chunk brings every missing expert over PCIe once (about the same time for 4K and 8K
-        tokens), so larger chunks amortise it: 8192; else 2048."""
+        tokens), so larger chunks amortise it: 8192; else 2048 (with the experts on the GPU,
+        suffixes of up to 4096 tokens run as prefill-graph replays whatever the chunk)."""
         return OFFLOADED_PREFILL_CHUNK if offloaded and device.startswith("cuda") else 2048
 
     @staticmethod

@@ -34,7 +34,8 @@ class RuntimeConfig:
     linear_attn: str = "auto"  # auto | torch | fla
     prefill_chunk: int | None = None  # None: per device and placement
     eager: bool = False  # no CUDA graph for decode
-    prefill_graphs: bool = False  # short prefills as CUDA-graph replays (experimental)
+    # short prefills as CUDA-graph replays; None: on CUDA with the experts on the GPU, unless eager
+    prefill_graphs: bool | None = None
     require_tokenizer: bool = False  # fail before loading weights when there is none
     state_max_gb: float | None = None
     boundaries: dict[str, str | list[str]] | None = None  # boundary text overrides per kind
@@ -113,8 +114,16 @@ def engine_config(c: RuntimeConfig, device: str, placement: OffloadConfig) -> En
         prefill_chunk=c.prefill_chunk
         or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
         cuda_graphs=not c.eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
-        prefill_graphs=c.prefill_graphs,  # experimental; not used with offloaded experts
+        prefill_graphs=prefill_graphs(c, device, placement),
     )
+
+
+def prefill_graphs(c: RuntimeConfig, device: str, placement: OffloadConfig) -> bool:
+    """Whether short prefills run as CUDA-graph replays: as asked, else on CUDA when the
+    experts are on the GPU (offloaded prefill never takes them) and decode is not eager."""
+    if c.prefill_graphs is not None:
+        return c.prefill_graphs
+    return device.startswith("cuda") and placement.mode == "none" and not c.eager
 
 
 def cache_config(base: StateCacheConfig | None, state_dir, state_max_gb) -> StateCacheConfig:
