@@ -94,3 +94,20 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300):
 
     cmd = [sys.executable, "-m", "agentrt.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def script_replies(monkeypatch, runtime, replies: list[str]) -> None:
+    """Make the engine sample `replies` (each ends the turn) instead of the tiny model's random
+    tokens: the whole serving path still runs (prefill, state cache, parsing)."""
+    import collections
+
+    from agentrt.engine import engine as engine_module
+
+    tok = runtime.tokenizer
+    queue = collections.deque(
+        t for text in replies for t in tok.encode(text + "<|im_end|>", add_special_tokens=False)
+    )
+    real = engine_module.sample
+    monkeypatch.setattr(
+        engine_module, "sample", lambda *a, **k: queue.popleft() if queue else real(*a, **k)
+    )

@@ -1,5 +1,7 @@
 """The Starlette application: routes, API-key check, body size limit, OpenAI-style errors,
-chat completions (JSON or server-sent events), models, health and Prometheus metrics.
+chat completions, Anthropic messages and OpenAI responses (JSON or server-sent events; the
+latter two's shapes in `anthropic.py` and `responses.py`), models, health and Prometheus
+metrics.
 Bad input always becomes a 4xx answer; the process keeps serving.
 
 Safe by default: `check_exposure` refuses a non-loopback bind without an API key (unless
@@ -19,6 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,7 +32,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from agentrt.errors import AgentrtError, InvalidArgumentError, PromptTooLongError
-from agentrt.server import schema
+from agentrt.server import anthropic, responses, schema
+from agentrt.server.schema import error
 from agentrt.server.worker import DONE, EngineWorker, Job, QueueFull
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -75,14 +79,6 @@ def key_matches(given: str, expected: str) -> bool:
     """Constant-time comparison of a presented key with the configured one. Header values come
     as latin-1 text (their raw bytes), the configured key as UTF-8 text."""
     return hmac.compare_digest(given.encode("latin-1"), expected.encode("utf-8", "surrogateescape"))
-
-
-def error(
-    status: int, message: str, param: str | None = None, code: str | None = None, kind=None
-) -> JSONResponse:
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
 
 
 def _number(value: float) -> str:
@@ -163,8 +159,13 @@ class ChatServer:
     # ------------------------------------------------------------------ plumbing
 
     def _authorized(self, request: Request) -> bool:
+        """No key configured, or the request presents it: `Authorization: Bearer KEY` (OpenAI)
+        or `x-api-key: KEY` (Anthropic)."""
         if not self.config.api_key:
             return True
+        given = request.headers.get("x-api-key")
+        if given is not None:
+            return key_matches(given.strip(), self.config.api_key)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and key_matches(given.strip(), self.config.api_key)
 
@@ -234,8 +235,10 @@ class ChatServer:
                 return
             await asyncio.sleep(0.25)
 
-    def _failed(self, exc: Exception) -> JSONResponse:
+    def _failed(self, exc: Exception, anthropic_shape: bool = False) -> JSONResponse:
         self.metrics.add('requests_total|status="error"')
+        if anthropic_shape:
+            return anthropic.error(400 if isinstance(exc, AgentrtError) else 500, str(exc))
         if isinstance(exc, PromptTooLongError):
             return error(400, str(exc), "messages", "context_length_exceeded")
         if isinstance(exc, AgentrtError):
@@ -251,7 +254,8 @@ class ChatServer:
         self.metrics.add("prefilled_tokens_total", prefilled)
         self.metrics.add("completion_tokens_total", result.usage["completion_tokens"])
 
-    async def _complete(self, job: Job) -> Response:
+    async def _result(self, job: Job) -> tuple[Any, Exception | None]:
+        """(the finished generation, None), or (None, what went wrong)."""
         result, failure = None, None
         while (item := await job.events.get()) is not DONE:
             if isinstance(item, Exception):
@@ -259,7 +263,13 @@ class ChatServer:
             elif item.type == "done":
                 result = item.result
         if failure is not None or result is None:
-            return self._failed(failure or RuntimeError("generation ended without a result"))
+            return None, failure or RuntimeError("generation ended without a result")
+        return result, None
+
+    async def _complete(self, job: Job) -> Response:
+        result, failure = await self._result(job)
+        if failure is not None:
+            return self._failed(failure)
         if job.cancelled:
             return Response(status_code=499)
         self._finish(result)
@@ -390,6 +400,11 @@ def build_app(runtime, config: ServerConfig) -> tuple[Starlette, ChatServer]:
     server = ChatServer(runtime, config)
     routes = [
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/messages", partial(anthropic.messages, server), methods=["POST"]),
+        Route("/v1/responses", partial(responses.create, server), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens", partial(anthropic.count_tokens, server), methods=["POST"]
+        ),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),

@@ -1,6 +1,6 @@
 """Request validation for the chat-completions API: msgspec structs for the OpenAI shapes, then
 the semantic checks msgspec cannot express. Every failure is a `BadRequest` with an OpenAI-style
-message and the offending parameter; nothing here touches the model."""
+message and the offending parameter, answered by `error`; nothing here touches the model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
+from starlette.responses import JSONResponse
 
 NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -18,6 +19,15 @@ class BadRequest(Exception):
     ):
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
+
+
+def error(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind=None
+) -> JSONResponse:
+    """An OpenAI-shaped error answer."""
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
 
 
 class TextPart(msgspec.Struct):

@@ -38,6 +38,7 @@ class ChatResult:
     checkpoint: str | None = None  # kind of reused state: "live", a boundary kind, "block"
     restore_source: str | None = None  # where it came from: "live", "device", "ram", "lmdb"
     reuse_s: dict[str, float] | None = None  # restore_s, capture_s, ... (see engine.Timings)
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
     def message(self) -> dict[str, Any]:
         """The assistant message in OpenAI shape (for appending to `messages`)."""

@@ -300,9 +300,11 @@ class Runtime:
             yield from parser.feed(text.push(detok.finish())[0])
             yield from parser.feed(text.flush())
         yield from parser.finish()
-        yield ChatEvent("done", result=self._result(parser, gen))
+        yield ChatEvent("done", result=self._result(parser, gen, text.matched if hit else None))
 
-    def _result(self, parser: OutputParser, gen: Generation) -> ChatResult:
+    def _result(
+        self, parser: OutputParser, gen: Generation, stop_sequence: str | None = None
+    ) -> ChatResult:
         ids = gen.token_ids
         self.generated.remember(ids[:-1] if ids and ids[-1] in self.chat_stop_ids else ids)
         finish = gen.finish_reason
@@ -321,6 +323,7 @@ class Runtime:
             },
             checkpoint=gen.checkpoint,
             restore_source=gen.restore_source,
+            stop_sequence=stop_sequence,
             reuse_s=gen.timings.parts(),
             timings=gen.timings.as_dict(),
         )
@@ -412,14 +415,16 @@ class _StopScanner:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.done = False
+        self.matched: str | None = None  # the stop string that cut the text
 
     def push(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
         self.pending += text
-        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         keep = max(
             (n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])),

@@ -1,0 +1,253 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): its routes (on
+the chat server's worker, API-key check and metrics), its response shapes (a message, its
+server-sent event sequence, usage) and its errors. Requests: `anthropic_schema.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from agentrt.errors import AgentrtError
+from agentrt.server import anthropic_schema as requests
+from agentrt.server.schema import BadRequest
+from agentrt.server.worker import DONE, Job, QueueFull
+
+# error types by status (https://docs.anthropic.com/en/api/errors)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    500: "api_error",
+}
+
+
+def error(status: int, message: str) -> JSONResponse:
+    """An Anthropic-shaped error answer."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return JSONResponse(body, status_code=status)
+
+
+# ----------------------------------------------------------------------------- response shapes
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def usage(result) -> dict[str, int]:
+    """Anthropic usage: input tokens not read from the state cache, those that were, output."""
+    u = result.usage
+    return {
+        "input_tokens": u["prompt_tokens"] - u["cached_tokens"],
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u["cached_tokens"],
+        "output_tokens": u["completion_tokens"],
+    }
+
+
+def stop_reason(result) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished generation."""
+    if result.tool_calls and result.finish_reason in ("stop", "tool_calls"):
+        return "tool_use", None
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if result.stop_sequence is not None:
+        return "stop_sequence", result.stop_sequence
+    return "end_turn", None
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    args = fn.get("arguments") or "{}"
+    try:
+        value = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        value = {}
+    return {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": value}
+
+
+def message_body(result, model: str, msg_id: str) -> dict[str, Any]:
+    """The non-streamed reply."""
+    content: list[dict[str, Any]] = []
+    if result.reasoning_content:
+        content.append({"type": "thinking", "thinking": result.reasoning_content, "signature": ""})
+    if result.content:
+        content.append({"type": "text", "text": result.content})
+    content += [_tool_use(call) for call in result.tool_calls]
+    reason, sequence = stop_reason(result)
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(result),
+    }
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class MessageStream:
+    """Chat events to the Messages API's event sequence: `message_start`, then per content
+    block `content_block_start`, its deltas and `content_block_stop`, then `message_delta`
+    (stop reason, usage) and `message_stop`. A tool call arrives complete, as one
+    `input_json_delta`."""
+
+    def __init__(self, model: str, prompt_tokens: int) -> None:
+        self.model, self.prompt_tokens = model, prompt_tokens
+        self.index = -1
+        self.open: str | None = None  # type of the block being streamed
+
+    def start(self) -> str:
+        message = {
+            "id": message_id(),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+        }
+        return sse("message_start", {"type": "message_start", "message": message})
+
+    def _begin(self, block: dict[str, Any]) -> str:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return out + sse("content_block_start", start)
+
+    def _close(self) -> str:
+        if self.open is None:
+            return ""
+        out = ""
+        if self.open == "thinking":  # (no signature: the client sends the block back as is)
+            delta = {"type": "signature_delta", "signature": ""}
+            out = self._delta(delta)
+        self.open = None
+        return out + sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse("content_block_delta", body)
+
+    def event(self, event) -> Iterator[str]:
+        """SSE text for one chat event (`reasoning`, `content`, `tool_call`, `done`)."""
+        if event.type == "reasoning":
+            if self.open != "thinking":
+                yield self._begin({"type": "thinking", "thinking": "", "signature": ""})
+            yield self._delta({"type": "thinking_delta", "thinking": event.text})
+        elif event.type == "content":
+            if self.open != "text":
+                yield self._begin({"type": "text", "text": ""})
+            yield self._delta({"type": "text_delta", "text": event.text})
+        elif event.type == "tool_call":
+            block = _tool_use(event.tool_call)
+            yield self._begin({**block, "input": {}})
+            partial = json.dumps(block["input"], ensure_ascii=False)
+            yield self._delta({"type": "input_json_delta", "partial_json": partial})
+        elif event.type == "done":
+            yield self._close()
+            reason, sequence = stop_reason(event.result)
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            body = {"type": "message_delta", "delta": delta, "usage": usage(event.result)}
+            yield sse("message_delta", body)
+            yield sse("message_stop", {"type": "message_stop"})
+
+    @staticmethod
+    def failure(message: str) -> str:
+        return sse("error", {"type": "error", "error": {"type": "api_error", "message": message}})
+
+    @staticmethod
+    def ping() -> str:
+        return sse("ping", {"type": "ping"})
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+async def messages(server, request: Request) -> Response:
+    """`POST /v1/messages` on `server` (an `app.ChatServer`): the conversation in OpenAI shape,
+    through the same renderer, worker and state cache as chat completions."""
+    if not server._authorized(request):
+        return error(401, "invalid or missing API key")
+    try:
+        req = requests.decode(await server._body(request))
+        prepared = await asyncio.to_thread(server.runtime.prepare, *requests.to_plain(req))
+    except BadRequest as exc:
+        server.metrics.add('requests_total|status="rejected"')
+        return error(exc.status, exc.message)
+    except AgentrtError as exc:
+        return server._failed(exc, anthropic_shape=True)
+    kwargs = requests.sampling(req, random.getrandbits(31))
+    job = Job(prepared, kwargs, asyncio.get_running_loop())
+    try:
+        server.worker.submit(job)
+    except QueueFull:
+        server.metrics.add('requests_total|status="queue_full"')
+        return error(429, "server busy: request queue is full, retry later")
+    if req.stream:
+        events = _events(server, job, len(prepared.prompt_ids))
+        return StreamingResponse(events, media_type="text/event-stream")
+    watcher = asyncio.create_task(server._watch(request, job))
+    try:
+        result, failure = await server._result(job)
+    finally:
+        watcher.cancel()
+    if failure is not None:
+        return server._failed(failure, anthropic_shape=True)
+    if job.cancelled:
+        return Response(status_code=499)
+    server._finish(result)
+    return JSONResponse(message_body(result, server.model_name, message_id()))
+
+
+async def _events(server, job: Job, prompt_tokens: int):
+    stream = MessageStream(server.model_name, prompt_tokens)
+    try:
+        yield stream.start()  # headers and a first byte go out now
+        while (item := await server._next(job)) is not DONE:
+            if item is None:
+                yield stream.ping()
+            elif isinstance(item, Exception):
+                server.metrics.add('requests_total|status="error"')
+                yield stream.failure(str(item))
+            else:
+                if item.type == "done":
+                    server._finish(item.result)
+                for text in stream.event(item):
+                    yield text
+    finally:
+        job.cancelled = True  # client gone or stream finished: stop generating
+
+
+async def count_tokens(server, request: Request) -> Response:
+    """`POST /v1/messages/count_tokens`: the prompt's length as this server renders it."""
+    if not server._authorized(request):
+        return error(401, "invalid or missing API key")
+    try:
+        req = requests.decode(await server._body(request), requests.CountRequest)
+        prepared = await asyncio.to_thread(server.runtime.prepare, *requests.to_plain(req))
+    except BadRequest as exc:
+        return error(exc.status, exc.message)
+    except AgentrtError as exc:
+        return error(400, str(exc))
+    return JSONResponse({"input_tokens": len(prepared.prompt_ids)})
