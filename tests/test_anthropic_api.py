@@ -142,15 +142,17 @@ def test_event_sequence_of_thinking_text_and_a_tool_call():
 
 
 def test_streamed_tool_use_round_trip(client, server, monkeypatch):
-    """The model's replies scripted (a tool call, then an answer): the client's stream
-    accumulator reassembles the tool_use block (its input from the JSON delta), and the turn
-    that answers it reads the first turn's checkpoints and ends the turn."""
+    """The model's replies scripted (a tool call, then an answer): the tool_use block's input
+    streams in several JSON deltas, the client's stream accumulator reassembles it, and the
+    turn that answers it reads the first turn's checkpoints and ends the turn."""
     call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "main.py"}}\n</tool_call>'
     script_replies(monkeypatch, server.chat.runtime, [call, "Done."])
     ask = dict(model="tiny", max_tokens=64, extra_body=GREEDY, system="Tools.", tools=A_TOOLS)
     messages = [{"role": "user", "content": "Read main.py, streamed"}]
     with client.messages.stream(messages=messages, **ask) as stream:
+        deltas = [e for e in stream if e.type == "content_block_delta"]
         first = stream.get_final_message()
+    assert sum(e.delta.type == "input_json_delta" for e in deltas) > 1  # as it is written
     assert first.stop_reason == "tool_use"
     (use,) = [b for b in first.content if b.type == "tool_use"]
     assert use.name == "read_file" and use.input == {"path": "main.py"}

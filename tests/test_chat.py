@@ -220,3 +220,62 @@ def test_null_content_tool_call_renders_with_the_qwen3_template():
     ]
     text = render(tok, normalize_messages(messages), None)
     assert "<tool_call>" in text and "<tool_response>\na.py" in text
+
+
+STREAMED = [
+    # (text, final arguments, content)
+    (
+        '<tool_call>\n{"name": "read_file", "arguments": {"path":"a.py"}}\n</tool_call>',
+        '{"path":"a.py"}',
+        None,
+    ),
+    (
+        '<tool_call>{"name": "read_file", "arguments": {"path": "a}</tool_call>.py"}}</tool_call>',
+        '{"path": "a}',
+        '.py"}}</tool_call>',
+    ),
+    (
+        '<tool_call>{"name": "read_file", "arguments": {"path": "a.py"}, "x": 1}</tool_call>',
+        '{"path": "a.py"}',
+        ', "x": 1}',
+    ),
+    ('<tool_call>{"name": "read_file", "arguments": {"path": "a.p', '{"path": "a.p', None),
+]
+
+
+@pytest.mark.parametrize("text, arguments, content", STREAMED)
+def test_tool_calls_stream_as_written_at_every_split(text, arguments, content):
+    """A JSON call is announced (id, name) once its arguments object opens, then its arguments
+    text goes out as written: at every split point the deltas add up to the final arguments
+    (the model's own text), which stay a tool call even when cut off or followed by other
+    text (that text becomes content)."""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    for pieces in _splits(text):
+        parser = OutputParser(tools=tools)
+        events = [ev for piece in pieces for ev in parser.feed(piece)] + parser.finish()
+        kinds = [e.type for e in events if e.type.startswith("tool_call")]
+        assert kinds[0] == "tool_call_start" and kinds[-1] == "tool_call", pieces
+        (call,) = parser.tool_calls
+        start = next(e.tool_call for e in events if e.type == "tool_call_start")
+        assert start["id"] == call["id"] and start["function"]["arguments"] == ""
+        streamed = "".join(e.text for e in events if e.type == "tool_call_args")
+        assert streamed == call["function"]["arguments"] == arguments, pieces
+        assert events[[e.type for e in events].index("tool_call")].streamed
+        got_content = "".join(e.text for e in events if e.type == "content") or None
+        assert got_content == content, pieces
+
+
+def test_calls_that_do_not_reach_the_commit_point_are_parsed_whole():
+    """An unknown tool (with tools given) or the arguments before the name: no streaming; the
+    body is parsed at its close, as before (a call, or content when malformed)."""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    for text, calls in [
+        ('<tool_call>{"name": "other", "arguments": {"a": 1}}</tool_call>', ["other"]),
+        ('<tool_call>{"arguments": {"a": 1}, "name": "read_file"}</tool_call>', ["read_file"]),
+        ('<tool_call>{"name": "other", "arguments": {"a": </tool_call>', []),
+    ]:
+        for pieces in _splits(text):
+            parser = OutputParser(tools=tools)
+            events = [ev for piece in pieces for ev in parser.feed(piece)] + parser.finish()
+            assert not any(e.type in ("tool_call_start", "tool_call_args") for e in events)
+            assert [c["function"]["name"] for c in parser.tool_calls] == calls

@@ -296,3 +296,39 @@ def test_openai_agents_sdk_runs_against_the_server(server, monkeypatch):
         first, second = (r.usage for r in result.raw_responses)
         assert first.input_tokens > 0 and second.input_tokens_details.cached_tokens > 0
     assert calls == ["main.py", "main.py"]
+
+
+ARGS = '{"path": "src/main.py", "lines": 40}'
+CALL = '<tool_call>\n{"name": "read_file", "arguments": ' + ARGS + "}\n</tool_call>"
+
+
+def test_tool_calls_stream_incrementally_on_both_openai_apis(client, server, monkeypatch):
+    """The model's reply scripted (a tool call): streamed, the call's id and name come first,
+    then its arguments in several deltas; reassembled, they equal the call of the same request
+    not streamed (chat completions and responses)."""
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "Read it"}], tools=TOOLS)
+    script_replies(monkeypatch, server.chat.runtime, [CALL, CALL])
+    whole = client.chat.completions.create(**ask, max_tokens=64, temperature=0)
+    (want,) = whole.choices[0].message.tool_calls
+    parts: dict[int, dict] = {}
+    deltas = 0
+    for chunk in client.chat.completions.create(**ask, max_tokens=64, temperature=0, stream=True):
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            got = parts.setdefault(call.index, {"name": None, "arguments": ""})
+            if call.function.name:
+                assert got["name"] is None and not got["arguments"]  # the name comes first
+                got["name"] = call.function.name
+            got["arguments"] += call.function.arguments or ""
+            deltas += bool(call.function.arguments)
+    assert parts == {0: {"name": "read_file", "arguments": want.function.arguments}}
+    assert json.loads(want.function.arguments) == {"path": "src/main.py", "lines": 40}
+    assert deltas > 1
+
+    inputs = dict(model="tiny", input="Read it", tools=R_TOOLS, max_output_tokens=64)
+    script_replies(monkeypatch, server.chat.runtime, [CALL, CALL])
+    (item,) = [o for o in client.responses.create(**inputs).output if o.type == "function_call"]
+    events = list(client.responses.create(**inputs, stream=True))
+    args = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(args) > 1 and "".join(args) == item.arguments
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == item.arguments and done.name == "read_file"

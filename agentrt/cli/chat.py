@@ -60,16 +60,23 @@ def _print_stream(events):
             if last is not None:
                 click.echo()
             return ev.result
-        if ev.type != last and last is not None:
+        kind = "tool_call" if ev.type.startswith("tool_call") else ev.type
+        if kind != last and last is not None and ev.type != "tool_call_args":
             click.echo()
         if ev.type == "reasoning":
             click.secho(ev.text, nl=False, dim=True)
         elif ev.type == "content":
             click.echo(ev.text, nl=False)
+        elif ev.type == "tool_call_start":
+            click.secho(f"-> tool call {ev.tool_call['function']['name']}(", nl=False, fg="cyan")
+        elif ev.type == "tool_call_args":
+            click.secho(ev.text, nl=False, fg="cyan")
+        elif ev.streamed:
+            click.secho(")", nl=False, fg="cyan")
         else:
             fn = ev.tool_call["function"]
             click.secho(f"-> tool call {fn['name']}({fn['arguments']})", nl=False, fg="cyan")
-        last = ev.type
+        last = kind
     raise AgentrtError("generation ended without a result")
 
 

@@ -107,8 +107,9 @@ def sse(event: str, data: dict[str, Any]) -> str:
 class MessageStream:
     """Chat events to the Messages API's event sequence: `message_start`, then per content
     block `content_block_start`, its deltas and `content_block_stop`, then `message_delta`
-    (stop reason, usage) and `message_stop`. A tool call arrives complete, as one
-    `input_json_delta`."""
+    (stop reason, usage) and `message_stop`. A streamed tool call opens its `tool_use` block
+    at its start and sends its arguments text as `input_json_delta`s as they are written; one
+    not streamed arrives complete, as one delta."""
 
     def __init__(self, model: str, prompt_tokens: int) -> None:
         self.model, self.prompt_tokens = model, prompt_tokens
@@ -150,7 +151,8 @@ class MessageStream:
         return sse("content_block_delta", body)
 
     def event(self, event) -> Iterator[str]:
-        """SSE text for one chat event (`reasoning`, `content`, `tool_call`, `done`)."""
+        """SSE text for one chat event (`reasoning`, `content`, `tool_call_start`,
+        `tool_call_args`, `tool_call`, `done`)."""
         if event.type == "reasoning":
             if self.open != "thinking":
                 yield self._begin({"type": "thinking", "thinking": "", "signature": ""})
@@ -159,7 +161,13 @@ class MessageStream:
             if self.open != "text":
                 yield self._begin({"type": "text", "text": ""})
             yield self._delta({"type": "text_delta", "text": event.text})
-        elif event.type == "tool_call":
+        elif event.type == "tool_call_start":
+            call = event.tool_call
+            block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"]}
+            yield self._begin({**block, "input": {}})
+        elif event.type == "tool_call_args":
+            yield self._delta({"type": "input_json_delta", "partial_json": event.text})
+        elif event.type == "tool_call" and not event.streamed:
             block = _tool_use(event.tool_call)
             yield self._begin({**block, "input": {}})
             partial = json.dumps(block["input"], ensure_ascii=False)

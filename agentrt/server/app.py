@@ -139,11 +139,17 @@ def _usage(result) -> dict[str, Any]:
     }
 
 
-def _delta(event, call_index: int) -> dict[str, Any]:
+def _delta(event, call_index: int) -> dict[str, Any] | None:
+    """The chunk delta of a chat event: a streamed call's id and name first, then its arguments
+    text; a call not streamed arrives whole (None: nothing more to send)."""
     if event.type == "reasoning":
         return {"reasoning_content": event.text}
     if event.type == "content":
         return {"content": event.text}
+    if event.type == "tool_call_args":
+        return {"tool_calls": [{"index": call_index, "function": {"arguments": event.text}}]}
+    if event.type == "tool_call" and event.streamed:
+        return None
     return {"tool_calls": [{"index": call_index, **event.tool_call}]}
 
 
@@ -325,7 +331,9 @@ class ChatServer:
                     if include_usage:
                         yield chunk(None, usage=_usage(item.result))
                 else:
-                    yield chunk(_delta(item, calls))
+                    delta = _delta(item, calls)
+                    if delta is not None:
+                        yield chunk(delta)
                     calls += item.type == "tool_call"
             yield "data: [DONE]\n\n"
         finally:

@@ -20,6 +20,7 @@ from agentrt.errors import AgentrtError
 from agentrt.server import responses_schema as requests
 from agentrt.server.schema import BadRequest, error
 from agentrt.server.worker import DONE, Job, QueueFull
+from agentrt.session.chat import ChatEvent
 
 
 def _id(prefix: str) -> str:
@@ -121,7 +122,8 @@ class EventStream:
     """Chat events to the Responses API's event sequence: `response.created` and
     `response.in_progress`; per output item `response.output_item.added`, its part and deltas
     (`response.reasoning_text.delta`, `response.output_text.delta`,
-    `response.function_call_arguments.delta`: a function call arrives complete, as one delta),
+    `response.function_call_arguments.delta`: a streamed function call's arguments text as it
+    is written, one not streamed as one delta),
     their `.done` events and `response.output_item.done`; then `response.completed` (or
     `response.incomplete` at the token limit). Every event carries a `sequence_number`."""
 
@@ -131,6 +133,7 @@ class EventStream:
         self.items: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being streamed and its text
         self.text = ""
+        self.call: tuple[str, dict[str, Any]] | None = None  # (item id, call) of a call
 
     def _event(self, kind: str, **data) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **data}
@@ -196,19 +199,27 @@ class EventStream:
             yield self._event("response.output_text.delta", **where, delta=text, logprobs=[])
 
     def event(self, event) -> Iterator[str]:
-        """SSE text for one chat event (`reasoning`, `content`, `tool_call`, `done`)."""
+        """SSE text for one chat event (`reasoning`, `content`, `tool_call_start`,
+        `tool_call_args`, `tool_call`, `done`)."""
         if event.type in ("reasoning", "content"):
             yield from self._text(event.type == "reasoning", event.text)
-        elif event.type == "tool_call":
+        elif event.type == "tool_call_start":
             yield self._close()
-            index, item_id = len(self.items), _id("fc")
-            done = call_item(item_id, event.tool_call)
-            added = call_item(item_id, event.tool_call, arguments="")
+            self.call = (_id("fc"), event.tool_call)
+            added = call_item(self.call[0], event.tool_call, arguments="")
+            index = len(self.items)  # (a call's item is added to `items` when it is done)
             yield self._event("response.output_item.added", output_index=index, item=added)
-            where = {"item_id": item_id, "output_index": index}
-            yield self._event(
-                "response.function_call_arguments.delta", **where, delta=done["arguments"]
-            )
+        elif event.type == "tool_call_args":
+            where = {"item_id": self.call[0], "output_index": len(self.items)}
+            yield self._event("response.function_call_arguments.delta", **where, delta=event.text)
+        elif event.type == "tool_call":
+            if not event.streamed:
+                yield from self.event(ChatEvent("tool_call_start", tool_call=event.tool_call))
+                args = event.tool_call["function"]["arguments"]
+                yield from self.event(ChatEvent("tool_call_args", args))
+            done = call_item(self.call[0], event.tool_call)
+            index = len(self.items)
+            where = {"item_id": self.call[0], "output_index": index}
             yield self._event(
                 "response.function_call_arguments.done",
                 **where,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import re
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentrt.errors import ChatTemplateError, InvalidArgumentError
+from agentrt.session.toolstream import LiveCall, new_call_id
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -52,12 +52,16 @@ class ChatResult:
 
 @dataclass
 class ChatEvent:
-    """One streaming event: `reasoning`/`content` text deltas, a complete `tool_call`, or `done`."""
+    """One streaming event: `reasoning`/`content` text deltas; `tool_call_start` (a call's id and
+    name, its arguments empty) then `tool_call_args` deltas of its arguments text, for a call
+    streamed as it is written (`toolstream.py`); a complete `tool_call` (`streamed`: its start
+    and arguments went out already); or `done`."""
 
     type: str
     text: str = ""
     tool_call: dict[str, Any] | None = None
     result: ChatResult | None = None
+    streamed: bool = False
 
     @property
     def usage(self) -> dict[str, int] | None:
@@ -296,7 +300,7 @@ def parse_tool_call(body: str, tools: list[dict] | None = None) -> dict[str, Any
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": args},
     }
@@ -314,6 +318,7 @@ class OutputParser:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # schemas, to type XML-style parameters
     parse_tools: bool = True  # False (tool_choice "none"): tool-call markup stays content
+    live: LiveCall | None = None  # the tool call being streamed
 
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text
@@ -330,6 +335,8 @@ class OutputParser:
     def _step(self, events: list[ChatEvent]) -> bool:
         """Consume up to the next marker; return True if a marker was found."""
         hits = [(self.pending.find(m), m) for m in self._markers() if m in self.pending]
+        if not hits and self.mode == "tool_call":
+            self._stream_call(self.pending, events, _holdback(self.pending, (CALL_CLOSE,)))
         if not hits:
             if (
                 self.mode != "tool_call"
@@ -360,7 +367,41 @@ class OutputParser:
         parts.append(text)
         events.append(ChatEvent(kind, text))
 
+    def _tool_names(self) -> set[str] | None:
+        if not self.tools:
+            return None
+        fns = (t.get("function", t) for t in self.tools if isinstance(t, dict))
+        return {fn.get("name") for fn in fns if isinstance(fn, dict)}
+
+    def _stream_call(self, body: str, events: list[ChatEvent], hold: int = 0) -> None:
+        """The open tool call's start, once `body` commits it, and its new arguments text (not
+        the last `hold` characters)."""
+        if self.live is None:
+            self.live = LiveCall.commit(body, self._tool_names())
+            if self.live is None:
+                return
+            start = {**self.live.call, "function": dict(self.live.call["function"])}
+            events.append(ChatEvent("tool_call_start", tool_call=start))
+        delta = self.live.advance(body, hold)
+        if delta:
+            events.append(ChatEvent("tool_call_args", delta))
+
+    def _close_live(self, body: str, events: list[ChatEvent]) -> None:
+        """End the streamed call: its last arguments, the call, then any text after it."""
+        live, self.live = self.live, None
+        delta, rest = live.close(body)
+        if delta:
+            events.append(ChatEvent("tool_call_args", delta))
+        self.tool_calls.append(live.call)
+        events.append(ChatEvent("tool_call", tool_call=live.call, streamed=True))
+        self.at_section_start = False
+        self._emit(rest, events)
+
     def _finish_call(self, body: str, events: list[ChatEvent]) -> None:
+        self._stream_call(body, events)  # (a whole body at once: the same events and call)
+        if self.live is not None:
+            self._close_live(body, events)
+            return
         call = parse_tool_call(body, self.tools)
         if call is None:
             self.mode = "content"
@@ -374,6 +415,9 @@ class OutputParser:
         """Flush what is left at the end of generation (an unclosed tool call becomes content)."""
         events: list[ChatEvent] = []
         rest, self.pending = self.pending, ""
+        if self.mode == "tool_call" and self.live is not None:  # cut off: it stays a call
+            self._close_live(rest, events)
+            self.mode, rest = "content", ""
         if self.mode == "tool_call":
             self.mode, self.at_section_start = "content", False
             rest = CALL_OPEN + rest
