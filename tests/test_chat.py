@@ -279,3 +279,63 @@ def test_calls_that_do_not_reach_the_commit_point_are_parsed_whole():
             events = [ev for piece in pieces for ev in parser.feed(piece)] + parser.finish()
             assert not any(e.type in ("tool_call_start", "tool_call_args") for e in events)
             assert [c["function"]["name"] for c in parser.tool_calls] == calls
+
+
+FRAGMENTS = [
+    "<tool_call>",
+    "</tool_call>",
+    '{"name": "read_file", "arguments": ',
+    '{"name": "x", ',
+    '"arguments": ',
+    "{",
+    "}",
+    '"a\\"}b"',
+    '"path"',
+    ": ",
+    ", ",
+    "1",
+    "\n",
+    "<think>",
+    "</think>",
+    "text",
+    "</tool_",
+    "[",
+    "]",
+]
+
+
+def test_streamed_calls_are_split_invariant_on_fuzzed_markup():
+    """Random markup, cut at random points: the final calls and content equal the unsplit
+    parse, and each streamed call's argument deltas add up to its final arguments."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+
+    def parse(pieces):
+        parser = OutputParser(tools=tools)
+        events = [ev for piece in pieces for ev in parser.feed(piece)] + parser.finish()
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in parser.tool_calls]
+        content = "".join(e.text for e in events if e.type == "content")
+        return events, calls, content
+
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.sampled_from(FRAGMENTS), max_size=14), st.randoms())
+    def check(fragments, rnd):
+        text = "".join(fragments)
+        cuts = sorted(rnd.sample(range(len(text) + 1), min(4, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        events, calls, content = parse(pieces)
+        assert (calls, content) == parse([text])[1:]
+        streamed, args = [], None
+        for e in events:
+            if e.type == "tool_call_start":
+                args = ""
+            elif e.type == "tool_call_args":
+                args += e.text
+            elif e.type == "tool_call" and e.streamed:
+                streamed.append(args)
+                assert args == e.tool_call["function"]["arguments"]
+        assert len(streamed) <= len(calls)
+
+    check()
