@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from agentrt.errors import AgentrtError
 from agentrt.server import anthropic_schema as requests
 from agentrt.server.schema import BadRequest
-from agentrt.server.worker import DONE, Job, QueueFull
+from agentrt.server.worker import DONE, Job
 
 # error types by status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -192,39 +192,28 @@ class MessageStream:
 # ----------------------------------------------------------------------------- routes
 
 
+def _answer(status: int, message: str, param=None, code=None) -> JSONResponse:
+    return error(status, message)
+
+
+def _decode(body: bytes) -> tuple[requests.MessagesRequest, tuple, dict[str, Any]]:
+    req = requests.decode(body)
+    return req, requests.to_plain(req), requests.sampling(req, random.getrandbits(31))
+
+
 async def messages(server, request: Request) -> Response:
     """`POST /v1/messages` on `server` (an `app.ChatServer`): the conversation in OpenAI shape,
     through the same renderer, worker and state cache as chat completions."""
-    if not server._authorized(request):
-        return error(401, "invalid or missing API key")
-    try:
-        req = requests.decode(await server._body(request))
-        prepared = await asyncio.to_thread(server.runtime.prepare, *requests.to_plain(req))
-    except BadRequest as exc:
-        server.metrics.add('requests_total|status="rejected"')
-        return error(exc.status, exc.message)
-    except AgentrtError as exc:
-        return server._failed(exc, anthropic_shape=True)
-    kwargs = requests.sampling(req, random.getrandbits(31))
-    job = Job(prepared, kwargs, asyncio.get_running_loop())
-    try:
-        server.worker.submit(job)
-    except QueueFull:
-        server.metrics.add('requests_total|status="queue_full"')
-        return error(429, "server busy: request queue is full, retry later")
+    admitted = await server.admit(request, _decode, _answer)
+    if isinstance(admitted, Response):
+        return admitted
+    req, job = admitted
     if req.stream:
-        events = _events(server, job, len(prepared.prompt_ids))
+        events = _events(server, job, len(job.prepared.prompt_ids))
         return StreamingResponse(events, media_type="text/event-stream")
-    watcher = asyncio.create_task(server._watch(request, job))
-    try:
-        result, failure = await server._result(job)
-    finally:
-        watcher.cancel()
-    if failure is not None:
-        return server._failed(failure, anthropic_shape=True)
-    if job.cancelled:
-        return Response(status_code=499)
-    server._finish(result)
+    result = await server.outcome(request, job, _answer)
+    if isinstance(result, Response):
+        return result
     return JSONResponse(message_body(result, server.model_name, message_id()))
 
 

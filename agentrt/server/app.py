@@ -202,36 +202,72 @@ class ChatServer:
 
     # ------------------------------------------------------------------ routes
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def admit(self, request: Request, decode, answer=error) -> tuple[Any, Job] | Response:
+        """The front of every generation route: the API key, the body (`decode`: bytes ->
+        (request, (messages, tools, tool_choice) for `Runtime.prepare`, sampling keywords)),
+        rendering, and a place in the queue. Returns (request, queued job), or the answer to
+        give instead, shaped by `answer(status, message, param=None, code=None)`."""
         if not self._authorized(request):
-            return error(401, "invalid or missing API key", code="invalid_api_key")
+            return answer(401, "invalid or missing API key", None, "invalid_api_key")
         try:
-            req = schema.decode(await self._body(request))
-            messages, tools = schema.to_plain(req)
-            prepared = await asyncio.to_thread(
-                self.runtime.prepare, messages, tools, req.tool_choice
-            )
+            req, plain, kwargs = decode(await self._body(request))
+            prepared = await asyncio.to_thread(self.runtime.prepare, *plain)
         except schema.BadRequest as exc:
             self.metrics.add('requests_total|status="rejected"')
-            return error(exc.status, exc.message, exc.param, exc.code)
+            return answer(exc.status, exc.message, exc.param, exc.code)
         except AgentrtError as exc:
-            return self._failed(exc)
-        job = Job(prepared, self._kwargs(req), asyncio.get_running_loop())
+            return self._failed(exc, answer)
+        job = Job(prepared, kwargs, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except QueueFull:
             self.metrics.add('requests_total|status="queue_full"')
-            return error(
-                429, "server busy: request queue is full, retry later", code="rate_limit_exceeded"
-            )
+            busy = "server busy: request queue is full, retry later"
+            return answer(429, busy, None, "rate_limit_exceeded")
+        return req, job
+
+    async def outcome(self, request: Request, job: Job, answer=error) -> Any:
+        """The finished generation of a job answered in one piece (its metrics counted), or
+        the answer to give instead (a failure; 499 when the client went away)."""
+        watcher = asyncio.create_task(self._watch(request, job))
+        try:
+            result, failure = await self._result(job)
+        finally:
+            watcher.cancel()
+        if failure is not None:
+            return self._failed(failure, answer)
+        if job.cancelled:
+            return Response(status_code=499)
+        self._finish(result)
+        return result
+
+    def _chat_request(self, body: bytes) -> tuple[Any, tuple, dict[str, Any]]:
+        req = schema.decode(body)
+        messages, tools = schema.to_plain(req)
+        return req, (messages, tools, req.tool_choice), self._kwargs(req)
+
+    async def chat_completions(self, request: Request) -> Response:
+        admitted = await self.admit(request, self._chat_request)
+        if isinstance(admitted, Response):
+            return admitted
+        req, job = admitted
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(job, include_usage), media_type="text/event-stream")
-        watcher = asyncio.create_task(self._watch(request, job))
-        try:
-            return await self._complete(job)
-        finally:
-            watcher.cancel()
+        result = await self.outcome(request, job)
+        if isinstance(result, Response):
+            return result
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "usage": _usage(result),
+            "choices": [
+                {"index": 0, "message": result.message(), "finish_reason": result.finish_reason}
+            ],
+        }
+        return JSONResponse(body)
 
     async def _watch(self, request: Request, job: Job) -> None:
         """Cancel the job when the (non-streaming) client goes away."""
@@ -241,15 +277,13 @@ class ChatServer:
                 return
             await asyncio.sleep(0.25)
 
-    def _failed(self, exc: Exception, anthropic_shape: bool = False) -> JSONResponse:
+    def _failed(self, exc: Exception, answer=error) -> JSONResponse:
         self.metrics.add('requests_total|status="error"')
-        if anthropic_shape:
-            return anthropic.error(400 if isinstance(exc, AgentrtError) else 500, str(exc))
         if isinstance(exc, PromptTooLongError):
-            return error(400, str(exc), "messages", "context_length_exceeded")
+            return answer(400, str(exc), "messages", "context_length_exceeded")
         if isinstance(exc, AgentrtError):
-            return error(400, str(exc))
-        return error(500, str(exc))
+            return answer(400, str(exc))
+        return answer(500, str(exc))
 
     def _finish(self, result) -> None:
         self.metrics.add('requests_total|status="ok"')
@@ -271,25 +305,6 @@ class ChatServer:
         if failure is not None or result is None:
             return None, failure or RuntimeError("generation ended without a result")
         return result, None
-
-    async def _complete(self, job: Job) -> Response:
-        result, failure = await self._result(job)
-        if failure is not None:
-            return self._failed(failure)
-        if job.cancelled:
-            return Response(status_code=499)
-        self._finish(result)
-        body = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "usage": _usage(result),
-            "choices": [
-                {"index": 0, "message": result.message(), "finish_reason": result.finish_reason}
-            ],
-        }
-        return JSONResponse(body)
 
     async def _next(self, job: Job):
         """The next event, or None after `KEEPALIVE_S` without one (to keep the stream alive)."""

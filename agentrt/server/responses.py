@@ -5,7 +5,6 @@ output items, usage with cached tokens) and its server-sent event sequence. Requ
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -16,10 +15,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from agentrt.errors import AgentrtError
 from agentrt.server import responses_schema as requests
-from agentrt.server.schema import BadRequest, error
-from agentrt.server.worker import DONE, Job, QueueFull
+from agentrt.server.worker import DONE, Job
 from agentrt.session.chat import ChatEvent
 
 
@@ -241,39 +238,23 @@ class EventStream:
 # ----------------------------------------------------------------------------- route
 
 
+def _decode(body: bytes) -> tuple[requests.ResponsesRequest, tuple, dict[str, Any]]:
+    req = requests.decode(body)
+    return req, requests.to_plain(req), requests.sampling(req, random.getrandbits(31))
+
+
 async def create(server, request: Request) -> Response:
     """`POST /v1/responses` on `server` (an `app.ChatServer`)."""
-    if not server._authorized(request):
-        return error(401, "invalid or missing API key", code="invalid_api_key")
-    try:
-        req = requests.decode(await server._body(request))
-        prepared = await asyncio.to_thread(server.runtime.prepare, *requests.to_plain(req))
-    except BadRequest as exc:
-        server.metrics.add('requests_total|status="rejected"')
-        return error(exc.status, exc.message, exc.param, exc.code)
-    except AgentrtError as exc:
-        return server._failed(exc)
-    job = Job(prepared, requests.sampling(req, random.getrandbits(31)), asyncio.get_running_loop())
-    try:
-        server.worker.submit(job)
-    except QueueFull:
-        server.metrics.add('requests_total|status="queue_full"')
-        return error(
-            429, "server busy: request queue is full, retry later", code="rate_limit_exceeded"
-        )
+    admitted = await server.admit(request, _decode)
+    if isinstance(admitted, Response):
+        return admitted
+    req, job = admitted
     shell = Shell(req, server.model_name)
     if req.stream:
         return StreamingResponse(_events(server, job, shell), media_type="text/event-stream")
-    watcher = asyncio.create_task(server._watch(request, job))
-    try:
-        result, failure = await server._result(job)
-    finally:
-        watcher.cancel()
-    if failure is not None:
-        return server._failed(failure)
-    if job.cancelled:
-        return Response(status_code=499)
-    server._finish(result)
+    result = await server.outcome(request, job)
+    if isinstance(result, Response):
+        return result
     return JSONResponse(shell.body(status_of(result), output_items(result), result))
 
 
