@@ -278,6 +278,8 @@ def test_malformed_requests_are_4xx_and_the_server_keeps_serving(server):
         "/v1/messages", json.dumps(_ok_body()).encode(), key=None, headers=headers
     )
     assert status == 200 and json.loads(raw)["type"] == "message"
+    status, raw = server.raw("/v1/messages", None, method="GET", key=None, headers=headers)
+    assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"
 
 
 def test_both_apis_render_a_conversation_to_the_same_tokens():

@@ -1,4 +1,4 @@
-"""`agentrt serve`: the OpenAI-compatible HTTP server."""
+"""`agentrt serve`: the HTTP server (OpenAI chat completions and responses, Anthropic messages)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
 )
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option(
-    "--api-key", default=None, envvar="AGENTRT_API_KEY", help="Require 'Authorization: Bearer KEY'."
+    "--api-key",
+    default=None,
+    envvar="AGENTRT_API_KEY",
+    help="Require the key: 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
 )
 @click.option(
     "--insecure-no-auth",
@@ -65,7 +68,10 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
 def serve(
     host, port, api_key, insecure_no_auth, cors_origins, queue_size, max_request_mb, **opts
 ) -> None:
-    """Serve the OpenAI chat-completions API (point any OpenAI-compatible agent at it).
+    """Serve the model over HTTP: OpenAI chat completions (/v1/chat/completions) and responses
+    (/v1/responses, stateless), and Anthropic messages (/v1/messages), all through one state
+    cache. Point an OpenAI client at http://HOST:PORT/v1, an Anthropic one (Claude Code:
+    ANTHROPIC_BASE_URL) at http://HOST:PORT.
 
     Loopback only unless --api-key (or --insecure-no-auth) is given; no CORS unless --cors-origin.
     """

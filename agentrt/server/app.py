@@ -405,18 +405,24 @@ class ChatServer:
         )
 
 
+def _shaped(request: Request, status: int, message: str, code: str) -> Response:
+    """An error in the shape of the API the path belongs to (Anthropic's under /v1/messages)."""
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic.error(status, message)
+    return error(status, message, code=code)
+
+
 async def _not_found(request: Request, exc) -> Response:
-    return error(404, f"no route {request.method} {request.url.path}", code="not_found")
+    return _shaped(request, 404, f"no route {request.method} {request.url.path}", "not_found")
 
 
 async def _not_allowed(request: Request, exc) -> Response:
-    return error(
-        405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed"
-    )
+    message = f"method {request.method} not allowed on {request.url.path}"
+    return _shaped(request, 405, message, "method_not_allowed")
 
 
 async def _crashed(request: Request, exc) -> Response:
-    return error(500, f"internal error: {type(exc).__name__}")
+    return _shaped(request, 500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
 def build_app(runtime, config: ServerConfig) -> tuple[Starlette, ChatServer]:
