@@ -331,11 +331,12 @@ class Engine:
     def warm_up(self, state: SequenceState) -> None:
         """On CUDA, before the first request: compile and tune what a request runs (chunked and
         short prefill pieces, captures inside a piece, the decode step, whose CUDA graph is
-        captured for `state`'s buffers) on a scratch prompt, then empty `state`. With prefill
-        graphs the prompt runs twice, eagerly first: prompts longer than the graphs take run
-        eagerly, and their kernels (other variants than a replay's static pass) would otherwise
-        compile inside the first such request. Elsewhere nothing (there is nothing to
-        compile)."""
+        captured for `state`'s buffers) on a scratch prompt, then empty `state`. With the
+        experts on the device, one eager piece of the engine's whole prefill chunk first (as
+        long prompts run). With prefill graphs the scratch prompt runs twice, eagerly first:
+        prompts longer than the graphs take run eagerly, and their kernels (other variants than
+        a replay's static pass) would otherwise compile inside the first such request.
+        Elsewhere nothing (there is nothing to compile)."""
         if self.device.type != "cuda":
             return
         short = min(WARM_UP_TOKENS, self.max_context - 2)  # (a model of a short context)
@@ -344,13 +345,17 @@ class Engine:
         vocab = self.cfg.vocab_size - 1
         ids = [(7 + 31 * i) % vocab for i in range(short + 2)]
         graphs = self.prefill_graphs
-        if graphs is not None:
-            self.prefill_graphs = None
-            try:
+        self.prefill_graphs = None
+        try:
+            if self.offload is None:  # (offloaded, a whole chunk streams every expert)
+                full = min(self.config.prefill_chunk, self.max_context - 2)
+                self.prefill(state, [(11 + 37 * i) % vocab for i in range(full)])
+                state.reset()
+            if graphs is not None:
                 self._warm_up_prompt(state, ids[:short])
-            finally:
-                self.prefill_graphs = graphs
-            state.reset()
+                state.reset()
+        finally:
+            self.prefill_graphs = graphs
         self._warm_up_prompt(state, ids[:short])
         for token in ids[short:]:
             self.decode_step(state, token)
