@@ -147,6 +147,37 @@ def test_captures_on_the_chunk_grid_restore_early_and_stay_transparent(tmp_path)
     cache.close()
 
 
+def test_a_prompt_end_checkpoint_is_taken_on_the_grid_and_restores_there(tmp_path):
+    """`capture_grid=64`: the checkpoint at a prompt's end is taken at the last chunk start
+    before it too, so a later turn restored from it resumes on the chunk grid a prefill of its
+    whole prompt runs on (with fla on a GPU, such a turn's logits are bit-identical to that
+    prefill's: `bench statecache --fidelity`); here its logits are those of the whole prefill
+    (fp32 CPU, up to rounding: torch's matmuls round by shape)."""
+    from dataclasses import replace
+
+    from agentrt.engine import SamplingParams
+
+    sem = _semantic("tiny", tmp_path / "state")
+    eng = sem.engine
+    eng.config = replace(eng.config, capture_grid=64)
+    marker = sem.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    first = [(7 + 31 * i) % 1900 + 20 for i in range(299)] + [marker]  # a boundary at 300
+    second = first + [(5 + 17 * i) % 1900 + 20 for i in range(150)]
+    eng.generate(sem._live_state(), first, SamplingParams(max_tokens=2), sem.reuse)
+    assert sem._live_state().moved == {300: 256}
+    sem.reuse.cache.flush()
+    for ram in (True, False):  # from this process's cache, then from LMDB alone
+        rt = sem if ram else _semantic("tiny", tmp_path / "state", ram_bytes=0)
+        rt.engine.config = replace(rt.engine.config, capture_grid=64)
+        state = rt.engine.new_state()
+        start, kind = rt.reuse.begin(state, second)
+        assert (start, kind) == (256, "message_end") and rt.reuse.source != "device"
+        restored = rt.engine.prefill(state, second[start:])
+        whole = rt.engine.prefill(rt.engine.new_state(), second)
+        assert torch.allclose(restored, whole, atol=1e-5)
+        rt.close()
+
+
 def test_reasoning_dropped_and_truncated_outputs_reuse_earlier_boundaries(tmp_path):
     sem = _semantic("tiny", tmp_path / "state")
     results = [sem.chat(m, tools=TOOLS, max_tokens=4) for m in agent_requests("x", output_len=700)]

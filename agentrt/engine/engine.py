@@ -280,14 +280,16 @@ class Engine:
 
     def _on_grid(self, state: SequenceState, begin: int, cuts: list[int], length: int) -> list[int]:
         """`cuts` (offsets in a piece of `length` tokens from `begin`) moved onto the capture
-        grid; the moves are noted in `state.moved`. A piece's end stays (its final state), and
-        so does a cut in the first grid step (no chunk start before it but the piece's own)."""
+        grid; the moves are noted in `state.moved`. A cut at the piece's end moves too (then a
+        turn restored from it resumes on the grid, as a prefill of the whole prompt runs, and
+        continues exactly as that prefill would), but not one in the first grid step (no chunk
+        start before it but the piece's own)."""
         grid = self.capture_grid
         if not grid:
             return cuts
         out = set()
         for cut in cuts:
-            at = cut if cut == length or cut < grid else cut - cut % grid
+            at = cut if cut < grid else cut - cut % grid
             if at != cut:
                 state.moved[begin + cut] = begin + at
             out.add(at)
