@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_server import KEY, _Server
-from util import TOOLS, script_replies
+from test_server import KEY, serve_tiny
+from util import TOOLS, chat_with_call, script_replies, thinking_text_and_call
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a test extra")
 
@@ -29,17 +29,7 @@ A_TOOLS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from agentrt import Runtime
-    from agentrt.statecache.config import StateCacheConfig
-
-    state = tmp_path_factory.mktemp("anthropic-state")
-    rt = Runtime.open(
-        "tiny", cache="semantic", state_cache=StateCacheConfig(state_dir=state, min_distance=0)
-    )
-    srv = _Server(rt, api_key=KEY, max_request_bytes=2**20)
-    yield srv
-    srv.stop()
-    rt.close()
+    yield from serve_tiny(tmp_path_factory, "anthropic-state")
 
 
 @pytest.fixture()
@@ -80,25 +70,8 @@ def test_event_sequence_of_thinking_text_and_a_tool_call():
     closed (thinking with a signature delta), the tool call as a tool_use block with its input
     as one JSON delta; then message_delta (stop reason tool_use, usage) and message_stop."""
     from agentrt.server.anthropic import MessageStream
-    from agentrt.session.chat import ChatEvent, ChatResult
 
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
-    }
-    result = ChatResult(
-        content="Reading.",
-        reasoning_content="Hmm.",
-        tool_calls=[call],
-        token_ids=[1, 2, 3],
-        finish_reason="tool_calls",
-        usage={"prompt_tokens": 50, "cached_tokens": 30, "completion_tokens": 3},
-        timings={},
-    )
-    events = [ChatEvent("reasoning", "Hm"), ChatEvent("reasoning", "m.")]
-    events += [ChatEvent("content", "Reading.")]
-    events += [ChatEvent("tool_call", tool_call=call), ChatEvent("done", result=result)]
+    events = thinking_text_and_call()
     stream = MessageStream("tiny", 50)
     text = stream.start() + "".join(t for e in events for t in stream.event(e))
     parsed = []
@@ -175,14 +148,8 @@ def test_a_tool_result_turn_reads_the_checkpoint_of_the_call(client):
     first turn's prompt from the state cache, whichever call the model made."""
     system = "You are an agent with tools."
     first_turn = [{"role": "user", "content": "List the repository."}]
-    first = client.messages.create(
-        model="tiny",
-        max_tokens=2,
-        extra_body=GREEDY,
-        system=system,
-        messages=first_turn,
-        tools=A_TOOLS,
-    )
+    ask = dict(model="tiny", max_tokens=2, extra_body=GREEDY, system=system, tools=A_TOOLS)
+    first = client.messages.create(messages=first_turn, **ask)
     assert first.usage.cache_read_input_tokens == 0
     call = {"type": "tool_use", "id": "toolu_1", "name": "list_dir", "input": {"path": "."}}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "main.py\nREADME.md"}
@@ -190,14 +157,7 @@ def test_a_tool_result_turn_reads_the_checkpoint_of_the_call(client):
         {"role": "assistant", "content": [call]},
         {"role": "user", "content": [result]},
     ]
-    second = client.messages.create(
-        model="tiny",
-        max_tokens=2,
-        extra_body=GREEDY,
-        system=system,
-        messages=messages,
-        tools=A_TOOLS,
-    )
+    second = client.messages.create(messages=messages, **ask)
     assert second.usage.cache_read_input_tokens > 0
     counted = client.messages.count_tokens(
         model="tiny", system=system, messages=messages, tools=A_TOOLS
@@ -317,25 +277,7 @@ def test_both_apis_render_a_conversation_to_the_same_tokens():
             },
         ],
     }
-    openai_messages = [
-        {"role": "system", "content": "You are an agent."},
-        {"role": "user", "content": "Read main.py"},
-        {
-            "role": "assistant",
-            "content": "Reading.",
-            "reasoning_content": "I should read it.",
-            "tool_calls": [
-                {
-                    "id": "toolu_1",
-                    "type": "function",
-                    "function": {"name": "read_file", "arguments": '{"path": "main.py"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "print(1)"},
-        {"role": "user", "content": "Now explain it."},
-    ]
     rt = Runtime.open("tiny", cache="off")
     req = anthropic_schema.decode(json.dumps(body).encode())
     via_messages = rt.prepare(*anthropic_schema.to_plain(req)).prompt_ids
-    assert via_messages == rt.prepare(openai_messages, TOOLS).prompt_ids
+    assert via_messages == rt.prepare(chat_with_call("toolu_1"), TOOLS).prompt_ids

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_server import KEY, _Server
-from util import TOOLS, script_replies
+from test_server import KEY, serve_tiny
+from util import TOOLS, chat_with_call, script_replies, thinking_text_and_call
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra")
 
@@ -19,17 +19,7 @@ R_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from agentrt import Runtime
-    from agentrt.statecache.config import StateCacheConfig
-
-    state = tmp_path_factory.mktemp("responses-state")
-    rt = Runtime.open(
-        "tiny", cache="semantic", state_cache=StateCacheConfig(state_dir=state, min_distance=0)
-    )
-    srv = _Server(rt, api_key=KEY, max_request_bytes=2**20)
-    yield srv
-    srv.stop()
-    rt.close()
+    yield from serve_tiny(tmp_path_factory, "responses-state")
 
 
 @pytest.fixture()
@@ -154,29 +144,8 @@ def test_event_sequence_accumulates_in_the_clients_stream_state():
     from openai.types.responses import ResponseStreamEvent
 
     from agentrt.server import responses, responses_schema
-    from agentrt.session.chat import ChatEvent, ChatResult
 
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
-    }
-    result = ChatResult(
-        content="Reading.",
-        reasoning_content="Hmm.",
-        tool_calls=[call],
-        token_ids=[1, 2, 3],
-        finish_reason="tool_calls",
-        usage={"prompt_tokens": 50, "cached_tokens": 30, "completion_tokens": 3},
-        timings={},
-    )
-    events = [
-        ChatEvent("reasoning", "Hm"),
-        ChatEvent("reasoning", "m."),
-        ChatEvent("content", "Re"),
-    ]
-    events += [ChatEvent("content", "ading."), ChatEvent("tool_call", tool_call=call)]
-    events += [ChatEvent("done", result=result)]
+    events = thinking_text_and_call()
     req = responses_schema.decode(json.dumps(_body(tools=R_TOOLS)).encode())
     stream = responses.EventStream(responses.Shell(req, "tiny"))
     text = stream.start() + "".join(t for e in events for t in stream.event(e))
@@ -232,28 +201,11 @@ def test_both_apis_render_a_conversation_to_the_same_tokens():
             {"role": "user", "content": "Now explain it."},
         ],
     )
-    chat = [
-        {"role": "system", "content": "You are an agent."},
-        {"role": "user", "content": "Read main.py"},
-        {
-            "role": "assistant",
-            "content": "Reading.",
-            "reasoning_content": "I should read it.",
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "read_file", "arguments": '{"path": "main.py"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"},
-        {"role": "user", "content": "Now explain it."},
-    ]
     rt = Runtime.open("tiny", cache="off")
     req = responses_schema.decode(json.dumps(body).encode())
     assert (
-        rt.prepare(*responses_schema.to_plain(req)).prompt_ids == rt.prepare(chat, TOOLS).prompt_ids
+        rt.prepare(*responses_schema.to_plain(req)).prompt_ids
+        == rt.prepare(chat_with_call("call_1"), TOOLS).prompt_ids
     )
 
 

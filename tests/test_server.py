@@ -68,12 +68,13 @@ class _Server:
             return exc.code, exc.read()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def serve_tiny(tmp_path_factory, name: str):
+    """The embedded model with the semantic cache (every boundary a checkpoint) behind a server
+    that needs `KEY` and takes bodies up to 1 MiB (for a module-scoped fixture to yield from)."""
     from agentrt import Runtime
     from agentrt.statecache.config import StateCacheConfig
 
-    state = tmp_path_factory.mktemp("server-state")
+    state = tmp_path_factory.mktemp(name)
     rt = Runtime.open(
         "tiny", cache="semantic", state_cache=StateCacheConfig(state_dir=state, min_distance=0)
     )
@@ -81,6 +82,11 @@ def server(tmp_path_factory):
     yield srv
     srv.stop()
     rt.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from serve_tiny(tmp_path_factory, "server-state")
 
 
 @pytest.fixture()

@@ -111,3 +111,49 @@ def script_replies(monkeypatch, runtime, replies: list[str]) -> None:
     monkeypatch.setattr(
         engine_module, "sample", lambda *a, **k: queue.popleft() if queue else real(*a, **k)
     )
+
+
+def chat_with_call(call_id: str) -> list[dict]:
+    """A chat-completions conversation with a system prompt, reasoning, a tool call (id
+    `call_id`) and its result: the reference the other APIs' shapes of it must render like."""
+    call = {"name": "read_file", "arguments": '{"path": "main.py"}'}
+    return [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Read main.py"},
+        {
+            "role": "assistant",
+            "content": "Reading.",
+            "reasoning_content": "I should read it.",
+            "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "print(1)"},
+        {"role": "user", "content": "Now explain it."},
+    ]
+
+
+def thinking_text_and_call():
+    """The chat events of a turn that thinks ("Hm" "m."), says "Reading." and calls read_file
+    (not streamed), then ends (50 prompt tokens, 30 of them cached, 3 generated)."""
+    from agentrt.session.chat import ChatEvent, ChatResult
+
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+    }
+    result = ChatResult(
+        content="Reading.",
+        reasoning_content="Hmm.",
+        tool_calls=[call],
+        token_ids=[1, 2, 3],
+        finish_reason="tool_calls",
+        usage={"prompt_tokens": 50, "cached_tokens": 30, "completion_tokens": 3},
+        timings={},
+    )
+    return [
+        ChatEvent("reasoning", "Hm"),
+        ChatEvent("reasoning", "m."),
+        ChatEvent("content", "Reading."),
+        ChatEvent("tool_call", tool_call=call),
+        ChatEvent("done", result=result),
+    ]

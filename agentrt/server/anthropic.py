@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from agentrt.errors import AgentrtError
 from agentrt.server import anthropic_schema as requests
 from agentrt.server.schema import BadRequest
-from agentrt.server.worker import DONE, Job
+from agentrt.server.worker import Job
 
 # error types by status (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -217,23 +217,9 @@ async def messages(server, request: Request) -> Response:
     return JSONResponse(message_body(result, server.model_name, message_id()))
 
 
-async def _events(server, job: Job, prompt_tokens: int):
+def _events(server, job: Job, prompt_tokens: int):
     stream = MessageStream(server.model_name, prompt_tokens)
-    try:
-        yield stream.start()  # headers and a first byte go out now
-        while (item := await server._next(job)) is not DONE:
-            if item is None:
-                yield stream.ping()
-            elif isinstance(item, Exception):
-                server.metrics.add('requests_total|status="error"')
-                yield stream.failure(str(item))
-            else:
-                if item.type == "done":
-                    server._finish(item.result)
-                for text in stream.event(item):
-                    yield text
-    finally:
-        job.cancelled = True  # client gone or stream finished: stop generating
+    return server.relay(job, stream.start(), stream.event, stream.failure, stream.ping())
 
 
 async def count_tokens(server, request: Request) -> Response:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from agentrt.server.schema import NAME_RE, BadRequest
+from agentrt.server.schema import NAME_RE, BadRequest, parse
 
 
 class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
@@ -115,14 +115,7 @@ _decoders = {
 
 def decode(body: bytes, kind: type = MessagesRequest):
     """Parse, type-check and check a request body (`MessagesRequest` or `CountRequest`)."""
-    try:
-        req = _decoders[kind].decode(body)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+    req = parse(_decoders[kind], body)
     if isinstance(req, MessagesRequest):
         _check_sampling(req)
     _check_conversation(req.messages)

@@ -331,26 +331,45 @@ class ChatServer:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         calls = 0
+
+        def render(event) -> list[str]:
+            nonlocal calls
+            if event.type == "done":
+                out = [chunk({}, event.result.finish_reason)]
+                return out + ([chunk(None, usage=_usage(event.result))] if include_usage else [])
+            delta = _delta(event, calls)
+            calls += event.type == "tool_call"
+            return [] if delta is None else [chunk(delta)]
+
+        def failure(message: str) -> str:
+            return (
+                f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+            )
+
+        first = chunk({"role": "assistant", "content": ""})
+        async for text in self.relay(job, first, render, failure, ": keep-alive\n\n"):
+            yield text
+        yield "data: [DONE]\n\n"
+
+    async def relay(self, job: Job, first: str, render, failure, keep_alive: str):
+        """A job's server-sent events, in any API's shape: `first` at once (headers and a first
+        byte go out now), then `render(event)`'s texts for each chat event (the finished
+        generation's metrics counted), `failure(message)` for an error, and `keep_alive` after
+        `KEEPALIVE_S` without an event. The job is cancelled when the stream ends or the client
+        goes away."""
         try:
-            yield chunk({"role": "assistant", "content": ""})  # headers and a first byte go out now
+            yield first
             while (item := await self._next(job)) is not DONE:
                 if item is None:
-                    yield ": keep-alive\n\n"
+                    yield keep_alive
                 elif isinstance(item, Exception):
                     self.metrics.add('requests_total|status="error"')
-                    failure = {"error": {"message": str(item), "type": "server_error"}}
-                    yield f"data: {json.dumps(failure)}\n\n"
-                elif item.type == "done":
-                    self._finish(item.result)
-                    yield chunk({}, item.result.finish_reason)
-                    if include_usage:
-                        yield chunk(None, usage=_usage(item.result))
+                    yield failure(str(item))
                 else:
-                    delta = _delta(item, calls)
-                    if delta is not None:
-                        yield chunk(delta)
-                    calls += item.type == "tool_call"
-            yield "data: [DONE]\n\n"
+                    if item.type == "done":
+                        self._finish(item.result)
+                    for text in render(item):
+                        yield text
         finally:
             job.cancelled = True  # client gone or stream finished: stop generating
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentrt.server import responses_schema as requests
-from agentrt.server.worker import DONE, Job
+from agentrt.server.worker import Job
 from agentrt.session.chat import ChatEvent
 
 
@@ -258,20 +258,6 @@ async def create(server, request: Request) -> Response:
     return JSONResponse(shell.body(status_of(result), output_items(result), result))
 
 
-async def _events(server, job: Job, shell: Shell):
+def _events(server, job: Job, shell: Shell):
     stream = EventStream(shell)
-    try:
-        yield stream.start()  # headers and a first byte go out now
-        while (item := await server._next(job)) is not DONE:
-            if item is None:
-                yield ": keep-alive\n\n"
-            elif isinstance(item, Exception):
-                server.metrics.add('requests_total|status="error"')
-                yield stream.failure(str(item))
-            else:
-                if item.type == "done":
-                    server._finish(item.result)
-                for text in stream.event(item):
-                    yield text
-    finally:
-        job.cancelled = True  # client gone or stream finished: stop generating
+    return server.relay(job, stream.start(), stream.event, stream.failure, ": keep-alive\n\n")

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from agentrt.server.schema import NAME_RE, BadRequest
+from agentrt.server.schema import NAME_RE, BadRequest, parse
 
 
 class ResponsesRequest(msgspec.Struct):
@@ -49,14 +49,7 @@ _UNSUPPORTED = (
 
 def decode(body: bytes) -> ResponsesRequest:
     """Parse, type-check and check a request body."""
-    try:
-        req = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+    req = parse(_decoder, body)
     for name, why in _UNSUPPORTED:
         if getattr(req, name) not in (None, False):
             raise BadRequest(f"{name}: {why}", name)

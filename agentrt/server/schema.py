@@ -95,16 +95,22 @@ def _param_of(error: str) -> str | None:
     return match.group(1) if match else None
 
 
-def decode(body: bytes) -> ChatRequest:
-    """Parse and type-check a request body."""
+def parse(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """A request body through `decoder` (any API's request struct); every failure a
+    `BadRequest` naming the offending parameter where msgspec says which."""
     try:
-        req = _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request: {exc}", _param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None
+
+
+def decode(body: bytes) -> ChatRequest:
+    """Parse and type-check a request body."""
+    req = parse(_decoder, body)
     check(req)
     return req
 

@@ -319,6 +319,12 @@ class OutputParser:
     tools: list[dict[str, Any]] | None = None  # schemas, to type XML-style parameters
     parse_tools: bool = True  # False (tool_choice "none"): tool-call markup stays content
     live: LiveCall | None = None  # the tool call being streamed
+    names: set[str] | None = field(init=False, default=None)  # the tools' names (None: any)
+
+    def __post_init__(self) -> None:
+        if self.tools:
+            fns = (t.get("function", t) for t in self.tools if isinstance(t, dict))
+            self.names = {fn.get("name") for fn in fns if isinstance(fn, dict)}
 
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text
@@ -367,17 +373,11 @@ class OutputParser:
         parts.append(text)
         events.append(ChatEvent(kind, text))
 
-    def _tool_names(self) -> set[str] | None:
-        if not self.tools:
-            return None
-        fns = (t.get("function", t) for t in self.tools if isinstance(t, dict))
-        return {fn.get("name") for fn in fns if isinstance(fn, dict)}
-
     def _stream_call(self, body: str, events: list[ChatEvent], hold: int = 0) -> None:
         """The open tool call's start, once `body` commits it, and its new arguments text (not
         the last `hold` characters)."""
         if self.live is None:
-            self.live = LiveCall.commit(body, self._tool_names())
+            self.live = LiveCall.commit(body, self.names)
             if self.live is None:
                 return
             start = {**self.live.call, "function": dict(self.live.call["function"])}
