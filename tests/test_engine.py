@@ -460,3 +460,35 @@ def test_cuda_defaults_turn_on_prefill_graphs_only_where_they_apply():
     cpu = config("cpu")
     assert not cpu.prefill_graphs and cpu.prefill_chunk == 2048
     assert config("cpu", prefill_graphs=True).prefill_graphs  # (the engine ignores it off CUDA)
+
+
+def test_the_warm_up_prompt_runs_every_kind_of_prefill_piece(hf_checkpoints):
+    """The start-up scratch prompt has a piece for each kernel path a request can take: chunked
+    with captures inside and at its end, chunked without captures (fla's own pass, whose
+    autotuning would otherwise land in a request), both of lengths divisible by 16 and not, and
+    a short recurrent piece; on a short context it stops where the context does."""
+    from agentrt.engine.engine import WARM_UP_TOKENS
+
+    eng = open_engine(hf_checkpoints["qwen3_5_moe"])
+    pieces: list[tuple[int, list[int], int]] = []
+    real = eng.prefill
+
+    def recorded(state, ids, capture=(), **kw):
+        pieces.append((len(ids), sorted(capture), state.num_tokens))
+        return real(state, ids, capture=capture, **kw)
+
+    eng.prefill = recorded
+    ids = random_ids(WARM_UP_TOKENS, eng.cfg.vocab_size, 5)
+    eng._warm_up_prompt(eng.new_state(), ids)
+    assert sum(n for n, _, _ in pieces) == WARM_UP_TOKENS
+    plain = {n % 16 == 0 for n, capture, _ in pieces if n > 64 and not capture}
+    captured = {n % 16 == 0 for n, capture, _ in pieces if n > 64 and capture}
+    assert plain == captured == {True, False}
+    assert any(start < c < start + n for n, capture, start in pieces for c in capture)
+    assert any(start + n in capture for n, capture, start in pieces)
+    assert any(n <= 64 for n, _, _ in pieces)
+    pieces.clear()
+    state = eng.new_state()
+    eng._warm_up_prompt(state, ids[:150])
+    assert state.num_tokens == 150
+    assert all(start < c <= start + n for n, capture, start in pieces for c in capture)

@@ -25,10 +25,13 @@ from agentrt.models import set_linear_backend
 from agentrt.models.kernels import CHUNK, resolve_backend
 from agentrt.models.layers import CausalLM
 
-# the scratch prompt `Engine.warm_up` runs: past fla's recurrent bound (64), so its chunked
-# kernels run, with a capture inside the piece; one of its pieces is this many tokens long
-WARM_UP_TOKENS = 344
-WARM_UP_ALIGNED = 128
+# the scratch prompt `Engine.warm_up` runs, as pieces (tokens, captures at these offsets into
+# the piece): past fla's recurrent bound (64) with captures inside and at the end (the chunked
+# pass that keeps chunk-start states), a multiple of 16 tokens (Triton compiles separate variants
+# for lengths divisible by 16), two without captures (fla's own chunked pass, autotuned on its
+# first call), and a short one (the recurrent kernels)
+WARM_UP_PIECES = ((200, (100, 200)), (128, (100,)), (100, ()), (128, ()), (16, ()))
+WARM_UP_TOKENS = sum(n for n, _ in WARM_UP_PIECES)
 
 
 class Cancelled(Exception):
@@ -342,7 +345,7 @@ class Engine:
         if self.device.type != "cuda":
             return
         short = min(WARM_UP_TOKENS, self.max_context - 2)  # (a model of a short context)
-        if short - WARM_UP_ALIGNED < 2:
+        if short < 2:
             return
         vocab = self.cfg.vocab_size - 1
         ids = [(7 + 31 * i) % vocab for i in range(short + 2)]
@@ -365,13 +368,17 @@ class Engine:
         state.reset()
 
     def _warm_up_prompt(self, state: SequenceState, ids: list[int]) -> None:
-        """The scratch prompt in three pieces: a long one with captures inside and at its end
-        (chunked kernels), one of a multiple of 16 tokens (Triton compiles separate variants
-        for lengths divisible by 16) and a short one (the recurrent kernels)."""
-        long = len(ids) - WARM_UP_ALIGNED - 16
-        self.prefill(state, ids[:long], capture=[long // 2, long])
-        self.prefill(state, ids[long : long + WARM_UP_ALIGNED], capture=[long + 100])
-        self.prefill(state, ids[long + WARM_UP_ALIGNED :])
+        """The scratch prompt in the pieces of `WARM_UP_PIECES`, as far as `ids` reaches. A
+        piece without captures runs fla's own chunked pass: left out here, its autotuning (15 s
+        on an H200) would land in the first request with such a piece."""
+        at = 0
+        for length, offsets in WARM_UP_PIECES:
+            piece = ids[at : at + length]
+            if not piece:
+                return
+            capture = [at + o for o in offsets if o <= len(piece)]
+            self.prefill(state, piece, capture=capture)
+            at += len(piece)
 
     @torch.inference_mode()
     def decode_step(self, state: SequenceState, token_id: int) -> torch.Tensor:
