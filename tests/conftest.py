@@ -109,12 +109,52 @@ def hf_qwen35_multimodal(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_checkpoints(hf_qwen35, hf_qwen3, hf_qwen35_multimodal, hf_qwen3_tied) -> dict[str, Path]:
+def hf_gpt_oss(tmp_path_factory) -> Path:
+    """gpt-oss in miniature: sinks, sliding (window 16) and full layers, YaRN, biased experts
+    with the clamped SwiGLU; dims multiples of 32 (MXFP4 blocks)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(5)
+    cfg = GptOssConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+    )
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():  # visible sinks and biases (their initial values are zeros)
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                param.normal_(0.0, 0.5)
+    return _save(model, tmp_path_factory.mktemp("hf-gpt-oss"))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(
+    hf_qwen35, hf_qwen3, hf_qwen35_multimodal, hf_qwen3_tied, hf_gpt_oss
+) -> dict[str, Path]:
     return {
         "qwen3_5_moe": hf_qwen35,
         "qwen3_moe": hf_qwen3,
         "qwen3_5_moe_multimodal": hf_qwen35_multimodal,
         "qwen3_moe_tied": hf_qwen3_tied,
+        "gpt_oss": hf_gpt_oss,
     }
 
 

@@ -8,7 +8,7 @@ from util import open_engine, random_ids
 
 from agentrt import Runtime
 
-ARCHS = ["qwen3_5_moe", "qwen3_moe", "qwen3_5_moe_multimodal", "qwen3_moe_tied"]
+ARCHS = ["qwen3_5_moe", "qwen3_moe", "qwen3_5_moe_multimodal", "qwen3_moe_tied", "gpt_oss"]
 
 
 def _hf_model(path):

@@ -36,7 +36,7 @@ def test_real_shapes():
     assert 30e9 < parameter_counts(q3)["total"] < 31.5e9
 
 
-@pytest.mark.parametrize("size", ["tiny", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("size", ["tiny", "tiny-qwen3-moe", "tiny-gpt-oss"])
 def test_written_checkpoint_loads_in_transformers(tmp_path, size):
     from transformers import AutoModelForCausalLM
 
@@ -65,6 +65,32 @@ def test_sharded_equals_single_and_in_memory(tmp_path):
         ), name
     for layer in a.experts.gate_up:
         assert torch.equal(a.experts.gate_up[layer], c.experts.gate_up[layer])
+
+
+def test_gpt_oss_written_in_transformers_layout_equals_in_memory(tmp_path):
+    """gpt-oss checkpoints store experts `[E, in, out]` with gate and up interleaved; written
+    that way and loaded back, they equal the in-memory build (biases included)."""
+    from safetensors.torch import load_file
+
+    path = write_checkpoint("tiny-gpt-oss", tmp_path / "g", seed=4)
+    stored = load_file(str(path / "model.safetensors"))
+    assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (16, 128, 128)
+    loaded = load_model(path, "cpu", torch.float32)
+    built = build_in_memory("tiny-gpt-oss", "cpu", torch.float32, seed=4)
+    for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+        for layer, tensor in getattr(loaded.experts, name).items():
+            assert torch.equal(tensor, getattr(built.experts, name)[layer]), (name, layer)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, built.state_dict()[name]), name
+    for size, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+        cfg = model_config(size)
+        assert (cfg.num_layers, cfg.num_experts, len(cfg.sliding_layers)) == (
+            layers,
+            experts,
+            layers // 2,
+        )
+    assert 116e9 < parameter_counts(model_config("gpt-oss-120b"))["total"] < 118e9
+    assert 20e9 < parameter_counts(model_config("gpt-oss-20b"))["total"] < 22e9
 
 
 def test_different_seed_gives_different_weights(tmp_path):

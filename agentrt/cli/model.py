@@ -22,12 +22,15 @@ def model() -> None:
 @model.command("make")
 @click.option(
     "--arch",
-    type=click.Choice(["qwen3_5_moe", "qwen3_moe"]),
+    type=click.Choice(["qwen3_5_moe", "qwen3_moe", "gpt_oss"]),
     default=None,
     help="Architecture (implied by real size names).",
 )
 @click.option(
-    "--size", required=True, help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b."
+    "--size",
+    required=True,
+    help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b "
+    "(gpt-oss experts unpacked, in --dtype: not the MXFP4 of the published checkpoints).",
 )
 @click.option(
     "-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory."

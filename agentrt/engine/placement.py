@@ -163,7 +163,7 @@ def install(
 
 def _routers(model: CausalLM) -> dict[int, torch.Tensor]:
     """Each MoE layer's router weights `[E, H]` (prefetch predicts with the next layer's)."""
-    return {m.layer: m.gate.weight for m in model.modules() if isinstance(m, MoEBlock)}
+    return {m.layer: m.router_weight for m in model.modules() if isinstance(m, MoEBlock)}
 
 
 def _cpu_expert_layers(model: CausalLM, store: ExpertStore, config: OffloadConfig) -> frozenset:

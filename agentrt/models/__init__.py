@@ -11,8 +11,9 @@ import torch
 from agentrt.models import layers, qwen3_5_moe
 from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
-from agentrt.models.layers import CausalLM, Rotary
-from agentrt.models.moe import RoutedExperts
+from agentrt.models.layers import CausalLM
+from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
+from agentrt.models.rotary import Rotary
 
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in fp32 whatever the model dtype
 
@@ -40,6 +41,8 @@ def build_empty(
             cfg.moe_intermediate_size,
             device,
             dtype,
+            bias=cfg.expert_bias,
+            act=expert_activation(cfg),
         )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -59,13 +62,15 @@ def build_empty(
     return model
 
 
+def expert_activation(cfg: ModelConfig) -> SwiGLU:
+    """The routed experts' activation: gpt-oss's clamped SwiGLU, or the plain one."""
+    return SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else PLAIN
+
+
 def _init_buffers(model: CausalLM, device) -> None:
     for module in model.modules():
         if isinstance(module, Rotary):
-            fresh = Rotary(
-                model.config.head_dim, model.config.partial_rotary_factor, model.config.rope_theta
-            )
-            module.inv_freq = fresh.inv_freq.to(device)
+            module.inv_freq = Rotary.of(model.config).inv_freq.to(device)
 
 
 def set_linear_backend(model: CausalLM, backend: str) -> None:
@@ -85,7 +90,8 @@ def copy_model(model: CausalLM, device: str | torch.device, dtype: torch.dtype) 
     with torch.no_grad():
         for name, param in new.named_parameters():
             param.copy_(source[name])
-        for layer in new.experts.gate_up:
-            new.experts.gate_up[layer].copy_(model.experts.gate_up[layer])
-            new.experts.down[layer].copy_(model.experts.down[layer])
+        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+            stacks = getattr(new.experts, name)
+            for layer in stacks or {}:
+                stacks[layer].copy_(getattr(model.experts, name)[layer])
     return new

@@ -9,9 +9,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from agentrt.errors import ModelFormatError, UnsupportedArchitectureError
-from agentrt.models import qwen3_5_moe, qwen3_moe
+from agentrt.models import gpt_oss, qwen3_5_moe, qwen3_moe
 
 ARCHITECTURES: dict[str, ModuleType] = {
+    "gpt_oss": gpt_oss,
     "qwen3_5_moe": qwen3_5_moe,
     "qwen3_moe": qwen3_moe,
 }

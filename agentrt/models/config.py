@@ -17,6 +17,15 @@ FULL = "full_attention"
 
 # ----------------------------------------------------------------------------- model config
 
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "sliding_window": 0,
+    "sliding_layers": (),
+    "rope_scaling": (),
+    "expert_bias": False,
+    "swiglu_limit": 0.0,
+    "swiglu_alpha": 0.0,
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -48,6 +57,15 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     eos_token_ids: tuple[int, ...] = ()
+    # attention layers that see only the last `sliding_window` positions (gpt-oss: every other)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    # rotary scaling beyond the default, as sorted (name, value) pairs (e.g. YaRN's)
+    rope_scaling: tuple[tuple[str, float], ...] = ()
+    # routed experts with biases and gpt-oss's clamped SwiGLU (limit 0: the plain SwiGLU)
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     weight_prefix: str = "model."  # where the text model's weights live in the checkpoint
     torch_dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -74,10 +92,19 @@ class ModelConfig:
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden_size * self.moe_intermediate_size
 
+    @property
+    def plain_experts(self) -> bool:
+        """Routed experts are bias-free SwiGLUs (what the offload engine runs)."""
+        return not self.expert_bias and not self.swiglu_limit
+
     def canonical(self) -> dict[str, Any]:
-        """JSON-safe dict of every field that changes the computation (for fingerprints)."""
+        """JSON-safe dict of every field that changes the computation (for fingerprints);
+        the optional fields at their defaults are left out (earlier fingerprints hold)."""
         data = asdict(self)
         data.pop("extra")
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if data[name] == default:
+                data.pop(name)
         return json.loads(json.dumps(data))
 
     def with_changes(self, **changes: Any) -> ModelConfig:
@@ -116,19 +143,36 @@ def _text_section(raw: dict) -> tuple[dict, str]:
     return raw, "model."
 
 
-def _rope(text: dict) -> tuple[float, float]:
+_YARN_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+
+
+def _rope(text: dict, module) -> tuple[float, float, tuple]:
+    """(theta, partial rotary factor, scaling pairs) of a config's rotary embedding (the model
+    file's defaults where the config names none)."""
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
+    if not params and not scaling:
+        params = dict(getattr(module, "DEFAULT_ROPE_PARAMETERS", None) or {})
+    default_theta = getattr(module, "DEFAULT_ROPE_THETA", 10000.0)
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise ModelFormatError("config.json: rope_parameters / rope_scaling must be objects")
     rope_type = (
         params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     )
-    if rope_type not in ("default", "mrope"):
+    if rope_type not in ("default", "mrope", "yarn"):
         raise UnsupportedArchitectureError(f"rope type {rope_type!r} is not supported yet")
-    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", text.get("rope_theta", default_theta))
     partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
-    return float(theta), float(partial)
+    pairs: tuple = ()
+    if rope_type == "yarn":
+        merged = {**scaling, **params}
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            if merged.get(key) not in (None, 0, 1, 1.0):
+                raise UnsupportedArchitectureError(f"YaRN with {key} is not supported yet")
+        values = {k: float(_require(merged, k)) for k in _YARN_KEYS}
+        values["truncate"] = float(bool(merged.get("truncate", True)))
+        pairs = tuple(sorted(values.items()))
+    return float(theta), float(partial), pairs
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -163,8 +207,9 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
         num_layers = int(_require(text, "num_hidden_layers"))
         hidden = int(_require(text, "hidden_size"))
         heads = int(_require(text, "num_attention_heads"))
-        theta, partial = _rope(text)
-        fields = architecture(arch).config_fields(text, num_layers)
+        module = architecture(arch)
+        theta, partial, rope_scaling = _rope(text, module)
+        fields = module.config_fields(text, num_layers)
         cfg = ModelConfig(
             arch=arch,
             vocab_size=int(_require(text, "vocab_size")),
@@ -181,10 +226,14 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
             num_experts=int(_require(text, "num_experts", "num_local_experts")),
             num_experts_per_tok=int(_require(text, "num_experts_per_tok")),
-            moe_intermediate_size=int(_require(text, "moe_intermediate_size")),
+            moe_intermediate_size=int(
+                fields.get("moe_intermediate_size") or _require(text, "moe_intermediate_size")
+            ),
             norm_topk_prob=fields["norm_topk_prob"],
             shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
-            intermediate_size=int(text.get("intermediate_size") or 0),
+            intermediate_size=int(
+                fields.get("intermediate_size", text.get("intermediate_size")) or 0
+            ),
             dense_layers=fields.get("dense_layers", ()),
             linear_num_key_heads=int(text.get("linear_num_key_heads") or 0),
             linear_num_value_heads=int(text.get("linear_num_value_heads") or 0),
@@ -192,6 +241,12 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
             linear_value_head_dim=int(text.get("linear_value_head_dim") or 0),
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim") or 4),
             eos_token_ids=_eos_ids(text.get("eos_token_id")),
+            sliding_window=int(fields.get("sliding_window", 0)),
+            sliding_layers=tuple(fields.get("sliding_layers", ())),
+            rope_scaling=rope_scaling,
+            expert_bias=bool(fields.get("expert_bias", False)),
+            swiglu_limit=float(fields.get("swiglu_limit", 0.0)),
+            swiglu_alpha=float(fields.get("swiglu_alpha", 0.0)),
             weight_prefix=prefix,
             torch_dtype=str(
                 text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "bfloat16"
@@ -236,3 +291,5 @@ def _validate(cfg: ModelConfig) -> None:
         raise ModelFormatError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.dense_layers and not cfg.intermediate_size:
         raise ModelFormatError("dense MLP layers need intermediate_size")
+    if cfg.sliding_layers and cfg.sliding_window <= 0:
+        raise ModelFormatError("sliding-window layers need a positive sliding_window")

@@ -62,8 +62,7 @@ def describe(spec: str) -> dict[str, Any]:
     return {
         "model": spec,
         "architecture": cfg.arch,
-        "layers": f"{cfg.num_layers} ({len(cfg.linear_layers)} linear-attention, "
-        f"{len(cfg.attention_layers)} full-attention)",
+        "layers": _layers_line(cfg),
         "hidden_size": cfg.hidden_size,
         "attention": f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}",
         "experts": f"{cfg.num_experts} routed, top-{cfg.num_experts_per_tok}, "
@@ -82,3 +81,13 @@ def describe(spec: str) -> dict[str, Any]:
         "routed_expert_bytes": _gib(counts["routed_experts"] * itemsize),
         **_files(path),
     }
+
+
+def _layers_line(cfg) -> str:
+    """Layer count by kind: linear attention, full attention, sliding-window attention."""
+    sliding = len(cfg.sliding_layers)
+    parts = [f"{len(cfg.linear_layers)} linear-attention"] if cfg.linear_layers else []
+    parts.append(f"{len(cfg.attention_layers) - sliding} full-attention")
+    if sliding:
+        parts.append(f"{sliding} sliding-window ({cfg.sliding_window})")
+    return f"{cfg.num_layers} ({', '.join(parts)})"

@@ -24,6 +24,7 @@ from agentrt.models import kernels
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.kv import KVCache, LayerCache
 from agentrt.models.moe import ExpertBackend, RoutedExperts
+from agentrt.models.rotary import Rotary
 
 # A position is a Python int (eager), a `[1]` long tensor on the device (static decode: the same
 # kernels and shapes every step, so the step can be captured in a CUDA graph), or a `Span`.
@@ -43,6 +44,11 @@ class Span:
 
 
 Position = int | torch.Tensor | Span
+
+
+def first_position(start: Position) -> int | torch.Tensor:
+    """The position of a pass's first token (a `Span`'s start tensor)."""
+    return start.start if isinstance(start, Span) else start
 
 
 class NormBase(nn.Module):
@@ -154,52 +160,6 @@ class GatedRMSNorm(NormBase):
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         h = self.weight * h.to(x.dtype)
         return (h * F.silu(gate.float())).to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding on the first `rotary_dim` channels of each head (rotate-half)."""
-
-    def __init__(self, head_dim: int, partial: float, theta: float) -> None:
-        super().__init__()
-        self.rotary_dim = int(head_dim * partial)
-        self.theta = theta
-        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
-
-    # the last (key, cos, sin) computed for an int start: every attention layer of a forward
-    # asks for the same positions, so the later ones launch no kernels for it
-    _last: tuple | None = None
-
-    def cos_sin(
-        self, start: Position, length: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(start, Span):
-            start = start.start
-        if isinstance(start, torch.Tensor):  # static pass: position held in a device tensor
-            pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
-            return self._cos_sin(pos, dtype)
-        inv = self.inv_freq
-        key = (start, length, dtype, inv.device, self.rotary_dim, self.theta)
-        last = Rotary._last
-        if last is not None and last[0] == key:
-            return last[1], last[2]
-        pos = torch.arange(start, start + length, device=inv.device, dtype=torch.float)
-        cos, sin = self._cos_sin(pos, dtype)
-        Rotary._last = (key, cos, sin)
-        return cos, sin
-
-    def _cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: `[T, H, D]`."""
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
-        return torch.cat([out, rest], dim=-1)
 
 
 _PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -335,7 +295,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
-        self.rotary = Rotary(d, cfg.partial_rotary_factor, cfg.rope_theta)
+        self.rotary = Rotary.of(cfg)
 
     def forward(
         self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
@@ -349,7 +309,7 @@ class Attention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(seq_len, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(start, seq_len, x.dtype)
+        cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         if isinstance(start, (Span, torch.Tensor)):  # static pass: fixed shapes (CUDA graphs)
             begin = start.start if isinstance(start, Span) else start
@@ -396,20 +356,35 @@ class Router(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router + routed experts (held outside the module tree) + optional shared expert."""
+    """Router + routed experts (held outside the module tree) + optional shared expert. The
+    router is `Router` under the name `gate` unless a model file passes its own (a module that
+    maps `[T, H]` to ids and weights `[T, k]`) and the checkpoint's name for it."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, experts: RoutedExperts) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        experts: RoutedExperts,
+        router: nn.Module | None = None,
+        router_name: str = "gate",
+    ) -> None:
         super().__init__()
         self.layer = layer
-        self.gate = Router(cfg)
+        self.router_name = router_name
+        self.add_module(router_name, router if router is not None else Router(cfg))
         self._experts = [experts]  # list: keeps the swappable object out of the module tree
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
+    @property
+    def router_weight(self) -> torch.Tensor:
+        """The router's `[E, H]` weight (what the offload engine's prefetch predicts with)."""
+        return getattr(self, self.router_name).weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
+        ids, weights = getattr(self, self.router_name)(x)
         out = self._experts[0](self.layer, x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -3,8 +3,11 @@
 Reads a HF-format directory (config.json + *.safetensors, sharded or not), maps checkpoint names to
 our parameters (stripping `model.` / `model.language_model.`, skipping vision and MTP tensors) and
 copies each tensor straight into its destination, one tensor in memory at a time. Routed experts
-are accepted fused (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
-(`experts.{e}.gate_proj.weight` ...) and land directly in the `RoutedExperts` stacks.
+are accepted fused (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`, with
+`_bias` tensors where the architecture has them), MXFP4-packed (`_blocks` + `_scales`, dequantized
+here into the model's dtype) or per expert (`experts.{e}.gate_proj.weight` ...) and land directly
+in the `RoutedExperts` stacks; an architecture with its own fused layout converts it
+(`expert_layout` in its model file).
 Every mistake in the directory becomes a `ModelFormatError` naming the problem.
 """
 
@@ -23,7 +26,8 @@ from agentrt.models import build_empty
 from agentrt.models.config import ModelConfig
 from agentrt.models.layers import CausalLM
 
-_FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_PACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
 _PER_EXPERT = re.compile(
     r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
@@ -62,6 +66,8 @@ class _Progress:
 
     params: set[str] = field(default_factory=set)
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E, 3] bool
+    biases: set[tuple[int, str]] = field(default_factory=set)
+    packed: dict[tuple[int, str], dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class WeightSink:
@@ -72,6 +78,9 @@ class WeightSink:
         self.cfg = model.config
         self.params = dict(model.named_parameters())
         self.done = _Progress()
+        from agentrt.models.architectures import architecture
+
+        self.layout = getattr(architecture(self.cfg.arch), "expert_layout", None)
 
     def target_name(self, name: str) -> str | None:
         """Checkpoint name -> our name, or None for tensors we deliberately ignore."""
@@ -88,7 +97,9 @@ class WeightSink:
         if local is None:
             return
         if m := _FUSED.match(local):
-            self._put_fused(int(m[1]), m[2], tensor)
+            self._put_fused(int(m[1]), m[2] + (m[3] or ""), tensor)
+        elif m := _PACKED.match(local):
+            self._put_packed(int(m[1]), m[2], m[3], tensor)
         elif m := _PER_EXPERT.match(local):
             self._put_expert(int(m[1]), int(m[2]), m[3], tensor)
         elif local in self.params:
@@ -113,16 +124,42 @@ class WeightSink:
             layer, torch.zeros(self.cfg.num_experts, 3, dtype=torch.bool)
         )
 
-    def _put_fused(self, layer: int, kind: str, tensor: torch.Tensor) -> None:
+    def _put_packed(self, layer: int, kind: str, part: str, tensor: torch.Tensor) -> None:
+        """Hold an MXFP4 `_blocks` / `_scales` tensor until its pair arrives, then dequantize."""
+        from agentrt.models.mxfp4 import dequantize
+
+        pair = self.done.packed.setdefault((layer, kind), {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del self.done.packed[(layer, kind)]
+            dest = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
+            weights = dequantize(pair["blocks"], pair["scales"], dest[layer].dtype)
+            self._put_fused(layer, kind, weights, packed=True)
+
+    def _put_fused(self, layer: int, kind: str, tensor: torch.Tensor, packed: bool = False) -> None:
         mask = self._expert_mask(layer)
-        stack = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
-        dest = stack[layer]
-        if (
+        experts = self.model.experts
+        stacks = {
+            "gate_up_proj": experts.gate_up,
+            "down_proj": experts.down,
+            "gate_up_proj_bias": experts.gate_up_bias,
+            "down_proj_bias": experts.down_bias,
+        }[kind]
+        if stacks is None:
+            raise ModelFormatError(f"checkpoint has experts.{kind}; {self.cfg.arch} has none")
+        dest = stacks[layer]
+        if self.layout is not None:
+            tensor = self.layout(kind, tensor, packed)
+        elif (
             tensor.dim() == 3
             and tensor.shape[1:] == dest.shape[:0:-1]
             and tensor.shape != dest.shape
         ):
             tensor = tensor.transpose(1, 2)  # some exports store [E, in, out]
+        if kind.endswith("_bias"):
+            self._copy(f"layer {layer} experts.{kind}", dest, tensor)
+            self.done.biases.add((layer, kind))
+            return
         self._copy(f"layer {layer} experts.{kind}", dest, tensor)
         cols = [0, 1] if kind == "gate_up_proj" else [2]
         mask[:, cols] = True
@@ -146,6 +183,12 @@ class WeightSink:
             mask = self.done.experts.get(layer)
             if mask is None or not bool(mask.all()):
                 missing.append(f"layers.{layer}.mlp.experts")
+            if self.model.experts.gate_up_bias is not None:
+                for kind in ("gate_up_proj_bias", "down_proj_bias"):
+                    if (layer, kind) not in self.done.biases:
+                        missing.append(f"layers.{layer}.mlp.experts.{kind}")
+        for layer, kind in self.done.packed:
+            missing.append(f"the MXFP4 pair of layers.{layer}.mlp.experts.{kind}")
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ModelFormatError(f"checkpoint lacks {', '.join(missing[:3])}{more}")

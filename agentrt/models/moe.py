@@ -1,8 +1,10 @@
 """Routed experts behind one small interface: `experts(layer, hidden, topk_ids, topk_weights)`.
 
 `RoutedExperts` holds, for every MoE layer, the stacked weights `gate_up [E, 2I, H]` (gate rows
-first, then up rows, as in HF's fused layout) and `down [E, H, I]`, and computes the weighted sum of
-the chosen experts for each token (grouped GEMM where torch has it, else gather/loop paths).
+first, then up rows, as in HF's fused layout) and `down [E, H, I]`, optionally their biases
+(`gate_up_bias [E, 2I]`, `down_bias [E, H]`) and an activation other than the plain SwiGLU
+(`SwiGLU(limit, alpha)`: gpt-oss's clamped one), and computes the weighted sum of the chosen
+experts for each token (grouped GEMM where torch has it, else gather/loop paths).
 The offload engine replaces this object through the same call signature; the model files never
 know where expert weights live.
 """
@@ -10,6 +12,7 @@ know where expert weights live.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +20,38 @@ import torch.nn.functional as F
 GATHER_MAX_ROWS = 64  # token-expert pairs up to which the gather path is used
 
 
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of one expert: x `[N, H]`, gate_up `[2I, H]`, down `[H, I]` -> `[N, H]`."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+@dataclass(frozen=True)
+class SwiGLU:
+    """An expert's activation on its gate and up halves `[N, 2I]` -> `[N, I]`. `limit` 0: the
+    plain silu(gate) * up; else gpt-oss's: gate clamped above at `limit`, up to +-`limit`,
+    (up + 1) * gate * sigmoid(`alpha` * gate)."""
+
+    limit: float = 0.0
+    alpha: float = 1.0
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        if not self.limit:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+PLAIN = SwiGLU()
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    act: SwiGLU = PLAIN,
+) -> torch.Tensor:
+    """One expert: x `[N, H]`, gate_up `[2I, H]`, down `[H, I]` (biases `[2I]`, `[H]`) ->
+    `[N, H]`."""
+    return F.linear(act(F.linear(x, gate_up, gate_up_bias)), down, down_bias)
 
 
 def _grouped_mm_fn():
@@ -63,24 +94,47 @@ class RoutedExperts(ExpertBackend):
     over the experts that received tokens; the plain reference).
     """
 
-    def __init__(self, gate_up: dict[int, torch.Tensor], down: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        gate_up: dict[int, torch.Tensor],
+        down: dict[int, torch.Tensor],
+        gate_up_bias: dict[int, torch.Tensor] | None = None,
+        down_bias: dict[int, torch.Tensor] | None = None,
+        act: SwiGLU = PLAIN,
+    ) -> None:
         self.gate_up = gate_up
         self.down = down
+        self.gate_up_bias = gate_up_bias
+        self.down_bias = down_bias
+        self.act = act
         self.use_grouped_mm = _grouped_mm_fn() is not None
 
     @classmethod
     def empty(
-        cls, layers, num_experts: int, hidden: int, inter: int, device, dtype
+        cls,
+        layers,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        device,
+        dtype,
+        bias: bool = False,
+        act: SwiGLU = PLAIN,
     ) -> RoutedExperts:
-        gate_up = {
-            layer: torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype)
-            for layer in layers
-        }
-        down = {
-            layer: torch.empty(num_experts, hidden, inter, device=device, dtype=dtype)
-            for layer in layers
-        }
-        return cls(gate_up, down)
+        def stacks(*shape) -> dict[int, torch.Tensor]:
+            return {
+                layer: torch.empty(num_experts, *shape, device=device, dtype=dtype)
+                for layer in layers
+            }
+
+        biases = (stacks(2 * inter), stacks(hidden)) if bias else (None, None)
+        return cls(stacks(2 * inter, hidden), stacks(hidden, inter), *biases, act=act)
+
+    def _biases(self, layer: int, expert) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gate/up and down biases of `expert` (an index or an index tensor), or Nones."""
+        if self.gate_up_bias is None or self.down_bias is None:
+            return None, None
+        return self.gate_up_bias[layer][expert], self.down_bias[layer][expert]
 
     def __call__(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -119,13 +173,18 @@ class RoutedExperts(ExpertBackend):
         counts.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1), dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
         h = grouped(x[token_of], self.gate_up[layer].transpose(1, 2), offs=offs)  # [Tk, 2I]
-        gate, up = h.chunk(2, dim=-1)
         # routing weights scale the activations [Tk, I] (a quarter of the outputs' size) before
         # the down projection; the combine is then a plain sum (a [1, k] x [k, H] product per
         # token took 5.4 ms of a 90.8 ms 2048-token pass: M=1 GEMMs are a poor fit)
         scale = weights.reshape(-1).index_select(0, order).to(h.dtype).unsqueeze(1)
-        act = F.silu(gate).mul_(up).mul_(scale)
-        ys = grouped(act, self.down[layer].transpose(1, 2), offs=offs)
+        up_bias, down_bias = self._biases(layer, ids.reshape(-1).index_select(0, order))
+        if up_bias is None:
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up) if self.act == PLAIN else self.act(h)
+            ys = grouped(act.mul_(scale), self.down[layer].transpose(1, 2), offs=offs)
+        else:
+            act = self.act(h + up_bias).mul_(scale)
+            ys = grouped(act, self.down[layer].transpose(1, 2), offs=offs) + down_bias * scale
         return unsort(ys, order, ids.shape[1]).sum(1)
 
     def gathered(
@@ -136,8 +195,13 @@ class RoutedExperts(ExpertBackend):
         flat = ids.reshape(-1)
         gate_up, down = self.gate_up[layer][flat], self.down[layer][flat]  # [Tk, 2I, H], [Tk, H, I]
         xs = x.repeat_interleave(top_k, dim=0).unsqueeze(1)  # [Tk, 1, H]
-        gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [Tk, H]
+        h = torch.bmm(xs, gate_up.transpose(1, 2))  # [Tk, 1, 2I]
+        up_bias, down_bias = self._biases(layer, flat)
+        if up_bias is not None:
+            h = h + up_bias.unsqueeze(1)
+        out = torch.bmm(self.act(h), down.transpose(1, 2)).squeeze(1)  # [Tk, H]
+        if down_bias is not None:
+            out = out + down_bias
         return (out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
     def looped(
@@ -153,12 +217,15 @@ class RoutedExperts(ExpertBackend):
             if count:
                 end = begin + count
                 ys[begin:end] = expert_ffn(
-                    xs[begin:end], self.gate_up[layer][expert], self.down[layer][expert]
+                    xs[begin:end],
+                    self.gate_up[layer][expert],
+                    self.down[layer][expert],
+                    *self._biases(layer, expert),
+                    act=self.act,
                 )
                 begin = end
         return self._combine(ys, order, weights)
 
     def num_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for d in (self.gate_up, self.down) for t in d.values()
-        )
+        stacks = [d for d in (self.gate_up, self.down, self.gate_up_bias, self.down_bias) if d]
+        return sum(t.numel() * t.element_size() for d in stacks for t in d.values())

@@ -1,15 +1,16 @@
 """Synthetic checkpoints: seeded random weights with the exact shapes of real models.
 
-Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-moe`, and real
-shapes
-`qwen3.5-35b-a3b`, `qwen3-30b-a3b`. A checkpoint can be written to disk in HF format (config.json +
-safetensors, sharded per layer for large sizes, fused expert tensors) or built straight into device
-memory for benchmarks (no disk copy). Written files are owner-only (0600; directories it creates,
-0700). Every tensor has its own seed derived from (seed, name), so a tensor never depends on
-generation order. On CPU the values come from integer draws of torch's
-Mersenne Twister scaled to a uniform distribution, so files are byte-identical on every machine;
-on CUDA, in-memory builds use the device generator (deterministic per device, not equal to CPU).
-Real-size figures made with these weights are NOT the real models' quality or routing statistics.
+Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-moe`,
+`tiny-gpt-oss`, and real shapes `qwen3.5-35b-a3b`, `qwen3-30b-a3b`, `gpt-oss-20b`, `gpt-oss-120b`
+(gpt-oss experts in the model's dtype, not MXFP4-packed: the 120b shape takes 234 GB in bf16).
+A checkpoint can be written to disk in HF format (config.json + safetensors, sharded per layer for
+large sizes, fused expert tensors) or built straight into device memory for benchmarks (no disk
+copy). Written files are owner-only (0600; directories it creates, 0700). Every tensor has its own
+seed derived from (seed, name), so a tensor never depends on generation order. On CPU the values
+come from integer draws of torch's Mersenne Twister scaled to a uniform distribution, so files are
+byte-identical on every machine; on CUDA, in-memory builds use the device generator
+(deterministic per device, not equal to CPU). Real-size figures made with these weights are NOT
+the real models' quality or routing statistics.
 """
 
 from __future__ import annotations
@@ -78,6 +79,35 @@ _Q3_30B = dict(
     dtype="bfloat16",
     eos_token_id=151645,
 )
+_GPT_OSS_120B = dict(
+    model_type="gpt_oss",
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=36,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=128,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    swiglu_limit=7.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+    eos_token_id=200002,
+)
+_GPT_OSS_20B = _GPT_OSS_120B | dict(num_hidden_layers=24, num_local_experts=32)
 # The tiny sizes keep each real model's structure at toy widths (fp32, long context for traces).
 _TINY_SHAPE = dict(
     vocab_size=2048,
@@ -111,14 +141,35 @@ _TINY_Q3 = (
         intermediate_size=256,
     )
 )
+_TINY_GPT_OSS = {k: v for k, v in _GPT_OSS_120B.items() if k != "eos_token_id"} | dict(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_local_experts=16,
+    sliding_window=32,
+    max_position_embeddings=262144,
+    dtype="float32",
+)
 
 SIZES: dict[str, dict] = {
     "tiny": _TINY_Q35,
     "tiny-qwen3-moe": _TINY_Q3,
+    "tiny-gpt-oss": _TINY_GPT_OSS,
     "qwen3.5-35b-a3b": _Q35_35B,
     "qwen3-30b-a3b": _Q3_30B,
+    "gpt-oss-20b": _GPT_OSS_20B,
+    "gpt-oss-120b": _GPT_OSS_120B,
 }
-_ARCH_OF_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_moe": "qwen3_moe"}
+_ARCH_OF_TYPE = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
+_HF_CLASS = {
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 
 
 SKEW = "@skew="  # `NAME@skew=S`: router rows scaled for skewed expert popularity
@@ -128,8 +179,8 @@ def resolve_size(size: str, arch: str | None = None) -> str:
     """Size entry for `--size S [--arch A]`; `tiny` follows the requested architecture. A size
     may end in `@skew=S` (S >= 0: `router_skew`)."""
     base, skew = _split_skew(size)
-    if base == "tiny" and arch == "qwen3_moe":
-        base = "tiny-qwen3-moe"
+    if base == "tiny" and arch in ("qwen3_moe", "gpt_oss"):
+        base = "tiny-qwen3-moe" if arch == "qwen3_moe" else "tiny-gpt-oss"
     if base not in SIZES:
         raise InvalidArgumentError(f"unknown size {base!r}; known: {', '.join(SIZES)}")
     own = _ARCH_OF_TYPE[SIZES[base]["model_type"]]
@@ -159,12 +210,12 @@ def router_skew(size: str) -> float:
 def hf_config(size: str) -> dict:
     """The config.json dict of a synthetic size (layer types spelled out)."""
     raw = json.loads(json.dumps(SIZES[_split_skew(size)[0]]))
+    n = raw["num_hidden_layers"]
     if raw["model_type"] == "qwen3_5_moe_text":
-        n = raw["num_hidden_layers"]
         raw["layer_types"] = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)]
-        raw["architectures"] = ["Qwen3_5MoeForCausalLM"]
-    else:
-        raw["architectures"] = ["Qwen3MoeForCausalLM"]
+    if raw["model_type"] == "gpt_oss":
+        raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else FULL for i in range(n)]
+    raw["architectures"] = [_HF_CLASS[raw["model_type"]]]
     return raw
 
 
@@ -195,7 +246,7 @@ def init_value(
     """The synthetic init of one tensor, chosen by its name (mirrors HF's init scheme); routers
     skewed by `skew` (`skew_router_`)."""
     _init_value(name, t, seed, zero_centered)
-    if skew and name.endswith(".mlp.gate.weight"):
+    if skew and name.endswith((".mlp.gate.weight", ".mlp.router.weight")):
         skew_router_(t, skew, tensor_seed(seed, name + ":skew"))
 
 
@@ -225,13 +276,27 @@ def _init_value(name: str, t: torch.Tensor, seed: int, zero_centered: bool) -> N
 
 
 def named_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint names (HF layout, fused experts) and destination tensors, in a fixed order."""
+    """Checkpoint names (HF names, fused experts) and destination tensors (the model's own
+    layout, see `checkpoint_tensor`), in a fixed order."""
     prefix = model.config.weight_prefix
     for name, param in model.named_parameters():
         yield (name if name == "lm_head.weight" else prefix + name), param.data
-    for layer in sorted(model.experts.gate_up):
-        yield f"{prefix}layers.{layer}.mlp.experts.gate_up_proj", model.experts.gate_up[layer]
-        yield f"{prefix}layers.{layer}.mlp.experts.down_proj", model.experts.down[layer]
+    experts = model.experts
+    stacks = {"gate_up_proj": experts.gate_up, "down_proj": experts.down}
+    if experts.gate_up_bias is not None and experts.down_bias is not None:
+        stacks |= {"gate_up_proj_bias": experts.gate_up_bias, "down_proj_bias": experts.down_bias}
+    for layer in sorted(experts.gate_up):
+        for kind, stack in stacks.items():
+            yield f"{prefix}layers.{layer}.mlp.experts.{kind}", stack[layer]
+
+
+def checkpoint_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of `named_tensors` as the checkpoint stores it (an architecture with its own
+    fused expert layout converts it: `checkpoint_layout` in its model file)."""
+    convert = getattr(architecture(cfg.arch), "checkpoint_layout", None)
+    if convert is None or ".mlp.experts." not in name:
+        return tensor
+    return convert(name.rsplit(".", 1)[-1], tensor)
 
 
 def build_in_memory(
@@ -291,7 +356,7 @@ def write_checkpoint(
     skeleton = build_empty_meta(cfg)
     shards: dict[str, list[tuple[str, torch.Size]]] = {}
     for name, tensor in named_tensors(skeleton):
-        shards.setdefault(_shard_of(name), []).append((name, tensor.shape))
+        shards.setdefault(_shard_of(name), []).append((name, tensor))
     total_bytes = sum(t.numel() for _, t in named_tensors(skeleton)) * target.itemsize
     if total_bytes <= max_single_bytes:
         shards = {"all": [entry for entries in shards.values() for entry in entries]}
@@ -313,11 +378,12 @@ def _write_shard(path: Path, entries, cfg: ModelConfig, target, seed: int, skew:
     from safetensors.torch import save_file
 
     tensors = {}
-    for name, shape in entries:
-        t = torch.empty(shape, dtype=torch.float32)
+    for name, meta in entries:
+        t = torch.empty(meta.shape, dtype=torch.float32)
         init_value(name, t, seed, architecture(cfg.arch).ZERO_CENTERED_NORMS, skew)
         keep_fp32 = name.rsplit(".", 1)[-1] in FP32_PARAMS
-        tensors[name] = t if keep_fp32 else t.to(target)
+        tensors[name] = checkpoint_tensor(cfg, name, t if keep_fp32 else t.to(target))
+        tensors[name] = tensors[name].contiguous()
     with private_output(path) as tmp:  # 0600; save_file truncates it, keeping the mode
         save_file(tensors, str(tmp), metadata={"format": "pt"})
 

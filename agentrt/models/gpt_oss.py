@@ -1,0 +1,202 @@
+"""gpt-oss: an attention-only decoder with learned attention sinks (one logit per head that joins
+every softmax and takes no value), every other layer attending to the last `sliding_window`
+(128) positions only, YaRN rotary, biased q/k/v/o projections; routed experts chosen as the top 4
+router logits (the router has a bias) weighted by a softmax over those 4, each expert with biases
+and the clamped SwiGLU (`moe.SwiGLU`). Weight names match `GptOssForCausalLM` (prefix `model.`);
+experts come in bf16 (`[E, in, out]`, gate and up columns interleaved) or MXFP4 (`_blocks` and
+`_scales`, dequantized by the loader). Sliding-window layers keep the whole KV (the window is a
+mask), so the state cache handles them like full layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentrt.models.config import FULL, ModelConfig
+from agentrt.models.kv import KVCache
+from agentrt.models.layers import (
+    CausalLM,
+    DecoderLayer,
+    MoEBlock,
+    Position,
+    Span,
+    first_position,
+)
+from agentrt.models.moe import RoutedExperts
+from agentrt.models.rotary import Rotary
+
+MODEL_TYPES = ("gpt_oss",)  # config.json `model_type`s read as this architecture
+ZERO_CENTERED_NORMS = False  # RMSNorm weights stored as they scale
+DEFAULT_ROPE_THETA = 150000.0
+# what transformers assumes for a config.json that names no rotary scaling
+DEFAULT_ROPE_PARAMETERS = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+SCORE_BYTES = 1 << 28  # attention scores held at once (fp32), bounding the query rows per step
+
+
+def config_fields(text: dict, num_layers: int) -> dict:
+    """Every layer attention with a KV cache; `layer_types` (default: even layers sliding) says
+    which see only the last `sliding_window` positions; the experts' size is
+    `intermediate_size`; biased experts with the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)."""
+    types = text.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+    ]
+    return {
+        "layer_types": (FULL,) * num_layers,
+        "sliding_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "sliding_window": int(text.get("sliding_window") or 0),
+        "norm_topk_prob": True,
+        "moe_intermediate_size": int(text.get("intermediate_size") or 0),
+        "intermediate_size": 0,
+        "expert_bias": True,
+        "swiglu_limit": float(text.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": float(text.get("swiglu_alpha", 1.702)),
+    }
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention with a sink logit per head: q `[H, T, D]` at positions `q_pos` `[T]`, k/v
+    `[Hkv, L, D]` at positions 0..L-1 (query head h reads kv head h // (H / Hkv)); a key is
+    seen when at or before the query and, with `window`, within its last `window` positions.
+    Scores and softmax in fp32, in steps of query rows."""
+    heads, length, dim = q.shape
+    kv_heads, keys = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    key_pos = torch.arange(keys, device=q.device)
+    sink = sinks.float().view(kv_heads, group, 1, 1)
+    step = max(1, SCORE_BYTES // (4 * heads * max(keys, 1)))
+    out = torch.empty_like(q)
+    for begin in range(0, length, step):
+        rows = slice(begin, begin + step)
+        qs = q[:, rows].reshape(kv_heads, group, -1, dim)
+        count = qs.shape[2]
+        scores = torch.matmul(qs.reshape(kv_heads, -1, dim), k.transpose(1, 2)).float() * scale
+        scores = scores.view(kv_heads, group, count, keys)
+        seen = key_pos[None, :] <= q_pos[rows, None]
+        if window:
+            seen = seen & (key_pos[None, :] > q_pos[rows, None] - window)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+        weights = torch.exp(scores - top)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+        mixed = torch.matmul(weights.to(v.dtype).view(kv_heads, -1, keys), v)
+        out[:, rows] = mixed.view(heads, count, dim)
+    return out
+
+
+class SinkAttention(nn.Module):
+    """gpt-oss attention: biased projections, YaRN rotary, sinks, an optional sliding window."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=True)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
+        self.window = cfg.sliding_window if layer in cfg.sliding_layers else 0
+        self.rotary = Rotary.of(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
+    ) -> torch.Tensor:
+        seq_len = x.shape[0]
+        q = self.q_proj(x).view(seq_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        steps = torch.arange(seq_len, device=x.device)
+        if isinstance(start, (Span, torch.Tensor)):  # static pass: the whole buffers, masked
+            begin = start.start if isinstance(start, Span) else start
+            cache.write_at(begin, k.transpose(0, 1), v.transpose(0, 1))
+            k_all, v_all, q_pos = cache.k, cache.v, begin + steps
+        else:
+            k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
+            q_pos = start + steps
+        out = sink_attention(
+            q.transpose(0, 1), k_all, v_all, q_pos, self.sinks, self.window, self.head_dim**-0.5
+        )
+        return self.o_proj(out.transpose(0, 1).reshape(seq_len, -1))
+
+
+class TopKSoftmaxRouter(nn.Module):
+    """The top-k router logits (weights and bias), weighted by a softmax over those k."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return ids, torch.softmax(top.float(), dim=-1).to(x.dtype)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Alternating gate/up rows (dim 1) -> all gate rows, then all up rows."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+def expert_layout(kind: str, tensor: torch.Tensor, packed: bool) -> torch.Tensor:
+    """A checkpoint's fused expert tensor in `RoutedExperts`' layout: bf16 weights are stored
+    `[E, in, out]` (MXFP4 ones dequantize to `[E, out, in]`), gate and up interleaved."""
+    if kind == "down_proj_bias":
+        return tensor
+    if kind == "gate_up_proj_bias":
+        return _deinterleave(tensor)
+    if not packed:
+        tensor = tensor.transpose(1, 2)
+    return _deinterleave(tensor) if kind == "gate_up_proj" else tensor
+
+
+def checkpoint_layout(kind: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of `expert_layout` for bf16 checkpoints (what `GptOssForCausalLM` saves)."""
+    if kind == "down_proj_bias":
+        return tensor
+    if kind == "gate_up_proj_bias":
+        return _interleave(tensor)
+    return (_interleave(tensor) if kind == "gate_up_proj" else tensor).transpose(1, 2)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """All gate rows, then all up rows (dim 1) -> alternating gate/up rows."""
+    gate, up = t.chunk(2, dim=1)
+    return torch.stack((gate, up), dim=2).flatten(1, 2)
+
+
+def build(cfg: ModelConfig, experts: RoutedExperts) -> CausalLM:
+    if cfg.dense_layers:
+        raise ValueError("gpt-oss has no dense MLP layers")
+    layers = [
+        DecoderLayer(
+            "self_attn",
+            SinkAttention(cfg, i),
+            MoEBlock(cfg, i, experts, TopKSoftmaxRouter(cfg), "router"),
+            cfg,
+            zc=False,
+        )
+        for i in range(cfg.num_layers)
+    ]
+    return CausalLM(cfg, layers, experts, zc=False)

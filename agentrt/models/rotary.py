@@ -1,0 +1,94 @@
+"""Rotary position embedding: the default one and YaRN's scaled frequencies (`rope_frequencies`),
+applied rotate-half to the first `rotary_dim` channels of each head; positions are a Python int
+(eager) or a `[1]` device tensor (static passes)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from agentrt.models.config import ModelConfig
+
+
+def rope_frequencies(
+    dim: int, theta: float, scaling: dict[str, float]
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[dim/2]` and the factor cos/sin are scaled by: the default rotary
+    embedding, or YaRN's (`scaling` with `factor`, `beta_fast`, `beta_slow`,
+    `original_max_position_embeddings`, `truncate`): interpolated low frequencies, kept high
+    ones, a linear ramp between, and cos/sin scaled by 0.1 ln(factor) + 1."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.float) / dim
+    base = 1.0 / (theta**exponent)
+    if not scaling:
+        return base, 1.0
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(scaling["beta_fast"]), correction(scaling["beta_slow"])
+    if scaling.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float) - low) / ((high - low) or 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: the base frequency (extrapolation), 0: interpolated
+    inv_freq = base / factor * (1 - keep) + base * keep
+    return inv_freq, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on the first `rotary_dim` channels of each head (rotate-half),
+    default or YaRN-scaled (`scaling`, see `rope_frequencies`)."""
+
+    def __init__(self, head_dim: int, partial: float, theta: float, scaling: tuple = ()) -> None:
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial)
+        self.theta = theta
+        self.scaling = tuple(scaling)
+        inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, dict(scaling))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Rotary:
+        return cls(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta, cfg.rope_scaling)
+
+    # the last (key, cos, sin) computed for an int start: every attention layer of a forward
+    # asks for the same positions, so the later ones launch no kernels for it
+    _last: tuple | None = None
+
+    def cos_sin(
+        self, start: int | torch.Tensor, length: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[length, rotary_dim]` for positions start.. (`start` a Python int, or a
+        `[1]` device tensor in static passes)."""
+        if isinstance(start, torch.Tensor):  # static pass: position held in a device tensor
+            pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
+            return self._cos_sin(pos, dtype)
+        inv = self.inv_freq
+        key = (start, length, dtype, inv.device, self.rotary_dim, self.theta, self.scaling)
+        last = Rotary._last
+        if last is not None and last[0] == key:
+            return last[1], last[2]
+        pos = torch.arange(start, start + length, device=inv.device, dtype=torch.float)
+        cos, sin = self._cos_sin(pos, dtype)
+        Rotary._last = (key, cos, sin)
+        return cos, sin
+
+    def _cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (
+                emb.sin() * self.attention_factor
+            ).to(dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: `[T, H, D]`."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat([out, rest], dim=-1)

@@ -1,0 +1,176 @@
+"""gpt-oss beyond the shared parity tests (`test_parity.py`): MXFP4 weights against transformers'
+own dequantizer, an MXFP4 checkpoint against the oracle given the same dequantized experts, the
+real model's config.json, and what is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from util import open_engine, random_ids
+
+from agentrt.errors import UnsupportedArchitectureError
+from agentrt.models import mxfp4
+from agentrt.models.config import ModelConfig
+
+# config.json of openai/gpt-oss-120b (as published; the fields this runtime reads)
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "head_dim": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "swiglu_limit": 7.0,
+    "eos_token_id": 200002,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
+def test_mxfp4_dequantize_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 64, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(117, 137, (3, 64, 4), generator=gen, dtype=torch.uint8)
+    ours = mxfp4.dequantize(blocks, scales, torch.float32, rows_per_step=100)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert ours.shape == (3, 64, 128)
+    assert torch.equal(ours, theirs.transpose(1, 2))
+
+
+def test_mxfp4_quantize_is_exact_on_the_grid_and_rejects_bad_input():
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.tensor(mxfp4.FP4_VALUES)[torch.randint(0, 16, (5, 8, 32), generator=gen)]
+    codes[..., 0] = 6.0  # each block's peak on the grid's top: its exponent is exact
+    exps = torch.randint(-6, 6, (5, 8, 1), generator=gen).float()
+    values = (codes * torch.exp2(exps)).reshape(5, 256)
+    blocks, scales = mxfp4.quantize(values)
+    assert blocks.shape == (5, 8, 16) and scales.shape == (5, 8)
+    assert torch.equal(mxfp4.dequantize(blocks, scales, torch.float32), values)
+    rough = torch.randn(4, 64, generator=gen)
+    back = mxfp4.dequantize(*mxfp4.quantize(rough), torch.float32)
+    assert (back - rough).abs().max() <= rough.abs().max() / 6  # half a step at the top
+    from agentrt.errors import ModelFormatError
+
+    with pytest.raises(ModelFormatError):
+        mxfp4.dequantize(blocks.int(), scales, torch.float32)
+    with pytest.raises(ModelFormatError):
+        mxfp4.dequantize(blocks, scales[..., :4], torch.float32)
+
+
+def _packed_checkpoint(src, dst) -> dict[str, torch.Tensor]:
+    """`src` with its experts stored MXFP4-packed, as the published gpt-oss checkpoints are;
+    returns the dequantized expert weights in transformers' layout."""
+    tensors = load_file(str(src / "model.safetensors"))
+    dequantized = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name)  # [E, in, out]
+        blocks, scales = mxfp4.quantize(weight.transpose(1, 2).contiguous())
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        dequantized[name] = mxfp4.dequantize(blocks, scales, torch.float32).transpose(1, 2)
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dequantized
+
+
+def test_an_mxfp4_checkpoint_matches_transformers_on_its_dequantized_experts(hf_gpt_oss, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dequantized = _packed_checkpoint(hf_gpt_oss, tmp_path / "mxfp4")
+    ref = AutoModelForCausalLM.from_pretrained(hf_gpt_oss, dtype=torch.float32).eval()
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            assert not torch.equal(params[name], weight)  # the packing rounded them
+            params[name].copy_(weight)
+    ids = random_ids(90, seed=11)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    engine = open_engine(tmp_path / "mxfp4")
+    got = engine.prefill(engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_an_mxfp4_checkpoint_without_its_scales_is_refused(hf_gpt_oss, tmp_path):
+    from agentrt.errors import ModelFormatError
+
+    _packed_checkpoint(hf_gpt_oss, tmp_path / "mxfp4")
+    path = tmp_path / "mxfp4" / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(path))
+    with pytest.raises(ModelFormatError, match="MXFP4 pair of layers.1.mlp.experts.down_proj"):
+        open_engine(tmp_path / "mxfp4")
+
+
+def test_the_published_gpt_oss_config_reads_as_its_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_120B))
+    cfg = ModelConfig.from_hf(tmp_path)
+    assert cfg.arch == "gpt_oss" and cfg.num_experts == 128 and cfg.num_experts_per_tok == 4
+    assert cfg.moe_intermediate_size == 2880 and cfg.expert_bias and cfg.swiglu_limit == 7.0
+    assert cfg.sliding_window == 128 and cfg.sliding_layers == tuple(range(0, 36, 2))
+    assert cfg.rope_theta == 150000.0 and dict(cfg.rope_scaling)["factor"] == 32.0
+    assert dict(cfg.rope_scaling)["truncate"] == 0.0 and not cfg.plain_experts
+    assert "rope_scaling" in cfg.canonical()
+
+
+def test_models_without_the_new_fields_keep_their_fingerprint_fields(hf_qwen3):
+    """Fields a model does not use stay out of `canonical()`, so state caches written before
+    they existed still match."""
+    data = ModelConfig.from_hf(hf_qwen3).canonical()
+    for name in ("sliding_window", "sliding_layers", "rope_scaling", "expert_bias", "swiglu_limit"):
+        assert name not in data
+
+
+def test_yarn_frequencies_match_transformers():
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from agentrt.models.rotary import rope_frequencies
+
+    for truncate in (False, True):
+        scaling = {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": truncate,
+            "original_max_position_embeddings": 4096,
+        }
+        cfg = GptOssConfig(head_dim=64, rope_parameters=scaling)
+        want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        pairs = {k: float(v) for k, v in scaling.items() if k not in ("rope_type", "rope_theta")}
+        got, factor = rope_frequencies(64, 150000.0, pairs)
+        assert torch.allclose(got, want, rtol=1e-6) and factor == pytest.approx(want_factor)
+
+
+def test_offloading_gpt_oss_experts_is_refused_clearly(hf_gpt_oss):
+    from agentrt import Runtime
+
+    with pytest.raises(UnsupportedArchitectureError, match="offload none"):
+        Runtime.open(model=str(hf_gpt_oss), device="cpu", offload="static", expert_cache_slots=4)
