@@ -137,6 +137,14 @@ def model_options(fn=None, *, cache_list: bool = False):
             default=None,
             help="Jinja chat template file overriding the tokenizer's.",
         ),
+        click.option(
+            "--chat-date",
+            default=None,
+            metavar="YYYY-MM-DD",
+            help="The date chat templates that print today's date see (gpt-oss's does). "
+            "Default: the day the runtime opened, so prompts keep their prefixes (and their "
+            "cached states) past midnight.",
+        ),
         cache_option,
         click.option(
             "--state-dir",

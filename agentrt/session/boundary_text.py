@@ -1,6 +1,8 @@
 """Boundary defaults per chat-template family, resolved to token ids with the tokenizer.
 
-Families: the project's own `tiny` template (`</tool_output>`), ChatML/Qwen (`</tool_response>`).
+Families: the project's own `tiny` template (`</tool_output>`), ChatML/Qwen (`</tool_response>`),
+harmony (gpt-oss: every message ends with `<|end|>`, tool outputs included; a tool call with
+`<|call|>`).
 Each kind maps to one or more strings; `--boundary KIND=TEXT` / `boundaries={...}` override a
 kind. Strings that do not tokenize on their own the way they do in context simply match less.
 """
@@ -21,6 +23,11 @@ _COMMON = {
 FAMILIES: dict[str, dict[str, list[str]]] = {
     "agentrt-tiny": {**_COMMON, "tool_output_end": ["</tool_output>"]},
     "chatml": {**_COMMON, "tool_output_end": ["</tool_response>"]},
+    "harmony": {
+        "message_end": ["<|end|>"],
+        "tool_call_end": ["<|call|>"],
+        "turn_start": ["<|start|>assistant"],
+    },
     "none": {},
 }
 
@@ -31,6 +38,8 @@ def detect_family(tokenizer) -> str:
         return "agentrt-tiny"
     if "<|im_start|>" in vocab:
         return "chatml"
+    if "<|channel|>" in vocab and "<|end|>" in vocab:
+        return "harmony"
     return "none"
 
 

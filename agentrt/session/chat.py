@@ -9,6 +9,8 @@ code serves streaming and non-streaming calls. Malformed tool-call JSON is retur
 from __future__ import annotations
 
 import copy
+import datetime
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -142,19 +144,39 @@ def render(
     messages: list[dict[str, Any]],
     tools: list[dict] | None,
     generation_prompt: bool = True,
+    today: datetime.date | None = None,
 ) -> str:
-    """Render messages (+ tools) with the chat template (ending with the assistant header)."""
+    """Render messages (+ tools) with the chat template (ending with the assistant header);
+    `today`: the date a template that prints the date (`strftime_now`) sees."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("the tokenizer has no chat template; pass chat_template=FILE")
+    template = tokenizer.chat_template
+    extra = {}
+    if today is not None and isinstance(template, str) and "strftime_now" in template:
+        extra = {"chat_template": dated_template(template, today)}
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+            messages,
+            tools=tools or None,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **extra,
         )
     except Exception as exc:  # noqa: BLE001 - template errors are user input errors
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(text, str):
         raise ChatTemplateError("chat template did not render to text")
     return text
+
+
+_STRFTIME = re.compile(r"strftime_now\(\s*(['\"])(.*?)\1\s*\)")
+
+
+@functools.lru_cache(maxsize=8)
+def dated_template(template: str, today: datetime.date) -> str:
+    """`template` with each `strftime_now("FORMAT")` replaced by `today` in that format (the
+    template then renders the same text all day long, and on any later day)."""
+    return _STRFTIME.sub(lambda m: json.dumps(today.strftime(m[2])), template)
 
 
 def forced_tool_text(tokenizer, tool_choice) -> str:

@@ -31,6 +31,7 @@ class RuntimeConfig:
     seed: int = 0
     tokenizer: str | None = None  # a tokenizer directory overriding the model's own
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's
+    chat_date: str | None = None  # YYYY-MM-DD templates see as today (None: the day it opened)
     linear_attn: str = "auto"  # auto | torch | fla
     prefill_chunk: int | None = None  # None: per device and placement
     eager: bool = False  # no CUDA graph for decode

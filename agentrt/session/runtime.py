@@ -9,6 +9,7 @@ State reuse between calls follows `cache=`: `semantic` (the state cache, default
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from agentrt.session.chat import (
     opens_in_reasoning,
     render,
 )
+from agentrt.session.harmony import HarmonyParser, harmony_forced, is_harmony, template_messages
 from agentrt.session.options import (
     CACHE_MODES,
     RuntimeConfig,
@@ -52,6 +54,7 @@ class PreparedChat:
     tool_choice: str | dict[str, Any] | None
     forced: str  # text appended to force a tool call
     started: float  # perf_counter when the request arrived (TTFT origin)
+    harmony: bool = False  # the reply comes in harmony's channels (gpt-oss)
 
 
 class Runtime:
@@ -68,6 +71,8 @@ class Runtime:
         self._state = None  # one live sequence, reused so its buffers (and CUDA graph) persist
         self.reuse: NoReuse = NoReuse()
         self.generated = GeneratedIds(tokenizer) if tokenizer is not None else None
+        self.today = datetime.date.today()  # what chat templates see as today (see chat_date)
+        self.harmony = tokenizer is not None and is_harmony(tokenizer)
         # seconds `open` spent per phase after the tokenizer: weights_s, engine_s (engine and
         # state cache), prefill_graphs_s, warm_up_s, and total_s (empty when built directly)
         self.startup: dict[str, float] = {}
@@ -133,6 +138,7 @@ class Runtime:
         placement = offload_config(c)
         config = engine_config(c, device, placement)
         check_spec(model)
+        today = chat_date(c.chat_date) if c.chat_date is not None else None
         tok_dir = c.tokenizer or tokenizer_dir_of(model)
         if tok_dir is None and c.require_tokenizer:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
@@ -150,6 +156,7 @@ class Runtime:
         clock.lap("weights_s")
         engine = Engine(source.model, config, offload)
         rt = cls(engine, tok, source, c.seed, c.boundaries)
+        rt.today = today or rt.today
         rt.set_cache(c.cache, cache_config(c.state_cache, c.state_dir, c.state_max_gb))
         clock.lap("engine_s")
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
@@ -221,10 +228,14 @@ class Runtime:
         tok = self._require_tokenizer()
         msgs = normalize_messages(messages)
         tools = _check_tools(tools)
-        prompt = render(tok, msgs, tools)
-        forced = forced_tool_text(tok, tool_choice)
+        if self.harmony:
+            msgs = template_messages(msgs)
+        prompt = render(tok, msgs, tools, today=self.today)
+        forced = harmony_forced(tool_choice) if self.harmony else forced_tool_text(tok, tool_choice)
         prompt_ids = self.generated.encode(prompt + forced)
         self.engine.check_fits(len(prompt_ids))
+        if self.harmony:  # (the parser reads the channels; nothing opens in reasoning)
+            return PreparedChat(prompt_ids, False, tools, tool_choice, forced, started, True)
         reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt)) and not forced
         return PreparedChat(prompt_ids, reasoning, tools, tool_choice, forced, started)
 
@@ -258,11 +269,15 @@ class Runtime:
     ) -> ChatResult | Iterator[ChatEvent]:
         """Generate for a `prepare`d request; `should_stop` is polled per chunk and per token."""
         params = _params(max_tokens, temperature, top_p, self._seed(seed), self.chat_stop_ids)
-        parser = OutputParser(
-            mode="reasoning" if prepared.reasoning else "content",
-            tools=prepared.tools,
-            parse_tools=prepared.tool_choice != "none",
-        )
+        parse_tools = prepared.tool_choice != "none"
+        if prepared.harmony:
+            parser = HarmonyParser(tools=prepared.tools, parse_tools=parse_tools)
+        else:
+            parser = OutputParser(
+                mode="reasoning" if prepared.reasoning else "content",
+                tools=prepared.tools,
+                parse_tools=parse_tools,
+            )
         parser.feed(prepared.forced)
         gen = Generation(started_at=prepared.started, should_stop=should_stop)
         events = self._chat_events(prepared.prompt_ids, params, _check_stop(stop), parser, gen)
@@ -451,3 +466,11 @@ class _Clock:
         self.laps[name] = round(now - self.last, 4)
         self.laps["total_s"] = round(self.laps["total_s"] + now - self.last, 4)
         self.last = now
+
+
+def chat_date(text: str) -> datetime.date:
+    """A `chat_date` option (YYYY-MM-DD) as a date."""
+    try:
+        return datetime.date.fromisoformat(str(text))
+    except ValueError:
+        raise InvalidArgumentError(f"chat_date must be YYYY-MM-DD, got {text!r}") from None

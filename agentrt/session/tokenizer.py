@@ -54,11 +54,12 @@ def _read_template(path: Path) -> str:
 
 
 def stop_token_ids(tokenizer, model_eos: tuple[int, ...]) -> tuple[int, ...]:
-    """End-of-turn ids for chat: the model's EOS ids, the tokenizer's EOS and `<|im_end|>`."""
+    """End-of-turn ids for chat: the model's EOS ids, the tokenizer's EOS, `<|im_end|>`, and
+    harmony's `<|return|>` and `<|call|>` (a reply's end, a tool call's end)."""
     ids = set(model_eos)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    for token in ("<|im_end|>", "<|endoftext|>"):
+    for token in ("<|im_end|>", "<|endoftext|>", "<|return|>", "<|call|>"):
         tid = tokenizer.convert_tokens_to_ids(token)
         if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None) and tid >= 0:
             ids.add(tid)
