@@ -17,7 +17,7 @@ from agentrt.engine.sampling import sample, top_p_filter
 N = 230
 
 
-@pytest.fixture(params=["qwen3_5_moe", "qwen3_moe"])
+@pytest.fixture(params=["qwen3_5_moe", "qwen3_moe", "gpt_oss"])
 def ckpt(request, hf_checkpoints):
     return hf_checkpoints[request.param]
 

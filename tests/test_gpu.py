@@ -604,3 +604,29 @@ def test_semantic_reuse_on_cuda_is_transparent(tmp_path):
             sources.add(got.restore_source)
     assert "device" in sources and "ram+live_kv" in sources, sources
     sem.close()
+
+
+def test_gpt_oss_on_cuda_with_graphs_matches_fp32(tmp_path):
+    """gpt-oss (sinks, sliding window, YaRN, biased clamped experts) in bf16 on CUDA, eager and
+    with prefill and decode graphs, against the fp32 model: the graph paths' error stays within
+    twice the eager path's, over a prompt longer than the sliding window and the largest bucket."""
+    from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
+    from agentrt.models.loader import load_model
+    from agentrt.models.synthetic import write_checkpoint
+
+    path = write_checkpoint("tiny-gpt-oss", tmp_path / "g", seed=3)
+    model = load_model(path, "cuda", torch.bfloat16)
+    engines = [
+        Engine(model, EngineConfig(device="cuda", dtype="bfloat16", prefill_graphs=g))
+        for g in (True, False)
+    ]
+    reference = load_model(path, "cuda", torch.float32)
+    engines.append(Engine(reference, EngineConfig(device="cuda", dtype="float32")))
+    states = [e.new_state() for e in engines]
+    for piece in (range(10, 50), range(50, 300), range(300, 3700), range(3700, 3800)):
+        ids = [t % 2000 for t in piece]
+        _within_twice_eager(*(e.prefill(s, ids) for e, s in zip(engines, states, strict=True)))
+    for tok in range(50, 70):
+        _within_twice_eager(*(e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)))
+    assert engines[0].prefill_graphs.enabled and engines[0].decode_graph.enabled
