@@ -164,3 +164,11 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     from agentrt.models.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny-qwen3") / "model", "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    """`tiny-gpt-oss` (sinks, sliding window, biased clamped experts) with the tiny tokenizer."""
+    from agentrt.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny-gpt-oss") / "model", "tiny-gpt-oss")

@@ -1,6 +1,7 @@
 """gpt-oss beyond the shared parity tests (`test_parity.py`): MXFP4 weights against transformers'
 own dequantizer, an MXFP4 checkpoint against the oracle given the same dequantized experts, the
-real model's config.json, and what is refused."""
+real model's config.json. Offloaded gpt-oss experts: `test_offload.py`,
+`test_prefill_offload.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from util import open_engine, random_ids
 
-from agentrt.errors import UnsupportedArchitectureError
 from agentrt.models import mxfp4
 from agentrt.models.config import ModelConfig
 
@@ -167,10 +167,3 @@ def test_yarn_frequencies_match_transformers():
         pairs = {k: float(v) for k, v in scaling.items() if k not in ("rope_type", "rope_theta")}
         got, factor = rope_frequencies(64, 150000.0, pairs)
         assert torch.allclose(got, want, rtol=1e-6) and factor == pytest.approx(want_factor)
-
-
-def test_offloading_gpt_oss_experts_is_refused_clearly(hf_gpt_oss):
-    from agentrt import Runtime
-
-    with pytest.raises(UnsupportedArchitectureError, match="offload none"):
-        Runtime.open(model=str(hf_gpt_oss), device="cpu", offload="static", expert_cache_slots=4)

@@ -424,11 +424,13 @@ OFFLOAD_GPU = {
 }
 
 
+@pytest.mark.parametrize("model", ["tiny", "synthetic:tiny-gpt-oss"])
 @pytest.mark.parametrize("name", sorted(OFFLOAD_GPU))
-def test_offloaded_decode_on_cuda_matches_resident(name):
+def test_offloaded_decode_on_cuda_matches_resident(name, model):
     """Offloaded prefill (eager) and decode (graph pieces cut at every offloaded layer: copies into
-    victim slots, CPU experts, whole CPU layers) match the resident model. fp32, so that a wrong
-    expert or a stale buffer cannot hide in bf16 rounding noise."""
+    victim slots, CPU experts, whole CPU layers) match the resident model, also with gpt-oss's
+    expert biases and clamped SwiGLU. fp32, so that a wrong expert or a stale buffer cannot hide
+    in bf16 rounding noise."""
     from agentrt import Runtime
     from agentrt.offload.config import OffloadConfig
 
@@ -436,10 +438,10 @@ def test_offloaded_decode_on_cuda_matches_resident(name):
     # torch's linear attention on both sides: layers on the CPU run it, and fla's Triton kernels
     # compute fp32 products in tf32 (differences of ~0.1 in logits after two layers)
     opts = dict(device="cuda", dtype="float32", cache="off", linear_attn="torch")
-    resident = Runtime.open("tiny", eager=True, **opts)
+    resident = Runtime.open(model, eager=True, **opts)
     want = resident.engine.prefill(resident.engine.new_state(), ids, all_logits=True)
     config = OffloadConfig(copy_bandwidth=1.0, cpu_bandwidth=1.0, **OFFLOAD_GPU[name])
-    rt = Runtime.open("tiny", offload=config, **opts)
+    rt = Runtime.open(model, offload=config, **opts)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-3
     state_a, state_b = resident.engine.new_state(), rt.engine.new_state()

@@ -20,9 +20,12 @@ from agentrt.offload.store import ExpertStore
 PROMPT = "The quick brown fox reads main.py and runs the tests again. " * 12
 
 
-@pytest.fixture(scope="module", params=["tiny", "attention-only"])
-def model_spec(request, tiny_qwen3):
-    return "tiny" if request.param == "tiny" else str(tiny_qwen3)
+@pytest.fixture(scope="module", params=["tiny", "attention-only", "gpt-oss"])
+def model_spec(request, tiny_qwen3, tiny_gpt_oss):
+    """The hybrid tiny model, an attention-only one, and gpt-oss (expert biases, the clamped
+    SwiGLU: the native CPU kernel does not take them, torch's kernels do)."""
+    specs = {"tiny": "tiny", "attention-only": tiny_qwen3, "gpt-oss": tiny_gpt_oss}
+    return str(specs[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -412,19 +415,28 @@ def test_measured_bandwidths_keep_probing_the_cpu_side():
     assert runs[False] == 0 and 1 <= runs[True] <= 4
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_graph_host_step_fills_what_the_next_piece_needs(split):
+@pytest.mark.parametrize("split,biased", [(True, False), (False, False), (True, True)])
+def test_graph_host_step_fills_what_the_next_piece_needs(split, biased):
     """The host step between captured decode pieces (run here on CPU slots): slot indices and
     weights for the experts on the device plus the CPU experts' weighted sum give exactly the
-    token's weighted expert sum, step after step, with the cache consistent throughout."""
-    from agentrt.models.moe import expert_ffn
+    token's weighted expert sum, step after step, with the cache consistent throughout (also
+    for experts with biases and gpt-oss's clamped SwiGLU)."""
+    from agentrt.models.moe import PLAIN, SwiGLU, expert_ffn
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
     from agentrt.offload.host_step import LayerIO
 
     torch.manual_seed(0)
-    store = _store(layers=2, experts=8)
+    act = SwiGLU(7.0, 1.702) if biased else PLAIN
+    store = ExpertStore(range(2), 8, 4, 2, torch.float32, pin=False, bias=biased, act=act)
     for layer in store.layers:
         store.flat[layer].normal_()
+        for bias in store.bias[layer] if biased else ():
+            bias.normal_()
+
+    def ffn(x, gate_up, down, layer, expert):
+        bias = store.expert_biases(layer, expert, "cpu")
+        return expert_ffn(x, gate_up, down, *bias, act=store.act)[0]
+
     cache = ExpertCache(store, 5, "cpu", "lru")
     experts = OffloadedExperts(store, cache, Bandwidths(copy=1.0, cpu=1.0), split=split)
     io = LayerIO(top_k=4, hidden=4, dtype=torch.float32, device="cpu")
@@ -437,11 +449,11 @@ def test_graph_host_step_fills_what_the_next_piece_needs(split):
         io.x_h.copy_(x[0])
         experts._host_step(layer, io)
         on_device = sum(
-            io.gw_h[j] * expert_ffn(x, cache.gate_up(int(s)), cache.down(int(s)))[0]
+            io.gw_h[j] * ffn(x, cache.gate_up(int(s)), cache.down(int(s)), layer, ids[j])
             for j, s in enumerate(io.slot_h.tolist())
         )
         gate_up, down = store.gate_up(layer), store.down(layer)
-        dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
+        dense = sum(w[j] * ffn(x, gate_up[e], down[e], layer, e) for j, e in enumerate(ids))
         torch.testing.assert_close(on_device + io.cpu_h, dense)
         cache.check()
     stats = [cache.stats[layer] for layer in store.layers]

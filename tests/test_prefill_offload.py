@@ -120,6 +120,22 @@ def test_every_plan_equals_the_dense_model(dense, plan, split):
     rt.engine.offload.cache.check()
 
 
+@pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "auto"])
+def test_every_plan_equals_the_dense_model_with_expert_biases(tiny_gpt_oss, plan):
+    """gpt-oss experts (biases, the clamped SwiGLU) through each plan: the staged parts'
+    grouped GEMMs, the CPU experts (torch's kernels) and the combine equal the dense model."""
+    spec = str(tiny_gpt_oss)
+    dense = Runtime.open(spec, cache="off", prefill_chunk=48)
+    ids = dense.tokenizer.encode(PROMPT)
+    want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
+    rt = Runtime.open(spec, cache="off", prefill_chunk=48, offload=_config(plan))
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    totals = rt.engine.offload.prefill.totals
+    assert totals.layers > 0 and (totals.cpu > 0) == (plan != "stream")
+    rt.engine.offload.cache.check()
+
+
 def test_fills_left_by_a_pass_that_stopped_are_dropped():
     """A forward pass that stops after a layer (an error, a cancel) leaves the next layer's
     fills queued; the next pass starts from its first layer and must not consume them."""

@@ -103,14 +103,7 @@ def load_offloadable(spec: str, device: str, dtype: str, seed: int):
     """The model with its routed experts in one host store (pinned on CUDA), the store, and
     the model's config."""
     cfg = config_of(spec)
-    store = ExpertStore(
-        cfg.moe_layers,
-        cfg.num_experts,
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        torch_dtype(dtype),
-        pin=device.startswith("cuda"),
-    )
+    store = ExpertStore.for_config(cfg, torch_dtype(dtype), pin=device.startswith("cuda"))
     model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
     return model, store, cfg
 

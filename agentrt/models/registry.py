@@ -15,7 +15,7 @@ from agentrt.errors import ModelNotFoundError
 from agentrt.models.layers import CausalLM
 
 SYNTHETIC_PREFIX = "synthetic:"
-_TINY_SIZES = ("tiny", "tiny-qwen3-moe")
+_TINY_SIZES = ("tiny", "tiny-qwen3-moe", "tiny-gpt-oss")  # (the tiny tokenizer fits them)
 
 
 @dataclass

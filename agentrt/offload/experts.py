@@ -46,7 +46,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from agentrt.models.moe import ExpertBackend, expert_ffn
 from agentrt.offload.copies import CudaCalls
@@ -102,6 +101,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
         self.device = cache.device
+        for layer in store.layers if store.bias is not None else ():
+            store.biases(layer, self.device)  # (on the device before any decode graph's capture)
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         sample = store.expert_views(store.layers[0])[0][0] if store.layers else None
@@ -125,8 +126,9 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._host_start: tuple[int, float] | None = None  # (layer, time) of the last one
         self._copies_done_at = 0.0  # when the copy engine runs dry (host clock, a model)
         self._token_stream: torch.cuda.Stream | None = None
-        # a decode token's CPU experts through the native bf16 kernel (None: torch's kernels)
-        self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 else None
+        # a decode token's CPU experts through the native bf16 kernel (None: torch's kernels;
+        # it computes bias-free SwiGLU experts only)
+        self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 and store.plain else None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}
@@ -329,7 +331,13 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             rows = pairs[expert]
             slot = self.cache.lookup(layer, expert)
             idx = torch.tensor(rows, device=x.device) // top_k
-            out[rows] = expert_ffn(x[idx], self.cache.gate_up(slot), self.cache.down(slot))
+            out[rows] = expert_ffn(
+                x[idx],
+                self.cache.gate_up(slot),
+                self.cache.down(slot),
+                *self.store.expert_biases(layer, expert, x.device),
+                act=self.store.act,
+            )
 
     def _cpu_inputs(self, x, pairs, experts, top_k) -> tuple[list[int], torch.Tensor | None]:
         """The rows the CPU experts compute, and their hidden states on the host."""
@@ -359,9 +367,13 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
                     out[begin] = result
                     begin = end
                     continue
-                h = F.linear(x_host[begin:end], gate_up[expert])
-                gate, up = h.chunk(2, dim=-1)
-                out[begin:end] = F.linear(F.silu(gate) * up, down[expert])
+                out[begin:end] = expert_ffn(
+                    x_host[begin:end],
+                    gate_up[expert],
+                    down[expert],
+                    *self.store.expert_biases(layer, expert, "cpu"),
+                    act=self.store.act,
+                )
                 begin = end
         if observe:
             self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)

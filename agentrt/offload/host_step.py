@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from agentrt.models.moe import expert_ffn
 
@@ -35,8 +34,13 @@ class CapturedDecode:
         gate_up = w[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = w[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
         xs = x.expand(w.shape[0], -1).unsqueeze(1)  # [k, 1, H]
-        gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        ys = torch.bmm(F.silu(gate) * up, down.transpose(1, 2)).squeeze(1)  # [k, H]
+        h = torch.bmm(xs, gate_up.transpose(1, 2))  # [k, 1, 2I]
+        biases = s.biases(layer, x.device)
+        if biases is not None:  # (rows in routed order: the token's ids index the biases)
+            h = h + biases[0].index_select(0, ids[0]).unsqueeze(1)
+        ys = torch.bmm(s.act(h), down.transpose(1, 2)).squeeze(1)  # [k, H]
+        if biases is not None:
+            ys = ys + biases[1].index_select(0, ids[0])
         # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
         gw = io.gw_d.unsqueeze(1)
         out = torch.where(gw != 0, ys.float() * gw, 0.0).sum(0) + io.cpu_d
@@ -135,7 +139,9 @@ class CapturedDecode:
         weight = dict(zip(ids, w, strict=True))
         with torch.inference_mode():
             for i, expert in enumerate(cpu):
-                y = expert_ffn(x, gate_up[expert], down[expert])[0].float()
+                bias = self.store.expert_biases(layer, expert, "cpu")
+                y = expert_ffn(x, gate_up[expert], down[expert], *bias, act=self.store.act)
+                y = y[0].float()
                 if i == 0:
                     torch.mul(y, weight[expert], out=acc)
                 else:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from agentrt.models.moe import PLAIN
+
 
 @dataclass
 class Sorted:
@@ -18,14 +20,18 @@ class Sorted:
     out: torch.Tensor  # [Tk, H] their weighted outputs
 
 
-def looped_ffn(x, gate_up, down, rows: list[int], scale) -> torch.Tensor:
-    """Reference path: each expert over its rows."""
+def looped_ffn(x, gate_up, down, rows: list[int], scale, biases=None, act=PLAIN) -> torch.Tensor:
+    """Reference path: each expert over its rows (`biases`: the experts' (gate_up `[n, 2I]`,
+    down `[n, H]`) biases, in the same order, or None)."""
     out, begin = torch.empty_like(x), 0
     for i, count in enumerate(rows):
         end = begin + count
         if count:
-            gate, up = F.linear(x[begin:end], gate_up[i]).chunk(2, dim=-1)
-            out[begin:end] = F.linear(F.silu(gate) * up * scale[begin:end], down[i])
+            up_bias = biases[0][i] if biases is not None else None
+            h = act(F.linear(x[begin:end], gate_up[i], up_bias)) * scale[begin:end]
+            out[begin:end] = F.linear(h, down[i])
+            if biases is not None:
+                out[begin:end] += scale[begin:end] * biases[1][i]
         begin = end
     return out
 

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
+from agentrt.models.moe import PLAIN, RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
 from agentrt.offload.pairs import Sorted, bincount, looped_ffn
 from agentrt.offload.planner import (
@@ -201,7 +201,10 @@ class PrefillStreamer:
         down = block[:, 2 * s.inter * s.hidden :].view(num, s.hidden, s.inter)
         self.cache.stats[layer].hits += num
         self.last_plan = LayerPlan("resident", ())
-        return RoutedExperts({layer: gate_up}, {layer: down})(layer, x, ids, weights)
+        bias = s.biases(layer, x.device)
+        up_bias, down_bias = ({layer: bias[0]}, {layer: bias[1]}) if bias else (None, None)
+        resident = RoutedExperts({layer: gate_up}, {layer: down}, up_bias, down_bias, act=s.act)
+        return resident(layer, x, ids, weights)
 
     def _mark(self):
         """An event on the current stream (a host time off CUDA)."""
@@ -345,7 +348,7 @@ class PrefillStreamer:
         self._admit_free(fill, buf)
         end = begin + sum(rows)
         if end > begin:
-            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows, offs)
+            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows, offs, fill)
         self.ring.release(fill)
         return end
 
@@ -384,28 +387,45 @@ class PrefillStreamer:
             cache.slot_rows[slot].copy_(buf[pos])
             self.totals.admitted += 1
 
-    def _grouped_ffn(self, weights, ys: Sorted, begin: int, end: int, rows, offs) -> None:
-        """The part's experts over sorted rows [begin, end): gate/up, SwiGLU scaled by the
-        routing weights, down (one grouped GEMM each, or a loop where torch has none)."""
+    def _grouped_ffn(self, weights, ys: Sorted, begin: int, end: int, rows, offs, fill) -> None:
+        """The part's experts over sorted rows [begin, end): gate/up (+ biases), the
+        activation scaled by the routing weights, down (+ biases, scaled) (one grouped GEMM
+        each, or a loop where torch has none)."""
         s, x = self.store, ys.x_sorted[begin:end]
         gate_up = weights[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = weights[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
         scale = ys.scale[begin:end].unsqueeze(1)
+        biases = self._part_biases(fill, x.device)
         if self._grouped is not None:
             try:
-                ys.out[begin:end] = self._grouped_parts(x, gate_up, down, offs, scale)
+                ys.out[begin:end] = self._grouped_parts(x, gate_up, down, offs, scale, biases, rows)
                 return
             except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)
                 self._grouped = None
-        ys.out[begin:end] = looped_ffn(x, gate_up, down, rows, scale)
+        ys.out[begin:end] = looped_ffn(x, gate_up, down, rows, scale, biases, s.act)
 
-    def _grouped_parts(self, x, gate_up, down, offs: torch.Tensor, scale) -> torch.Tensor:
+    def _part_biases(self, fill, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The biases of a part's experts, in the part's order (None: experts without)."""
+        both = self.store.biases(fill.layer, device)
+        if both is None:
+            return None
+        index = torch.tensor(fill.experts, device=device)
+        return both[0].index_select(0, index), both[1].index_select(0, index)
+
+    def _grouped_parts(
+        self, x, gate_up, down, offs: torch.Tensor, scale, biases=None, rows=()
+    ) -> torch.Tensor:
         """Two grouped GEMMs (gate/up, then down) over rows sorted by expert (`offs`: their
-        cumulative rows)."""
+        cumulative rows; `biases` of the experts, repeated over their `rows`)."""
         h = self._grouped(x, gate_up.transpose(1, 2), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate).mul_(up).mul_(scale)
-        return self._grouped(act, down.transpose(1, 2), offs=offs)
+        if biases is None:
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up) if self.store.act == PLAIN else self.store.act(h)
+            return self._grouped(act.mul_(scale), down.transpose(1, 2), offs=offs)
+        counts = torch.tensor(rows, device=x.device)
+        up_bias, down_bias = (b.repeat_interleave(counts, dim=0) for b in biases)
+        act = self.store.act(h + up_bias).mul_(scale)
+        return self._grouped(act, down.transpose(1, 2), offs=offs) + down_bias * scale
 
     # ------------------------------------------------------------------ layout and CPU side
 

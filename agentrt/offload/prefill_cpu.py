@@ -27,6 +27,7 @@ def cpu_order(experts, counts: list[int]) -> list[int]:
 def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out):
     """`out[rows]` = weighted outputs of `experts` (of `layer`, in `cpu_order`) over their rows
     of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's)."""
+    kernel = kernel if store.plain else None  # (it computes bias-free SwiGLU experts only)
     native = [e for e in experts if kernel is not None and counts[e] <= NATIVE_MAX_ROWS]
     split = sum(counts[e] for e in native)
     if native:
@@ -49,7 +50,10 @@ def _torch_rows(store, layer, experts, counts, x, scale, out) -> None:
     begin = 0
     for expert in experts:
         end = begin + counts[expert]
-        gate, up = F.linear(x[begin:end], gate_up[expert]).chunk(2, dim=-1)
-        act = F.silu(gate) * up * scale[begin:end].unsqueeze(1)
-        out[begin:end] = F.linear(act, down[expert])
+        bias = store.expert_biases(layer, expert, "cpu")
+        weight = scale[begin:end].unsqueeze(1)
+        act = store.act(F.linear(x[begin:end], gate_up[expert], bias[0] if bias else None))
+        out[begin:end] = F.linear(act * weight, down[expert])
+        if bias:
+            out[begin:end] += weight * bias[1]
         begin = end

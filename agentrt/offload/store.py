@@ -1,6 +1,8 @@
 """`ExpertStore`: every routed expert in host memory, one contiguous block per expert
 (gate_up rows, then down), so that one expert is one copy. Pinned when the host allows it;
-otherwise pageable, with a warning."""
+otherwise pageable, with a warning. Experts with biases (gpt-oss) keep them beside the blocks,
+per layer (a few MB: they live on every device that computes experts, `biases`), and the
+store names the experts' activation (`act`)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,39 @@ import time
 
 import torch
 
-from agentrt.models.moe import RoutedExperts
+from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
 
 
 class ExpertStore:
     """`flat[layer]` is `[E, 3*I*H]`; `gate_up(layer)` / `down(layer)` are views of it."""
 
     def __init__(
-        self, layers, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, pin: bool
+        self,
+        layers,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        pin: bool,
+        bias: bool = False,
+        act: SwiGLU = PLAIN,
     ) -> None:
         self.hidden, self.inter, self.num_experts, self.dtype = hidden, inter, num_experts, dtype
         self.pinned = pin
+        self.act = act
         self.flat: dict[int, torch.Tensor] = {}
+        # layer -> (gate_up bias [E, 2I], down bias [E, H]) on the host, and their copies on
+        # other devices
+        self.bias: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        if bias:
+            self.bias = {
+                layer: (
+                    torch.zeros(num_experts, 2 * inter, dtype=dtype),
+                    torch.zeros(num_experts, hidden, dtype=dtype),
+                )
+                for layer in layers
+            }
+        self._bias_on: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # per-expert views, built once per layer (indexing per use costs more on the host than
         # launching the copy or kernel that uses the view)
         self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
@@ -42,9 +65,47 @@ class ExpertStore:
                 return out
         return torch.empty(shape, dtype=dtype)
 
+    @classmethod
+    def for_config(cls, cfg, dtype: torch.dtype, pin: bool) -> ExpertStore:
+        """An empty store for the routed experts of a model of `ModelConfig` `cfg`."""
+        from agentrt.models import expert_activation
+
+        return cls(
+            cfg.moe_layers,
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            dtype,
+            pin,
+            bias=cfg.expert_bias,
+            act=expert_activation(cfg),
+        )
+
     @property
     def layers(self) -> list[int]:
         return sorted(self.flat)
+
+    @property
+    def plain(self) -> bool:
+        """Bias-free SwiGLU experts (what the native CPU kernel computes)."""
+        return self.bias is None and self.act == PLAIN
+
+    def biases(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`layer`'s (gate_up, down) biases on `device` (copied there once), or None."""
+        if self.bias is None:
+            return None
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.bias[layer]
+        key = (str(device), layer)
+        if key not in self._bias_on:
+            self._bias_on[key] = tuple(b.to(device) for b in self.bias[layer])
+        return self._bias_on[key]
+
+    def expert_biases(self, layer: int, expert: int, device) -> tuple:
+        """One expert's (gate_up, down) biases on `device`, or () without biases."""
+        both = self.biases(layer, device)
+        return () if both is None else (both[0][expert], both[1][expert])
 
     @property
     def expert_numel(self) -> int:
@@ -76,16 +137,34 @@ class ExpertStore:
     def as_routed(self) -> RoutedExperts:
         """Views shaped like `RoutedExperts` (the loader fills the store through them)."""
         gate_up = {layer: self.gate_up(layer) for layer in self.layers}
-        return RoutedExperts(gate_up, {layer: self.down(layer) for layer in self.layers})
+        down = {layer: self.down(layer) for layer in self.layers}
+        if self.bias is None:
+            return RoutedExperts(gate_up, down, act=self.act)
+        up_bias = {layer: pair[0] for layer, pair in self.bias.items()}
+        down_bias = {layer: pair[1] for layer, pair in self.bias.items()}
+        return RoutedExperts(gate_up, down, up_bias, down_bias, act=self.act)
 
     @classmethod
     def from_routed(cls, routed: RoutedExperts, pin: bool) -> ExpertStore:
         first = next(iter(routed.gate_up.values()))
         num_experts, two_inter, hidden = first.shape
-        store = cls(sorted(routed.gate_up), num_experts, hidden, two_inter // 2, first.dtype, pin)
+        biased = routed.gate_up_bias is not None
+        store = cls(
+            sorted(routed.gate_up),
+            num_experts,
+            hidden,
+            two_inter // 2,
+            first.dtype,
+            pin,
+            bias=biased,
+            act=routed.act,
+        )
         for layer in store.layers:
             store.gate_up(layer).copy_(routed.gate_up[layer])
             store.down(layer).copy_(routed.down[layer])
+            if biased:
+                store.bias[layer][0].copy_(routed.gate_up_bias[layer])
+                store.bias[layer][1].copy_(routed.down_bias[layer])
         return store
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrt.engine.config import EngineConfig
-from agentrt.errors import InvalidArgumentError, UnsupportedArchitectureError
+from agentrt.errors import InvalidArgumentError
 from agentrt.offload.config import OffloadConfig, offload_mode, parse_bytes
 from agentrt.statecache.config import StateCacheConfig
 
@@ -74,16 +74,7 @@ def expert_store(spec: str, device: str, dtype):
     from agentrt.models.registry import config_of
     from agentrt.offload.store import ExpertStore
 
-    cfg = config_of(spec)
-    if not cfg.plain_experts:
-        raise UnsupportedArchitectureError(
-            f"offloading {cfg.arch} experts (biases, clamped SwiGLU) is not supported yet: "
-            "run this model with its experts on the device (--offload none, no --vram-budget)"
-        )
-    pin = device.startswith("cuda")
-    return ExpertStore(
-        cfg.moe_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, pin
-    )
+    return ExpertStore.for_config(config_of(spec), dtype, device.startswith("cuda"))
 
 
 def check_cache(cache: str) -> None:
