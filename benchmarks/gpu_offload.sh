@@ -8,14 +8,17 @@
 # .tok/), then run with carry .whl .tok. Writes into $OUT: summary.log (tests, costs, bw, the
 # tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 / NOSPIN=0 skip the
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
-# PROBES=0 skips host_step_costs.py and bench_cpu_kernel.py;
+# PROBES=0 skips host_step_costs.py and bench_cpu_kernel.py; MODEL and TOK pick another model
+# and tokenizer directory (e.g. MODEL=synthetic:gpt-oss-20b TOK=.tok/gpt-oss, after
+# `cp -r ../shared/data/tokenizers/gpt-oss .tok/`);
 # OFFLOADS, POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) shape the decode benchmark, and
 # CPU_KERNEL (a comma list of torch, native and native-nopool: AGENTRT_CPU_POOL=0) runs it once
 # per kernel, in that order; LIMIT
 # (seconds, default 580) caps the whole script: a decode run that would pass it is cut short.
 set -u
 source "$(dirname "$0")/device_env.sh"
-M=synthetic:qwen3.5-35b-a3b
+M=${MODEL:-synthetic:qwen3.5-35b-a3b}
+TOK=${TOK:-.tok/qwen3}
 LOG="$OUT/summary.log"
 LIMIT=${LIMIT:-580}
 left() { local n=$((LIMIT - SECONDS)); echo $((n > 1 ? n : 1)); }
@@ -38,7 +41,7 @@ for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
   timeout "$(left)" python3 -m agentrt.cli bench decode --model $M --device cuda \
     --vram-budget 16GiB --offload "${OFFLOADS:-none,auto,static,layer}" --split on,off \
     --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
-    --cpu-kernel "${K%-nopool}" --tokenizer .tok/qwen3 --prompt-len 256 --tokens "${TOKENS:-64}" \
+    --cpu-kernel "${K%-nopool}" --tokenizer "$TOK" --prompt-len 256 --tokens "${TOKENS:-64}" \
     --json "$OUT/decode_offload_$K.json" --py-profile "$OUT/py_profile_$K.txt" \
     2>&1 | grep -v '^ \|^{\|^}' | tee -a "$LOG" | tail -24
 done
@@ -47,7 +50,7 @@ done
 if [ "${NOSPIN:-0}" = 1 ]; then
   AGENTRT_OMP_SPIN=0 timeout "$(left)" python3 -m agentrt.cli bench decode --model $M \
     --device cuda --vram-budget 16GiB --offload auto --split on,off --expert-policy lru \
-    --tokenizer .tok/qwen3 --prompt-len 256 --tokens 48 2>&1 | grep -v '^ \|^{\|^}' \
+    --tokenizer "$TOK" --prompt-len 256 --tokens 48 2>&1 | grep -v '^ \|^{\|^}' \
     | tee -a "$LOG" | tail -6
 fi
 echo "done at ${SECONDS} s" | tee -a "$LOG"

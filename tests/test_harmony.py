@@ -100,6 +100,24 @@ def test_several_calls_in_one_message_render_one_call_per_message():
     assert [m["tool_calls"][0]["id"] for m in out if m["role"] == "assistant"] == ["c0", "c1"]
 
 
+def test_nothing_is_dropped_that_the_template_would_drop_or_refuse():
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+    msgs = [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "go"},
+        {"role": "system", "content": "a reminder"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "reasoning_content": "Hm.",
+            "tool_calls": [call],
+        },
+    ]
+    out = template_messages(msgs)
+    assert [m["role"] for m in out] == ["system", "user", "user", "assistant"]
+    assert out[3]["thinking"] == "Hm.\n\nLet me look." and out[3]["content"] == ""
+
+
 @needs_tokenizer
 def test_rendering_with_the_real_template_fixes_the_date():
     from transformers import AutoTokenizer

@@ -123,7 +123,8 @@ def install(
     """Build the cache and `OffloadedExperts` for `config.mode` and swap them into the model
     (`layer` mode also moves its CPU layers into `HostLayer`s)."""
     device = torch.device(device)
-    kernel = kernel_for(config.cpu_kernel, store.dtype)
+    # (the native kernel computes plain SwiGLU experts only: others run through torch's)
+    kernel = kernel_for(config.cpu_kernel, store.dtype) if store.plain else None
     if config.mode == "auto":
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
         bw = bandwidths(store, device, config, recalibrate, kernel)

@@ -41,16 +41,25 @@ def is_harmony(tokenizer) -> bool:
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-shaped messages as the gpt-oss template reads them: `reasoning_content` as
-    `thinking`, and an assistant message with several tool calls split into one message per
-    call, each followed by its result where the results follow in order (the template renders
-    only an assistant message's first call and names a result after the last call)."""
+    """OpenAI-shaped messages as the gpt-oss template reads them, nothing dropped that it would
+    drop or refuse: `reasoning_content` as `thinking`; an assistant message with tool calls,
+    reasoning and content gets its content appended to the reasoning (the template refuses both,
+    and renders the content of such a message as reasoning anyway); a system message after the
+    first as a user message (the template renders only the first); an assistant message with
+    several tool calls split into one message per call, each followed by its result where the
+    results follow in order (the template renders only an assistant message's first call and
+    names a result after the last call)."""
     out: list[dict[str, Any]] = []
     i = 0
     while i < len(messages):
         msg = copy.deepcopy(messages[i])
+        if msg["role"] == "system" and i > 0:
+            msg["role"] = "user"
         if msg["role"] == "assistant" and msg.get("reasoning_content"):
             msg["thinking"] = msg.pop("reasoning_content")
+            if msg.get("tool_calls") and msg.get("content"):
+                msg["thinking"] += "\n\n" + msg["content"]
+                msg["content"] = ""
         calls = msg.get("tool_calls") or []
         results = messages[i + 1 : i + 1 + len(calls)]
         ids = [c.get("id") for c in calls]
