@@ -151,7 +151,14 @@ def test_rendering_with_the_real_template_fixes_the_date():
     assert "<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>" in text
     assert '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in text
     assert text.endswith("<|end|><|start|>assistant")
+    assert "Reasoning: medium\n" in text  # (the template's default)
     assert render(tok, msgs, TOOLS, today=datetime.date(2031, 5, 7)) != text
+    high = render(tok, msgs, TOOLS, today=datetime.date(2031, 5, 6), reasoning_effort="high")
+    assert "Reasoning: high\n" in high
+    from agentrt.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="reasoning_effort"):
+        render(tok, msgs, TOOLS, reasoning_effort="max")
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,8 @@ REFUSED = [
     json.dumps(_body(max_output_tokens=0)).encode(),
     json.dumps(_body(tools=R_TOOLS, tool_choice={"type": "function", "name": "nope"})).encode(),
     json.dumps(_body(tool_choice="required")).encode(),
+    json.dumps(_body(reasoning={"effort": "max"})).encode(),
+    json.dumps(_body(reasoning="high")).encode(),
 ]
 
 
@@ -131,6 +133,8 @@ def test_unsupported_and_malformed_requests_are_4xx_and_the_server_keeps_serving
         assert json.loads(raw)["error"]["message"], raw[:200]
     status, raw = server.raw("/v1/responses", json.dumps(_body()).encode(), headers=headers)
     assert status == 200 and json.loads(raw)["object"] == "response"
+    effort = json.dumps(_body(reasoning={"effort": "high"})).encode()
+    assert server.raw("/v1/responses", effort, headers=headers)[0] == 200
     status, _ = server.raw("/v1/responses", json.dumps(_body()).encode(), key="wrong")
     assert status == 401
 

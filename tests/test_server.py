@@ -210,6 +210,7 @@ MALFORMED = {
         ]
     ),
     "stop is a number": _chat_body(stop=7),
+    "reasoning_effort unknown": _chat_body(reasoning_effort="max"),
     "stream is a string": _chat_body(stream="yes"),
 }
 
@@ -237,6 +238,8 @@ def test_protocol_errors(server):
     assert server.raw("/v1/chat/completions", method="GET")[0] == 405
     assert server.raw("/v1/nothing", method="GET")[0] == 404
     status, _ = server.raw("/v1/chat/completions", _chat_body())
+    assert status == 200
+    status, _ = server.raw("/v1/chat/completions", _chat_body(reasoning_effort="low"))
     assert status == 200
 
 

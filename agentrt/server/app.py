@@ -244,7 +244,8 @@ class ChatServer:
     def _chat_request(self, body: bytes) -> tuple[Any, tuple, dict[str, Any]]:
         req = schema.decode(body)
         messages, tools = schema.to_plain(req)
-        return req, (messages, tools, req.tool_choice), self._kwargs(req)
+        plain = (messages, tools, req.tool_choice, req.reasoning_effort)
+        return req, plain, self._kwargs(req)
 
     async def chat_completions(self, request: Request) -> Response:
         admitted = await self.admit(request, self._chat_request)

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from agentrt.server.schema import NAME_RE, BadRequest, parse
+from agentrt.server.schema import NAME_RE, BadRequest, check_effort, parse
 
 
 class ResponsesRequest(msgspec.Struct):
@@ -118,8 +118,8 @@ def _check_tool_choice(choice, names: set[str]) -> None:
 # ----------------------------------------------------------------------------- translation
 
 
-def to_plain(req: ResponsesRequest) -> tuple[list[dict[str, Any]], Any, Any]:
-    """(messages, tools, tool_choice) in the chat-completions shapes `Runtime.prepare` takes."""
+def to_plain(req: ResponsesRequest) -> tuple[list[dict[str, Any]], Any, Any, str | None]:
+    """(messages, tools, tool_choice, reasoning effort) in the shapes `Runtime.prepare` takes."""
     tools = None
     if req.tools:
         tools = [
@@ -136,7 +136,18 @@ def to_plain(req: ResponsesRequest) -> tuple[list[dict[str, Any]], Any, Any]:
     choice = req.tool_choice
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    return to_messages(req), tools, choice
+    return to_messages(req), tools, choice, effort(req)
+
+
+def effort(req: ResponsesRequest) -> str | None:
+    """`reasoning.effort`, checked (low, medium or high; or none)."""
+    if req.reasoning is None:
+        return None
+    if not isinstance(req.reasoning, dict):
+        raise BadRequest("reasoning must be an object", "reasoning")
+    value = req.reasoning.get("effort")
+    check_effort(value, "reasoning.effort")
+    return value
 
 
 def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 import msgspec
 from starlette.responses import JSONResponse
 
+from agentrt.session.chat import REASONING_EFFORTS
+
 NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -85,6 +87,7 @@ class ChatRequest(msgspec.Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    reasoning_effort: str | None = None  # low | medium | high (templates that take it)
 
 
 _decoder = msgspec.json.Decoder(ChatRequest)
@@ -133,9 +136,16 @@ def check(req: ChatRequest) -> None:
     limit = max_tokens(req)
     if limit is not None and limit < 1:
         raise BadRequest("max_tokens must be at least 1", "max_tokens")
+    check_effort(req.reasoning_effort, "reasoning_effort")
     _check_messages(req.messages)
     names = _check_tools(req.tools or [])
     _check_tool_choice(req.tool_choice, names)
+
+
+def check_effort(effort: Any, param: str) -> None:
+    """A reasoning effort the chat templates take (or none)."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest(f"{param} must be one of {', '.join(REASONING_EFFORTS)}", param)
 
 
 def max_tokens(req: ChatRequest) -> int | None:

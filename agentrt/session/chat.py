@@ -21,6 +21,7 @@ from agentrt.errors import ChatTemplateError, InvalidArgumentError
 from agentrt.session.toolstream import LiveCall, new_call_id
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+REASONING_EFFORTS = ("low", "medium", "high")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -145,15 +146,24 @@ def render(
     tools: list[dict] | None,
     generation_prompt: bool = True,
     today: datetime.date | None = None,
+    reasoning_effort: str | None = None,
 ) -> str:
     """Render messages (+ tools) with the chat template (ending with the assistant header);
-    `today`: the date a template that prints the date (`strftime_now`) sees."""
+    `today`: the date a template that prints the date (`strftime_now`) sees;
+    `reasoning_effort`: low, medium or high, for templates that take it (gpt-oss's)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("the tokenizer has no chat template; pass chat_template=FILE")
     template = tokenizer.chat_template
-    extra = {}
+    extra: dict[str, Any] = {}
+    if reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORTS:
+            raise InvalidArgumentError(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                f"got {reasoning_effort!r}"
+            )
+        extra["reasoning_effort"] = reasoning_effort
     if today is not None and isinstance(template, str) and "strftime_now" in template:
-        extra = {"chat_template": dated_template(template, today)}
+        extra["chat_template"] = dated_template(template, today)
     try:
         text = tokenizer.apply_chat_template(
             messages,

@@ -218,19 +218,21 @@ class Runtime:
         messages: Sequence[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> PreparedChat:
         """Validate, render and tokenize a chat request (checks it fits the context); no model work.
 
         `tool_choice`: "auto" (default), "none" (tool-call markup is returned as content),
         "required" or {"type": "function", "function": {"name": N}} (the reply is started as a
-        tool call, for that tool when named)."""
+        tool call, for that tool when named). `reasoning_effort`: low, medium or high, for chat
+        templates that take it (gpt-oss's; others ignore it)."""
         started = time.perf_counter()
         tok = self._require_tokenizer()
         msgs = normalize_messages(messages)
         tools = _check_tools(tools)
         if self.harmony:
             msgs = template_messages(msgs)
-        prompt = render(tok, msgs, tools, today=self.today)
+        prompt = render(tok, msgs, tools, today=self.today, reasoning_effort=reasoning_effort)
         forced = harmony_forced(tool_choice) if self.harmony else forced_tool_text(tok, tool_choice)
         prompt_ids = self.generated.encode(prompt + forced)
         self.engine.check_fits(len(prompt_ids))
@@ -250,10 +252,11 @@ class Runtime:
         stream: bool = False,
         seed: int | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> ChatResult | Iterator[ChatEvent]:
         """One assistant turn for OpenAI-shaped `messages`; `stream=True` yields `ChatEvent`s.
-        See `prepare` for `tool_choice`."""
-        prepared = self.prepare(messages, tools, tool_choice)
+        See `prepare` for `tool_choice` and `reasoning_effort`."""
+        prepared = self.prepare(messages, tools, tool_choice, reasoning_effort)
         return self.chat_prepared(prepared, max_tokens, temperature, top_p, stop, stream, seed)
 
     def chat_prepared(
