@@ -444,12 +444,22 @@ def test_graph_kv_covers_the_context_when_it_fits():
 
 def test_cuda_defaults_turn_on_prefill_graphs_only_where_they_apply():
     """With nothing asked: CUDA with the experts on the GPU gets prefill graphs (and 2048-token
-    chunks); offloaded experts, --eager and the CPU do not get graphs; an explicit choice wins."""
-    from agentrt.session.options import RuntimeConfig, engine_config, offload_config
+    chunks); offloaded experts, --eager, the CPU and gpt-oss (whose static passes attend over
+    the whole KV capacity) do not get graphs; an explicit choice wins."""
+    from agentrt.session.options import (
+        RuntimeConfig,
+        engine_config,
+        offload_config,
+        static_prefill,
+    )
 
-    def config(device: str, **kw):
+    def config(device: str, static: bool = True, **kw):
         c = RuntimeConfig(**kw)
-        return engine_config(c, device, offload_config(c))
+        return engine_config(c, device, offload_config(c), static)
+
+    assert static_prefill("tiny") and not static_prefill("synthetic:tiny-gpt-oss")
+    assert not config("cuda", static=False).prefill_graphs
+    assert config("cuda", static=False, prefill_graphs=True).prefill_graphs
 
     resident = config("cuda")
     assert resident.prefill_graphs and resident.prefill_chunk == 2048

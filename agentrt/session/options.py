@@ -103,7 +103,10 @@ def offload_config(c: RuntimeConfig) -> OffloadConfig:
     )
 
 
-def engine_config(c: RuntimeConfig, device: str, placement: OffloadConfig) -> EngineConfig:
+def engine_config(
+    c: RuntimeConfig, device: str, placement: OffloadConfig, static_prefill: bool = True
+) -> EngineConfig:
+    """`static_prefill`: the model's static prefill passes are worth replaying by default."""
     return EngineConfig(
         device=device,
         dtype=c.dtype or EngineConfig.default_dtype(device),
@@ -111,8 +114,17 @@ def engine_config(c: RuntimeConfig, device: str, placement: OffloadConfig) -> En
         prefill_chunk=c.prefill_chunk
         or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
         cuda_graphs=not c.eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
-        prefill_graphs=prefill_graphs(c, device, placement),
+        prefill_graphs=prefill_graphs(c, device, placement)
+        and (c.prefill_graphs is not None or static_prefill),
     )
+
+
+def static_prefill(spec: str) -> bool:
+    """Whether prefill graphs pay for the model of `spec` (its model file's `PREFILL_GRAPHS`)."""
+    from agentrt.models.architectures import architecture
+    from agentrt.models.registry import config_of
+
+    return getattr(architecture(config_of(spec).arch), "PREFILL_GRAPHS", True)
 
 
 def prefill_graphs(c: RuntimeConfig, device: str, placement: OffloadConfig) -> bool:

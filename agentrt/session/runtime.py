@@ -39,6 +39,7 @@ from agentrt.session.options import (
     engine_config,
     expert_store,
     offload_config,
+    static_prefill,
 )
 from agentrt.session.tokens import GeneratedIds
 from agentrt.statecache.config import StateCacheConfig
@@ -136,8 +137,8 @@ class Runtime:
         check_cache(c.cache)
         device = check_device(c.device)
         placement = offload_config(c)
-        config = engine_config(c, device, placement)
         check_spec(model)
+        config = engine_config(c, device, placement, static_prefill(model))
         today = chat_date(c.chat_date) if c.chat_date is not None else None
         tok_dir = c.tokenizer or tokenizer_dir_of(model)
         if tok_dir is None and c.require_tokenizer:
