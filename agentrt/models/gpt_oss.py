@@ -75,15 +75,16 @@ def sink_attention(
     sinks: torch.Tensor,
     window: int,
     scale: float,
+    key_start: int = 0,
 ) -> torch.Tensor:
     """Causal attention with a sink logit per head: q `[H, T, D]` at positions `q_pos` `[T]`, k/v
-    `[Hkv, L, D]` at positions 0..L-1 (query head h reads kv head h // (H / Hkv)); a key is
-    seen when at or before the query and, with `window`, within its last `window` positions.
-    Scores and softmax in fp32, in steps of query rows."""
+    `[Hkv, L, D]` at positions key_start..key_start+L-1 (query head h reads kv head
+    h // (H / Hkv)); a key is seen when at or before the query and, with `window`, within its
+    last `window` positions. Scores and softmax in fp32, in steps of query rows."""
     heads, length, dim = q.shape
     kv_heads, keys = k.shape[0], k.shape[1]
     group = heads // kv_heads
-    key_pos = torch.arange(keys, device=q.device)
+    key_pos = torch.arange(key_start, key_start + keys, device=q.device)
     sink = sinks.float().view(kv_heads, group, 1, 1)
     step = max(1, SCORE_BYTES // (4 * heads * max(keys, 1)))
     out = torch.empty_like(q)
@@ -130,6 +131,7 @@ class SinkAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         steps = torch.arange(seq_len, device=x.device)
+        first = 0  # the position of the first key attended over
         if isinstance(start, (Span, torch.Tensor)):  # static pass: the whole buffers, masked
             begin = start.start if isinstance(start, Span) else start
             cache.write_at(begin, k.transpose(0, 1), v.transpose(0, 1))
@@ -137,8 +139,18 @@ class SinkAttention(nn.Module):
         else:
             k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
             q_pos = start + steps
+            if self.window:  # (only the keys some query of the pass can see)
+                first = max(0, start - self.window + 1)
+                k_all, v_all = k_all[:, first:], v_all[:, first:]
         out = sink_attention(
-            q.transpose(0, 1), k_all, v_all, q_pos, self.sinks, self.window, self.head_dim**-0.5
+            q.transpose(0, 1),
+            k_all,
+            v_all,
+            q_pos,
+            self.sinks,
+            self.window,
+            self.head_dim**-0.5,
+            first,
         )
         return self.o_proj(out.transpose(0, 1).reshape(seq_len, -1))
 
