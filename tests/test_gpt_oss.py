@@ -167,3 +167,21 @@ def test_yarn_frequencies_match_transformers():
         pairs = {k: float(v) for k, v in scaling.items() if k not in ("rope_type", "rope_theta")}
         got, factor = rope_frequencies(64, 150000.0, pairs)
         assert torch.allclose(got, want, rtol=1e-6) and factor == pytest.approx(want_factor)
+
+
+def test_a_sink_scales_plain_attention_by_the_sigmoid_of_logsumexp_minus_sink():
+    """The identity the CUDA fast path rests on (`flash_sink_attention`): attention with a sink
+    equals attention without it times sigmoid(logsumexp - sink), per head and query (here with
+    torch's CPU flash kernel, which also returns the logsumexp)."""
+    from agentrt.models.gpt_oss import sink_attention
+
+    gen = torch.Generator().manual_seed(7)
+    heads, length, dim = 4, 33, 16
+    q, k, v = (torch.randn(1, heads, length, dim, generator=gen) for _ in range(3))
+    sinks = torch.randn(heads, generator=gen)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, True, scale=dim**-0.5
+    )
+    got = out[0] * torch.sigmoid(lse[0] - sinks[:, None])[..., None]
+    want = sink_attention(q[0], k[0], v[0], torch.arange(length), sinks, 0, dim**-0.5)
+    assert (got - want).abs().max().item() < 1e-5

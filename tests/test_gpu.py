@@ -632,3 +632,30 @@ def test_gpt_oss_on_cuda_with_graphs_matches_fp32(tmp_path):
     for tok in range(50, 70):
         _within_twice_eager(*(e.decode_step(s, tok) for e, s in zip(engines, states, strict=True)))
     assert engines[0].prefill_graphs.enabled and engines[0].decode_graph.enabled
+
+
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("q_len", [1, 7, 300])
+def test_flash_sink_attention_matches_plain(q_len, window):
+    """gpt-oss's attention through flash attention (its logsumexp scaled for the sinks, the
+    window in the kernel) against the plain-torch reference, bf16, at an offset into the KV."""
+    from agentrt.models.gpt_oss import flash_sink_attention, flash_sinks_usable, sink_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(q_len + window)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    heads, kv_heads, dim, capacity, start = 8, 2, 64, 1024, 500
+    q, k, v, sinks = (
+        rand(heads, q_len, dim),
+        rand(kv_heads, capacity, dim),
+        rand(kv_heads, capacity, dim),
+        rand(heads),
+    )
+    assert flash_sinks_usable(q, k, window)
+    got = flash_sink_attention(q, k, v, start + q_len, sinks, window).float()
+    pos = start + torch.arange(q_len, device="cuda")
+    keys = slice(0, start + q_len)
+    want = sink_attention(q, k[:, keys], v[:, keys], pos, sinks, window, dim**-0.5).float()
+    assert (got - want).abs().max().item() < 2e-2

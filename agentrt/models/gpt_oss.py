@@ -10,6 +10,7 @@ mask), so the state cache handles them like full layers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,7 @@ from agentrt.models.layers import (
     MoEBlock,
     Position,
     Span,
+    _checked_once,
     first_position,
 )
 from agentrt.models.moe import RoutedExperts
@@ -106,6 +108,77 @@ def sink_attention(
     return out
 
 
+def flash_sink_attention(
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    used: int | torch.Tensor,
+    sinks: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """`sink_attention` on CUDA through flash attention's varlen kernel: q `[H, T, D]` at the
+    last T of the first `used` (an int, or a `[1]` device tensor) positions of `[Hkv, capacity,
+    D]` keys (only those read; the window, if any, in the kernel). A sink only adds exp(sink) to
+    each softmax denominator, so the output is flash attention's scaled by
+    sigmoid(logsumexp - sink)."""
+    heads, q_len, _ = q.shape
+    capacity = k_all.shape[1]
+    cu_q = torch.arange(0, 2 * q_len, q_len, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, 2 * capacity, capacity, dtype=torch.int32, device=q.device)
+    if isinstance(used, int):
+        used = torch.full((1,), used, dtype=torch.int32, device=q.device)
+    sliding = dict(window_size_left=window - 1, window_size_right=0) if window else {}
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q.transpose(0, 1),
+        k_all.transpose(0, 1),
+        v_all.transpose(0, 1),
+        cu_q,
+        cu_k,
+        q_len,
+        capacity,
+        0.0,
+        q_len > 1,
+        False,
+        seqused_k=used.to(torch.int32),
+        **sliding,
+    )[:2]
+    keep = torch.sigmoid(lse.view(heads, q_len) - sinks.float()[:, None])  # [H, T]
+    return (out.transpose(0, 1).float() * keep[..., None]).to(q.dtype)
+
+
+def flash_sinks_usable(q: torch.Tensor, k: torch.Tensor, window: int) -> bool:
+    """Whether `flash_sink_attention` runs and agrees with `sink_attention` for these shapes on
+    this device (checked once per shape family; a failure falls back to the plain path)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    key = (q.device, q.dtype, q.shape[0], k.shape[0], q.shape[-1], window)
+    return _checked_once(_probe_flash_sinks, *key)
+
+
+def _probe_flash_sinks(device, dtype, heads: int, kv_heads: int, dim: int, window: int) -> bool:
+    gen = torch.Generator(device=device).manual_seed(0)
+    capacity, start = 300, 211
+
+    def rand(*shape) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    k, v, sinks = rand(kv_heads, capacity, dim), rand(kv_heads, capacity, dim), rand(heads)
+    try:
+        for q_len in (1, 37):
+            q = rand(heads, q_len, dim)
+            used = torch.full((1,), start + q_len, dtype=torch.long, device=device)
+            got = flash_sink_attention(q, k, v, used, sinks, window).float()
+            pos = start + torch.arange(q_len, device=device)
+            keys = slice(0, start + q_len)
+            want = sink_attention(q, k[:, keys], v[:, keys], pos, sinks, window, dim**-0.5)
+            if not torch.allclose(got, want.float(), atol=2e-2, rtol=2e-2):
+                raise ValueError(f"differs by {(got - want.float()).abs().max():.3g}")
+    except Exception as exc:  # noqa: BLE001 - any failure: the plain path is always correct
+        print(f"agentrt: flash sink attention unusable ({exc}); using plain torch", file=sys.stderr)
+        return False
+    return True
+
+
 class SinkAttention(nn.Module):
     """gpt-oss attention: biased projections, YaRN rotary, sinks, an optional sliding window."""
 
@@ -130,29 +203,33 @@ class SinkAttention(nn.Module):
         v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        steps = torch.arange(seq_len, device=x.device)
-        first = 0  # the position of the first key attended over
+        q = q.transpose(0, 1)  # [H, T, D]
         if isinstance(start, (Span, torch.Tensor)):  # static pass: the whole buffers, masked
             begin = start.start if isinstance(start, Span) else start
             cache.write_at(begin, k.transpose(0, 1), v.transpose(0, 1))
-            k_all, v_all, q_pos = cache.k, cache.v, begin + steps
         else:
-            k_all, v_all = cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
-            q_pos = start + steps
-            if self.window:  # (only the keys some query of the pass can see)
-                first = max(0, start - self.window + 1)
-                k_all, v_all = k_all[:, first:], v_all[:, first:]
-        out = sink_attention(
-            q.transpose(0, 1),
-            k_all,
-            v_all,
-            q_pos,
-            self.sinks,
-            self.window,
-            self.head_dim**-0.5,
-            first,
-        )
+            begin = start
+            cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
+        if flash_sinks_usable(q, cache.k, self.window):  # (reads only the used keys)
+            used = begin + seq_len
+            out = flash_sink_attention(q, cache.k, cache.v, used, self.sinks, self.window)
+        else:
+            out = self._plain(q, cache, begin, seq_len)
         return self.o_proj(out.transpose(0, 1).reshape(seq_len, -1))
+
+    def _plain(self, q: torch.Tensor, cache: KVCache, begin, seq_len: int) -> torch.Tensor:
+        """`sink_attention` over the keys the pass can see: eagerly (an int `begin`) those
+        written, from the window's start on; in a static pass the whole buffers, masked."""
+        q_pos = begin + torch.arange(seq_len, device=q.device)
+        first, end = 0, cache.k.shape[1]
+        if not isinstance(begin, torch.Tensor):
+            end = begin + seq_len
+            first = max(0, begin - self.window + 1) if self.window else 0
+        keys = slice(first, end)
+        scale = self.head_dim**-0.5
+        return sink_attention(
+            q, cache.k[:, keys], cache.v[:, keys], q_pos, self.sinks, self.window, scale, first
+        )
 
 
 class TopKSoftmaxRouter(nn.Module):

@@ -1,7 +1,7 @@
 """A MoE layer's (token, expert) pairs laid out by expert for grouped GEMMs: the
-routing counted per expert without a device sync, the sorted inputs and outputs, the reference
-loop over experts (the inverse permutation is `models.moe.unsort`, shared with the resident
-path)."""
+routing counted per expert without a device sync, the sorted inputs and outputs, the grouped
+GEMMs over them and the reference loop over experts, with expert biases where a model has them
+(the inverse permutation is `models.moe.unsort`, shared with the resident path)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,30 @@ def looped_ffn(x, gate_up, down, rows: list[int], scale, biases=None, act=PLAIN)
                 out[begin:end] += scale[begin:end] * biases[1][i]
         begin = end
     return out
+
+
+def grouped_ffn(grouped, x, gate_up, down, offs, scale, act=PLAIN, biases=None, rows=()):
+    """Two grouped GEMMs (`grouped`: torch's) over rows sorted by expert (`offs`: their
+    cumulative rows): gate/up (+ the experts' `biases`, repeated over their `rows`), the
+    activation scaled by the routing weights, down (+ biases, scaled)."""
+    h = grouped(x, gate_up.transpose(1, 2), offs=offs)
+    if biases is None:
+        gate, up = h.chunk(2, dim=-1)
+        hidden = F.silu(gate).mul_(up) if act == PLAIN else act(h)
+        return grouped(hidden.mul_(scale), down.transpose(1, 2), offs=offs)
+    counts = torch.tensor(rows, device=x.device)
+    up_bias, down_bias = (b.repeat_interleave(counts, dim=0) for b in biases)
+    hidden = act(h + up_bias).mul_(scale)
+    return grouped(hidden, down.transpose(1, 2), offs=offs) + down_bias * scale
+
+
+def part_biases(store, layer: int, experts: list[int], device):
+    """The biases of `experts` of `layer` in that order, on `device` (None: no biases)."""
+    both = store.biases(layer, device)
+    if both is None:
+        return None
+    index = torch.tensor(experts, device=device)
+    return both[0].index_select(0, index), both[1].index_select(0, index)
 
 
 def bincount(ids: torch.Tensor, num: int) -> torch.Tensor:

@@ -27,9 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from agentrt.models.moe import PLAIN, RoutedExperts, _grouped_mm_fn, unsort
+from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
-from agentrt.offload.pairs import Sorted, bincount, looped_ffn
+from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
 from agentrt.offload.planner import (
     Costs,
     LayerPlan,
@@ -395,37 +395,15 @@ class PrefillStreamer:
         gate_up = weights[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = weights[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
         scale = ys.scale[begin:end].unsqueeze(1)
-        biases = self._part_biases(fill, x.device)
+        biases = part_biases(s, fill.layer, fill.experts, x.device)
         if self._grouped is not None:
             try:
-                ys.out[begin:end] = self._grouped_parts(x, gate_up, down, offs, scale, biases, rows)
+                parts = (self._grouped, x, gate_up, down, offs, scale, s.act, biases, rows)
+                ys.out[begin:end] = grouped_ffn(*parts)
                 return
             except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)
                 self._grouped = None
         ys.out[begin:end] = looped_ffn(x, gate_up, down, rows, scale, biases, s.act)
-
-    def _part_biases(self, fill, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The biases of a part's experts, in the part's order (None: experts without)."""
-        both = self.store.biases(fill.layer, device)
-        if both is None:
-            return None
-        index = torch.tensor(fill.experts, device=device)
-        return both[0].index_select(0, index), both[1].index_select(0, index)
-
-    def _grouped_parts(
-        self, x, gate_up, down, offs: torch.Tensor, scale, biases=None, rows=()
-    ) -> torch.Tensor:
-        """Two grouped GEMMs (gate/up, then down) over rows sorted by expert (`offs`: their
-        cumulative rows; `biases` of the experts, repeated over their `rows`)."""
-        h = self._grouped(x, gate_up.transpose(1, 2), offs=offs)
-        if biases is None:
-            gate, up = h.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up) if self.store.act == PLAIN else self.store.act(h)
-            return self._grouped(act.mul_(scale), down.transpose(1, 2), offs=offs)
-        counts = torch.tensor(rows, device=x.device)
-        up_bias, down_bias = (b.repeat_interleave(counts, dim=0) for b in biases)
-        act = self.store.act(h + up_bias).mul_(scale)
-        return self._grouped(act, down.transpose(1, 2), offs=offs) + down_bias * scale
 
     # ------------------------------------------------------------------ layout and CPU side
 
