@@ -43,8 +43,8 @@ DEFAULT_ROPE_PARAMETERS = {
     "truncate": False,
     "original_max_position_embeddings": 4096,
 }
-# prefill graphs are off by default: a static pass attends over the whole KV capacity, which the
-# plain-torch sink attention computes in full (no fused kernel that reads only the used KV yet)
+# prefill graphs are off by default (not measured yet; where the flash path is unusable, a static
+# pass's plain-torch attention computes over the whole KV capacity)
 PREFILL_GRAPHS = False
 SCORE_BYTES = 1 << 28  # attention scores held at once (fp32), bounding the query rows per step
 
