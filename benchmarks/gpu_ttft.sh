@@ -12,7 +12,7 @@ set -u
 if [ "${1:-}" = prepare ]; then
   S=../shared/data
   mkdir -p .tok .traces-dev
-  cp -r $S/tokenizers/qwen3 $S/tokenizers/gpt-oss .tok/
+  cp -r $S/tokenizers/qwen3 .tok/
   agentrt trace import --format mini-swe-agent $S/traces-dev/mini-swe-agent -o .traces-dev/msa --zst
   agentrt trace import --format tau-bench $S/traces-dev/tau-bench/gpt-4o-airline.json -o .traces-dev/tau --limit 3 --zst
   exit 0
