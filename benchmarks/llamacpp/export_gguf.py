@@ -1,0 +1,157 @@
+"""Write a synthetic agentrt model as a GGUF file for llama.cpp, straight from the seeded
+generator behind `agentrt model make` / `synthetic:NAME` (the same values as a written checkpoint
+and as an in-memory build on the CPU), one tensor at a time: nothing is written twice, so a 65 GB
+model fits in /dev/shm.
+
+llama.cpp's own converter does the naming, the per-architecture tensor changes and the metadata
+(vocabulary included): the tool loads it from a llama.cpp source tree (`--llama-cpp DIR`, with
+its `conversion/` package and `gguf-py/`) and feeds it lazy tensors, each generated when the
+writer reaches it. The converter's file reader (`ModelBase.index_tensors`) is swapped for the
+generator while it runs, so each architecture's own indexing still applies. The config.json and
+tokenizer files the converter reads go into a scratch directory.
+
+    python benchmarks/llamacpp/export_gguf.py --llama-cpp DIR --model synthetic:qwen3.5-35b-a3b \
+        --tokenizer .tok/qwen3 -o /dev/shm/q35.gguf [--outtype bf16|f32] [--seed 0]
+
+Prints a JSON line: the output file, its size, the tensors written, the seconds taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from agentrt.models import FP32_PARAMS, torch_dtype
+from agentrt.models.architectures import architecture
+from agentrt.models.config import ModelConfig
+from agentrt.models.synthetic import (
+    build_empty_meta,
+    checkpoint_tensor,
+    hf_config,
+    init_value,
+    named_tensors,
+    resolve_size,
+    router_skew,
+)
+
+OUTTYPES = {"bf16": "MOSTLY_BF16", "f32": "ALL_F32", "f16": "MOSTLY_F16"}
+
+
+def _converter(llama_cpp: Path):
+    """llama.cpp's converter modules, from its source tree."""
+    sys.path.insert(0, str(llama_cpp / "gguf-py"))
+    sys.path.insert(0, str(llama_cpp))
+    import gguf  # noqa: PLC0415 - from the tree just put on the path
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class  # noqa: PLC0415
+    from conversion.base import LazyTorchTensor  # noqa: PLC0415
+
+    return gguf, ModelBase, ModelType, get_model_architecture, get_model_class, LazyTorchTensor
+
+
+def _model_dir(raw: dict, tokenizer: Path, out: Path) -> Path:
+    """config.json `raw` and the tokenizer's files, where the converter reads them."""
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    for file in tokenizer.iterdir():
+        if file.is_file():
+            shutil.copy(file, out / file.name)
+    return out
+
+
+def _lazy_tensors(raw: dict, size: str, seed: int, lazy_cls) -> dict:
+    """Checkpoint name -> a lazy tensor that draws its values when it is written."""
+    cfg = ModelConfig.from_hf(raw)
+    target = torch_dtype(cfg.torch_dtype)  # (as `write_checkpoint` stores them)
+    zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
+    skew = router_skew(size)
+    out = {}
+    for name, meta in named_tensors(build_empty_meta(cfg)):
+        shape = tuple(checkpoint_tensor(cfg, name, meta).shape)
+
+        def draw(name=name, shape=tuple(meta.shape)) -> torch.Tensor:
+            t = torch.empty(shape, dtype=torch.float32)
+            init_value(name, t, seed, zero_centered, skew)
+            keep = name.rsplit(".", 1)[-1] in FP32_PARAMS
+            return checkpoint_tensor(cfg, name, t if keep else t.to(target)).contiguous()
+
+        dtype = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else target
+        meta_t = lazy_cls.meta_with_dtype_and_shape(dtype, shape)
+        out[name] = lambda m=meta_t, d=draw: lazy_cls(meta=m, args=(), func=lambda: d())
+    return out
+
+
+def export(
+    llama_cpp: Path,
+    size: str,
+    tokenizer: Path,
+    out: Path,
+    outtype: str = "bf16",
+    seed: int = 0,
+    overrides: dict | None = None,
+) -> dict:
+    """Write `size` (config.json fields `overrides` changed, e.g. the vocabulary's size to
+    match a tokenizer) to `out`; returns the report."""
+    gguf, base, model_type, get_arch, get_class, lazy_cls = _converter(llama_cpp)
+    started = time.perf_counter()
+    raw = hf_config(size) | (overrides or {})
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = _model_dir(raw, tokenizer, Path(scratch))
+        cls = get_class(get_arch(raw, model_type.TEXT), mmproj=False)
+        tensors = _lazy_tensors(raw, size, seed, lazy_cls)
+
+        def from_generator(self, remote_hf_model_id=None):  # in place of reading files
+            indexed = {}
+            for name, gen in tensors.items():
+                if item := self.filter_tensors((name, gen)):
+                    indexed[item[0]] = item[1]
+            return indexed
+
+        ftype = getattr(gguf.LlamaFileType, OUTTYPES[outtype])
+        if getattr(cls, "supports_mtp_export", False):
+            cls.no_mtp = True  # (synthetic models have no multi-token-prediction layers)
+        reader, base.index_tensors = base.index_tensors, from_generator
+        try:
+            with torch.inference_mode():
+                cls(model_dir, ftype, out).write()
+        finally:
+            base.index_tensors = reader
+    return {
+        "gguf": str(out),
+        "bytes": out.stat().st_size,
+        "tensors": len(tensors),
+        "model": f"synthetic:{size}",
+        "seed": seed,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
+    parser.add_argument("--model", required=True, help="synthetic:NAME")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="HF tokenizer directory")
+    parser.add_argument("-o", "--out", type=Path, required=True)
+    parser.add_argument("--outtype", choices=sorted(OUTTYPES), default="bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="override the size's vocabulary size"
+    )
+    args = parser.parse_args()
+    if not args.model.startswith("synthetic:"):
+        parser.error("--model must be synthetic:NAME")
+    size = resolve_size(args.model[len("synthetic:") :])
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else None
+    report = export(
+        args.llama_cpp, size, args.tokenizer, args.out, args.outtype, args.seed, overrides
+    )
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

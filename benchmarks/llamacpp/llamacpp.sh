@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# llama.cpp beside agentrt on the same synthetic weights.
+#
+#   bash benchmarks/llamacpp/llamacpp.sh prepare [LLAMA_CPP_DIR]
+#       Writes .llamacpp.tgz (about 5 MB): the parts of a llama.cpp source tree the build, the
+#       GGUF export and the benchmarks need (ggml, src, include, common, vendor, cmake, the
+#       converter's conversion/ and gguf-py/, tools/llama-bench, examples/simple), with the
+#       tools and examples lists cut down to those two. Without a directory it takes the tree
+#       vendored in the llama-cpp-python sdist (`pip download --no-binary=:all: --no-deps
+#       llama-cpp-python==0.3.36`). Carry it (and .tok, .whl) to the GPU machine.
+#   bash benchmarks/llamacpp/llamacpp.sh build
+#       Unpacks it to $LLAMA (default /tmp/llama.cpp) and builds llama-bench and llama-simple:
+#       CUDA for sm_90 where a GPU and nvcc are found (LLAMA_CUDA=ON|OFF decides otherwise),
+#       else the CPU backend only. Build outputs stay on a warm machine between calls.
+#   bash benchmarks/llamacpp/llamacpp.sh export [MODEL] [GGUF]
+#       `export_gguf.py` of MODEL (default synthetic:qwen3.5-35b-a3b, bf16) into GGUF (default
+#       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3).
+set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+LLAMA=${LLAMA:-/tmp/llama.cpp}
+
+prepare() {
+  local src=${1:-}
+  if [ -z "$src" ]; then
+    local tmp; tmp=$(mktemp -d)
+    python3 -m pip download -q --no-binary=:all: --no-deps llama-cpp-python==0.3.36 -d "$tmp"
+    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+    src=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+  fi
+  local out; out=$(mktemp -d)/llama.cpp
+  mkdir -p "$out/tools" "$out/examples" "$out/pocs"
+  (cd "$src" && cp -r ggml src include common cmake vendor conversion gguf-py CMakeLists.txt \
+    LICENSE convert_hf_to_gguf.py "$out/")
+  cp -r "$src/tools/llama-bench" "$out/tools/"
+  cp -r "$src/examples/simple" "$out/examples/"
+  for d in vulkan sycl cann musa opencl metal hip webgpu kompute zdnn; do
+    rm -rf "$out/ggml/src/ggml-$d"
+  done
+  printf 'llama_add_compile_flags()\nadd_subdirectory(llama-bench)\n' > "$out/tools/CMakeLists.txt"
+  printf 'llama_add_compile_flags()\nadd_subdirectory(simple)\n' > "$out/examples/CMakeLists.txt"
+  : > "$out/pocs/CMakeLists.txt"
+  tar -czf "$ROOT/.llamacpp.tgz" -C "$(dirname "$out")" llama.cpp
+  ls -la "$ROOT/.llamacpp.tgz"
+}
+
+build() {
+  if [ ! -d "$LLAMA" ]; then
+    tar -xzf "$ROOT/.llamacpp.tgz" -C "$(dirname "$LLAMA")"
+  fi
+  local cuda=${LLAMA_CUDA:-auto}  # auto: where a GPU and nvcc are found
+  if [ "$cuda" = auto ]; then
+    cuda=OFF
+    if command -v nvidia-smi >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then cuda=ON; fi
+  fi
+  export PATH=/usr/local/cuda/bin:$PATH
+  cmake -S "$LLAMA" -B "$LLAMA/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >/dev/null
+  cmake --build "$LLAMA/build" -j "$(nproc)" --target llama-bench llama-simple
+  ls "$LLAMA/build/bin"
+}
+
+export_gguf() {
+  local model=${1:-synthetic:qwen3.5-35b-a3b}
+  local out=${2:-/dev/shm/${model#synthetic:}.gguf}
+  python3 "$HERE/export_gguf.py" --llama-cpp "$LLAMA" --model "$model" \
+    --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}"
+}
+
+case "${1:-}" in
+  prepare) prepare "${2:-}" ;;
+  build) build ;;
+  export) export_gguf "${2:-}" "${3:-}" ;;
+  *) echo "usage: $0 prepare [LLAMA_CPP_DIR] | build | export [MODEL] [GGUF]" >&2; exit 2 ;;
+esac
