@@ -15,6 +15,9 @@
 #   bash benchmarks/llamacpp/llamacpp.sh export [MODEL] [GGUF]
 #       `export_gguf.py` of MODEL (default synthetic:qwen3.5-35b-a3b, bf16) into GGUF (default
 #       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3).
+#   bash benchmarks/llamacpp/llamacpp.sh bench GGUF
+#       llama-bench over a sweep of --n-cpu-moe and -ot exps=CPU (see `bench` below); written,
+#       not run yet.
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -68,9 +71,30 @@ export_gguf() {
     --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}"
 }
 
+bench() {
+  # llama-bench on GGUF for each --n-cpu-moe in $NCPUMOE (default 28,30,32,34,36), plus
+  # `-ot exps=CPU` (every expert on the CPU), flash attention on, prompt processing $PROMPTS
+  # (default 512,4096,8192) and $GEN (default 64) generated tokens, batch and micro-batch
+  # $UBATCH (default 4096); each run's peak GPU memory (nvidia-smi, every 200 ms) next to its
+  # JSON in $OUT.
+  local gguf=$1 out=${OUT:-bench-out}; mkdir -p "$out"
+  local common=(-m "$gguf" -ngl 99 -fa 1 -p "${PROMPTS:-512,4096,8192}" -n "${GEN:-64}"
+    -b "${UBATCH:-4096}" -ub "${UBATCH:-4096}" -r "${REPEAT:-2}" -o json)
+  for n in $(echo "${NCPUMOE:-28,30,32,34,36}" | tr ',' ' ') all; do
+    local args=(--n-cpu-moe "$n"); [ "$n" = all ] && args=(-ot "exps=CPU")
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/mem_$n.txt" &
+    local smi=$!
+    timeout "${LIMIT:-600}" "$LLAMA/build/bin/llama-bench" "${common[@]}" "${args[@]}" \
+      > "$out/llama_bench_$n.json" 2> "$out/llama_bench_$n.log" || echo "n-cpu-moe $n failed"
+    kill "$smi" 2>/dev/null || true
+    echo "n-cpu-moe $n: peak $(sort -n "$out/mem_$n.txt" | tail -1) MiB"
+  done
+}
+
 case "${1:-}" in
   prepare) prepare "${2:-}" ;;
   build) build ;;
   export) export_gguf "${2:-}" "${3:-}" ;;
-  *) echo "usage: $0 prepare [LLAMA_CPP_DIR] | build | export [MODEL] [GGUF]" >&2; exit 2 ;;
+  bench) bench "${2:?a GGUF file}" ;;
+  *) echo "usage: $0 prepare [DIR] | build | export [MODEL] [GGUF] | bench GGUF" >&2; exit 2 ;;
 esac
