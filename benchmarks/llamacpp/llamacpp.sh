@@ -89,6 +89,7 @@ bench() {
     kill "$smi" 2>/dev/null || true
     echo "n-cpu-moe $n: peak $(sort -n "$out/mem_$n.txt" | tail -1) MiB"
   done
+  python3 "$HERE/summarize.py" "$out" | tee "$out/llama_bench_summary.txt"
 }
 
 case "${1:-}" in
