@@ -7,7 +7,8 @@
 # 2-4K tokens then runs as one forward pass instead of two launch-bound ones), TTFT_ARGS (more
 # options, e.g. --no-prefill-graphs), NAME (output file stem, default ttft), TRACES (trace files,
 # default the two samples' directories; e.g. .traces-dev/long/*.zst, a session generated with
-# `agentrt trace gen --tokens 90000 --max-turns 150 -o .traces-dev/long/gen-90k.jsonl.zst`).
+# `agentrt trace gen --tokens 90000 --max-turns 150 -o .traces-dev/long/gen-90k.jsonl.zst`);
+# MODEL, TOK, TEMPLATE: another model, tokenizer directory and chat template (e.g. gpt-oss's).
 set -u
 if [ "${1:-}" = prepare ]; then
   S=../shared/data
@@ -20,8 +21,8 @@ fi
 source "$(dirname "$0")/device_env.sh"
 # shellcheck disable=SC2086
 python3 -m agentrt.cli bench ttft ${TRACES:-.traces-dev/msa/*.zst .traces-dev/tau/*.zst} \
-  --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
-  --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja \
+  --model "${MODEL:-synthetic:qwen3.5-35b-a3b}" --device cuda --tokenizer "${TOK:-.tok/qwen3}" \
+  --chat-template "${TEMPLATE:-.tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja}" \
   --variants "${VARIANTS:-recorded,dropped}" --prefill-chunk "${PREFILL_CHUNK:-4096}" \
   --max-tokens 8 --max-requests 32 ${TTFT_ARGS:-} --json "$OUT/${NAME:-ttft}.json" \
   --plot "$OUT/${NAME:-ttft}.png" > "$OUT/${NAME:-ttft}.log" 2>&1
