@@ -219,9 +219,28 @@ def test_a_gpt_oss_turn_returns_openai_tool_calls_and_the_next_turn_reuses_state
     assert "".join(e.text for e in events if e.type == "content") == second.content
 
 
-def test_a_bad_chat_date_is_refused(gpt_oss_runtime):
+def test_a_bad_chat_date_or_reasoning_effort_is_refused(gpt_oss_runtime):
     from agentrt import Runtime
     from agentrt.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="YYYY-MM-DD"):
         Runtime.open(model="tiny", device="cpu", chat_date="tomorrow")
+    with pytest.raises(InvalidArgumentError, match="reasoning_effort"):
+        Runtime.open(model="tiny", device="cpu", reasoning_effort="extreme")
+
+
+def test_the_runtimes_reasoning_effort_is_the_default_a_request_overrides(gpt_oss_runtime):
+    rt = gpt_oss_runtime
+    messages = [{"role": "user", "content": "hi"}]
+
+    def effort_line(**kw) -> str:
+        text = rt.tokenizer.decode(rt.prepare(messages, **kw).prompt_ids)
+        return next(line for line in text.splitlines() if line.startswith("Reasoning:"))
+
+    assert effort_line() == "Reasoning: medium"  # (the template's own default)
+    rt.reasoning_effort = "low"
+    try:
+        assert effort_line() == "Reasoning: low"
+        assert effort_line(reasoning_effort="high") == "Reasoning: high"
+    finally:
+        rt.reasoning_effort = None

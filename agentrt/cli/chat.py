@@ -25,16 +25,8 @@ from agentrt.errors import AgentrtError
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option(
-    "--reasoning-effort",
-    type=click.Choice(["low", "medium", "high"]),
-    default=None,
-    help="Reasoning effort, for chat templates that take it (gpt-oss's; default: its own).",
-)
 @json_option
-def chat(
-    message: str, system, max_tokens, temperature, top_p, stop, reasoning_effort, json_out, **opts
-) -> None:
+def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, **opts) -> None:
     """Run one chat turn for MESSAGE and stream the reply to the terminal."""
     rt = open_runtime(opts, require_tokenizer=True)
     messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -47,7 +39,6 @@ def chat(
         top_p=top_p,
         stop=list(stop),
         stream=True,
-        reasoning_effort=reasoning_effort,
     )
     result = _print_stream(events)
     t, u = result.timings, result.usage

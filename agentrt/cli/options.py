@@ -138,6 +138,13 @@ def model_options(fn=None, *, cache_list: bool = False):
             help="Jinja chat template file overriding the tokenizer's.",
         ),
         click.option(
+            "--reasoning-effort",
+            type=click.Choice(["low", "medium", "high"]),
+            default=None,
+            help="Reasoning effort for requests that do not name one, for chat templates that "
+            "take it (gpt-oss's; default: the template's own, medium).",
+        ),
+        click.option(
             "--chat-date",
             default=None,
             metavar="YYYY-MM-DD",

@@ -156,11 +156,7 @@ def render(
     template = tokenizer.chat_template
     extra: dict[str, Any] = {}
     if reasoning_effort is not None:
-        if reasoning_effort not in REASONING_EFFORTS:
-            raise InvalidArgumentError(
-                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
-                f"got {reasoning_effort!r}"
-            )
+        check_effort(reasoning_effort)
         extra["reasoning_effort"] = reasoning_effort
     if today is not None and isinstance(template, str) and "strftime_now" in template:
         extra["chat_template"] = dated_template(template, today)
@@ -177,6 +173,14 @@ def render(
     if not isinstance(text, str):
         raise ChatTemplateError("chat template did not render to text")
     return text
+
+
+def check_effort(effort: str | None) -> None:
+    """A reasoning effort chat templates take (low, medium, high), or None."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidArgumentError(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}"
+        )
 
 
 _STRFTIME = re.compile(r"strftime_now\(\s*(['\"])(.*?)\1\s*\)")

@@ -32,6 +32,7 @@ class RuntimeConfig:
     tokenizer: str | None = None  # a tokenizer directory overriding the model's own
     chat_template: str | None = None  # a Jinja file overriding the tokenizer's
     chat_date: str | None = None  # YYYY-MM-DD templates see as today (None: the day it opened)
+    reasoning_effort: str | None = None  # low | medium | high for requests that name none
     linear_attn: str = "auto"  # auto | torch | fla
     prefill_chunk: int | None = None  # None: per device and placement
     eager: bool = False  # no CUDA graph for decode

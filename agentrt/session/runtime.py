@@ -23,6 +23,7 @@ from agentrt.session.chat import (
     ChatResult,
     Detokenizer,
     OutputParser,
+    check_effort,
     forced_tool_text,
     generation_suffix,
     normalize_messages,
@@ -74,6 +75,7 @@ class Runtime:
         self.generated = GeneratedIds(tokenizer) if tokenizer is not None else None
         self.today = datetime.date.today()  # what chat templates see as today (see chat_date)
         self.harmony = tokenizer is not None and is_harmony(tokenizer)
+        self.reasoning_effort: str | None = None  # for requests that name none
         # seconds `open` spent per phase after the tokenizer: weights_s, engine_s (engine and
         # state cache), prefill_graphs_s, warm_up_s, and total_s (empty when built directly)
         self.startup: dict[str, float] = {}
@@ -140,6 +142,7 @@ class Runtime:
         check_spec(model)
         config = engine_config(c, device, placement, static_prefill(model))
         today = chat_date(c.chat_date) if c.chat_date is not None else None
+        check_effort(c.reasoning_effort)
         tok_dir = c.tokenizer or tokenizer_dir_of(model)
         if tok_dir is None and c.require_tokenizer:
             raise ChatTemplateError(f"model {model!r} has no tokenizer; pass --tokenizer DIR")
@@ -158,6 +161,7 @@ class Runtime:
         engine = Engine(source.model, config, offload)
         rt = cls(engine, tok, source, c.seed, c.boundaries)
         rt.today = today or rt.today
+        rt.reasoning_effort = c.reasoning_effort
         rt.set_cache(c.cache, cache_config(c.state_cache, c.state_dir, c.state_max_gb))
         clock.lap("engine_s")
         if engine.prefill_graphs is not None:  # captured now, not inside the first request
@@ -226,14 +230,15 @@ class Runtime:
         `tool_choice`: "auto" (default), "none" (tool-call markup is returned as content),
         "required" or {"type": "function", "function": {"name": N}} (the reply is started as a
         tool call, for that tool when named). `reasoning_effort`: low, medium or high, for chat
-        templates that take it (gpt-oss's; others ignore it)."""
+        templates that take it (gpt-oss's; others ignore it); default the runtime's."""
         started = time.perf_counter()
         tok = self._require_tokenizer()
         msgs = normalize_messages(messages)
         tools = _check_tools(tools)
         if self.harmony:
             msgs = template_messages(msgs)
-        prompt = render(tok, msgs, tools, today=self.today, reasoning_effort=reasoning_effort)
+        effort = reasoning_effort or self.reasoning_effort
+        prompt = render(tok, msgs, tools, today=self.today, reasoning_effort=effort)
         forced = harmony_forced(tool_choice) if self.harmony else forced_tool_text(tok, tool_choice)
         prompt_ids = self.generated.encode(prompt + forced)
         self.engine.check_fits(len(prompt_ids))
