@@ -83,6 +83,52 @@ def test_recipient_before_the_channel_unknown_functions_and_tool_choice_none():
     assert _summary(_parse(unknown)[0])[2] == [("launch", '{"city": "Oslo"}')]  # no tools given
 
 
+ORACLE_REPLIES = [
+    CALL_REPLY,
+    FINAL_REPLY,
+    "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary"
+    "<|message|>Checking the weather first.<|end|><|start|>assistant to=functions.get_weather"
+    '<|channel|>commentary json<|message|>{"city": "Rome"}',
+    "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    "Two, with <angle> brackets & \\n escapes.<|end|><|start|>assistant<|channel|>final"
+    "<|message|>Done: 42 °C, naïve café.",
+]
+
+
+@needs_tokenizer
+@pytest.mark.parametrize("reply", ORACLE_REPLIES)
+def test_the_parser_agrees_with_openai_harmony_token_by_token(reply, monkeypatch):
+    """openai-harmony (the format's own parser) as the oracle: a reply's tokens, detokenized
+    one at a time as in generation, give the same reasoning, content and tool calls."""
+    harmony = pytest.importorskip("openai_harmony")
+    from transformers import AutoTokenizer
+
+    from agentrt.session.chat import Detokenizer
+
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(GPT_OSS_TOKENIZER))
+    encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+    tokens = encoding.encode(reply + "<|call|>", allowed_special="all")
+    messages = encoding.parse_messages_from_completion_tokens(tokens, role=harmony.Role.ASSISTANT)
+    want_reasoning, want_content, want_calls = "", "", []
+    for m in messages:
+        text = "".join(part.text for part in m.content)
+        if (m.recipient or "").startswith("functions."):
+            want_calls.append((m.recipient[len("functions.") :], text))
+        elif m.channel == "analysis":
+            want_reasoning += text
+        else:
+            want_content += text
+    tok = AutoTokenizer.from_pretrained(GPT_OSS_TOKENIZER)
+    ids = tok.encode(reply, add_special_tokens=False)
+    assert ids == tokens[:-1]  # (the same tokenization as the format's own)
+    parser, detok = HarmonyParser(tools=TOOLS), Detokenizer(tok)
+    for token in ids:
+        parser.feed(detok.push(token))
+    parser.feed(detok.finish())
+    parser.finish()
+    assert _summary(parser) == (want_reasoning, want_content, want_calls)
+
+
 def test_several_calls_in_one_message_render_one_call_per_message():
     calls = [
         {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": {"i": i}}}
