@@ -299,3 +299,22 @@ def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeyp
     monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", real)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_grouped_expert_gemms_with_biases_equal_the_loop():
+    """The grouped path's expert biases, repeated over each expert's rows from the device
+    offsets (an expert without rows included), against the reference loop."""
+    from agentrt.models.moe import SwiGLU, _grouped_mm_fn
+    from agentrt.offload.pairs import grouped_ffn, looped_ffn
+
+    grouped = _grouped_mm_fn()
+    if grouped is None:
+        pytest.skip("this torch build has no grouped GEMM")
+    gen = torch.Generator().manual_seed(0)
+    x, scale = torch.randn(7, 8, generator=gen), torch.rand(7, 1, generator=gen)
+    gate_up, down = torch.randn(3, 8, 8, generator=gen), torch.randn(3, 8, 4, generator=gen)
+    biases = (torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen))
+    offs, act = torch.tensor([2, 2, 7], dtype=torch.int32), SwiGLU(7.0, 1.702)
+    got = grouped_ffn(grouped, x, gate_up, down, offs, scale, act, biases)
+    want = looped_ffn(x, gate_up, down, [2, 0, 5], scale, biases, act)
+    assert (got - want).abs().max().item() < 1e-5

@@ -27,6 +27,7 @@ from agentrt.models.layers import (
     Span,
     _checked_once,
     first_position,
+    flash_varlen,
 )
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.rotary import Rotary
@@ -121,29 +122,11 @@ def flash_sink_attention(
     D]` keys (only those read; the window, if any, in the kernel). A sink only adds exp(sink) to
     each softmax denominator, so the output is flash attention's scaled by
     sigmoid(logsumexp - sink)."""
-    heads, q_len, _ = q.shape
-    capacity = k_all.shape[1]
-    cu_q = torch.arange(0, 2 * q_len, q_len, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, 2 * capacity, capacity, dtype=torch.int32, device=q.device)
     if isinstance(used, int):
         used = torch.full((1,), used, dtype=torch.int32, device=q.device)
-    sliding = dict(window_size_left=window - 1, window_size_right=0) if window else {}
-    out, lse = torch.ops.aten._flash_attention_forward(
-        q.transpose(0, 1),
-        k_all.transpose(0, 1),
-        v_all.transpose(0, 1),
-        cu_q,
-        cu_k,
-        q_len,
-        capacity,
-        0.0,
-        q_len > 1,
-        False,
-        seqused_k=used.to(torch.int32),
-        **sliding,
-    )[:2]
-    keep = torch.sigmoid(lse.view(heads, q_len) - sinks.float()[:, None])  # [H, T]
-    return (out.transpose(0, 1).float() * keep[..., None]).to(q.dtype)
+    out, lse = flash_varlen(q, k_all, v_all, used, window, with_lse=True)
+    keep = torch.sigmoid(lse - sinks.float()[:, None])  # [H, T]
+    return (out.float() * keep[..., None]).to(q.dtype)
 
 
 def flash_sinks_usable(q: torch.Tensor, k: torch.Tensor, window: int) -> bool:

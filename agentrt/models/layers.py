@@ -224,16 +224,23 @@ def static_attention(
 
 
 def flash_varlen(
-    q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, used: torch.Tensor
-) -> torch.Tensor:
+    q: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    used: torch.Tensor,
+    window: int = 0,
+    with_lse: bool = False,
+):
     """q `[H, T, D]` against the first `used` (`[1]` device tensor) of `[Hkv, capacity, D]`
-    keys, causal aligned to the end (query i sees keys up to used - T + i): one sequence in
-    flash attention's varlen form, nothing copied, no host sync."""
+    keys, causal aligned to the end (query i sees keys up to used - T + i; with `window`, only
+    its last `window` of them): one sequence in flash attention's varlen form, nothing copied,
+    no host sync. `with_lse`: also each head's and query's softmax logsumexp `[H, T]`."""
     num_heads, q_len, _ = q.shape
     capacity = k_all.shape[1]
     cu_q = torch.arange(0, 2 * q_len, q_len, dtype=torch.int32, device=q.device)  # [0, T]
     cu_k = torch.arange(0, 2 * capacity, capacity, dtype=torch.int32, device=q.device)
-    out = torch.ops.aten._flash_attention_forward(
+    sliding = dict(window_size_left=window - 1, window_size_right=0) if window else {}
+    out, lse = torch.ops.aten._flash_attention_forward(
         q.transpose(0, 1),
         k_all.transpose(0, 1),
         v_all.transpose(0, 1),
@@ -245,8 +252,10 @@ def flash_varlen(
         q_len > 1,
         False,
         seqused_k=used.to(torch.int32),
-    )[0]
-    return out.transpose(0, 1)  # [H, T, D]
+        **sliding,
+    )[:2]
+    out = out.transpose(0, 1)  # [H, T, D]
+    return (out, lse.view(num_heads, q_len)) if with_lse else out
 
 
 def flash_varlen_usable(q: torch.Tensor, k: torch.Tensor) -> bool:

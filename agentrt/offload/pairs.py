@@ -36,17 +36,19 @@ def looped_ffn(x, gate_up, down, rows: list[int], scale, biases=None, act=PLAIN)
     return out
 
 
-def grouped_ffn(grouped, x, gate_up, down, offs, scale, act=PLAIN, biases=None, rows=()):
+def grouped_ffn(grouped, x, gate_up, down, offs, scale, act=PLAIN, biases=None):
     """Two grouped GEMMs (`grouped`: torch's) over rows sorted by expert (`offs`: their
-    cumulative rows): gate/up (+ the experts' `biases`, repeated over their `rows`), the
-    activation scaled by the routing weights, down (+ biases, scaled)."""
+    cumulative rows, on the device): gate/up (+ the experts' `biases`, repeated over their
+    rows), the activation scaled by the routing weights, down (+ biases, scaled)."""
     h = grouped(x, gate_up.transpose(1, 2), offs=offs)
     if biases is None:
         gate, up = h.chunk(2, dim=-1)
         hidden = F.silu(gate).mul_(up) if act == PLAIN else act(h)
         return grouped(hidden.mul_(scale), down.transpose(1, 2), offs=offs)
-    counts = torch.tensor(rows, device=x.device)
-    up_bias, down_bias = (b.repeat_interleave(counts, dim=0) for b in biases)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()  # (no host round trip)
+    up_bias, down_bias = (
+        b.repeat_interleave(counts, dim=0, output_size=x.shape[0]) for b in biases
+    )
     hidden = act(h + up_bias).mul_(scale)
     return grouped(hidden, down.transpose(1, 2), offs=offs) + down_bias * scale
 
@@ -56,7 +58,9 @@ def part_biases(store, layer: int, experts: list[int], device):
     both = store.biases(layer, device)
     if both is None:
         return None
-    index = torch.tensor(experts, device=device)
+    index = torch.tensor(experts)
+    if torch.device(device).type == "cuda":  # (from pinned memory: the copy does not block)
+        index = index.pin_memory().to(device, non_blocking=True)
     return both[0].index_select(0, index), both[1].index_select(0, index)
 
 

@@ -398,7 +398,7 @@ class PrefillStreamer:
         biases = part_biases(s, fill.layer, fill.experts, x.device)
         if self._grouped is not None:
             try:
-                parts = (self._grouped, x, gate_up, down, offs, scale, s.act, biases, rows)
+                parts = (self._grouped, x, gate_up, down, offs, scale, s.act, biases)
                 ys.out[begin:end] = grouped_ffn(*parts)
                 return
             except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)

@@ -342,6 +342,14 @@ def parse_tool_call(body: str, tools: list[dict] | None = None) -> dict[str, Any
     }
 
 
+def tool_names(tools: list[dict[str, Any]] | None) -> set[str] | None:
+    """The names of a request's tools (None: no tools listed, any name goes)."""
+    if not tools:
+        return None
+    fns = (t.get("function", t) for t in tools if isinstance(t, dict))
+    return {fn.get("name") for fn in fns if isinstance(fn, dict)}
+
+
 @dataclass
 class OutputParser:
     """Streaming splitter of generated text into reasoning, content and tool calls."""
@@ -358,9 +366,7 @@ class OutputParser:
     names: set[str] | None = field(init=False, default=None)  # the tools' names (None: any)
 
     def __post_init__(self) -> None:
-        if self.tools:
-            fns = (t.get("function", t) for t in self.tools if isinstance(t, dict))
-            self.names = {fn.get("name") for fn in fns if isinstance(fn, dict)}
+        self.names = tool_names(self.tools)
 
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text

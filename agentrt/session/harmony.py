@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.session.chat import ChatEvent, _holdback
+from agentrt.session.chat import ChatEvent, _holdback, tool_names
 from agentrt.session.toolstream import new_call_id
 
 START, MESSAGE, END, CALL, RETURN, CHANNEL = (
@@ -108,9 +108,7 @@ class HarmonyParser:
     names: set[str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.tools:
-            fns = (t.get("function", t) for t in self.tools if isinstance(t, dict))
-            self.names = {fn.get("name") for fn in fns if isinstance(fn, dict)}
+        self.names = tool_names(self.tools)
 
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text

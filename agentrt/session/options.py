@@ -115,8 +115,7 @@ def engine_config(
         prefill_chunk=c.prefill_chunk
         or EngineConfig.default_prefill_chunk(device, placement.mode == "auto"),
         cuda_graphs=not c.eager,  # offloaded layers cut the graph into pieces (cuda_graph.py)
-        prefill_graphs=prefill_graphs(c, device, placement)
-        and (c.prefill_graphs is not None or static_prefill),
+        prefill_graphs=prefill_graphs(c, device, placement, static_prefill),
     )
 
 
@@ -128,12 +127,16 @@ def static_prefill(spec: str) -> bool:
     return getattr(architecture(config_of(spec).arch), "PREFILL_GRAPHS", True)
 
 
-def prefill_graphs(c: RuntimeConfig, device: str, placement: OffloadConfig) -> bool:
+def prefill_graphs(
+    c: RuntimeConfig, device: str, placement: OffloadConfig, static_prefill: bool = True
+) -> bool:
     """Whether short prefills run as CUDA-graph replays: as asked, else on CUDA when the
-    experts are on the GPU (offloaded prefill never takes them) and decode is not eager."""
+    experts are on the GPU (offloaded prefill never takes them), decode is not eager and the
+    model's static passes are worth replaying (`static_prefill`)."""
     if c.prefill_graphs is not None:
         return c.prefill_graphs
-    return device.startswith("cuda") and placement.mode == "none" and not c.eager
+    cuda = device.startswith("cuda")
+    return cuda and placement.mode == "none" and not c.eager and static_prefill
 
 
 def cache_config(base: StateCacheConfig | None, state_dir, state_max_gb) -> StateCacheConfig:
