@@ -86,7 +86,7 @@ def describe(spec: str) -> dict[str, Any]:
 def _layers_line(cfg) -> str:
     """Layer count by kind: linear attention, full attention, sliding-window attention."""
     sliding = len(cfg.sliding_layers)
-    parts = [f"{len(cfg.linear_layers)} linear-attention"] if cfg.linear_layers else []
+    parts = [f"{len(cfg.linear_layers)} linear-attention"]
     parts.append(f"{len(cfg.attention_layers) - sliding} full-attention")
     if sliding:
         parts.append(f"{sliding} sliding-window ({cfg.sliding_window})")
