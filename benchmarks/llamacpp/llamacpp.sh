@@ -14,10 +14,10 @@
 #       else the CPU backend only. Build outputs stay on a warm machine between calls.
 #   bash benchmarks/llamacpp/llamacpp.sh export [MODEL] [GGUF]
 #       `export_gguf.py` of MODEL (default synthetic:qwen3.5-35b-a3b, bf16) into GGUF (default
-#       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3).
+#       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3); DEVICE=cuda draws
+#       the values on the GPU, as `synthetic:NAME` built there (the weights agentrt runs).
 #   bash benchmarks/llamacpp/llamacpp.sh bench GGUF
-#       llama-bench over a sweep of --n-cpu-moe and -ot exps=CPU (see `bench` below); written,
-#       not run yet.
+#       llama-bench over a sweep of --n-cpu-moe and -ot exps=CPU (see `bench` below).
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -60,7 +60,7 @@ build() {
   cmake -S "$LLAMA" -B "$LLAMA/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >/dev/null
-  cmake --build "$LLAMA/build" -j "$(nproc)" --target llama-bench llama-simple
+  cmake --build "$LLAMA/build" -j "${LLAMA_JOBS:-$(nproc)}" --target llama-bench llama-simple
   ls "$LLAMA/build/bin"
 }
 
@@ -68,20 +68,28 @@ export_gguf() {
   local model=${1:-synthetic:qwen3.5-35b-a3b}
   local out=${2:-/dev/shm/${model#synthetic:}.gguf}
   python3 "$HERE/export_gguf.py" --llama-cpp "$LLAMA" --model "$model" \
-    --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}"
+    --device "${DEVICE:-cpu}" --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}"
 }
 
 bench() {
   # llama-bench on GGUF for each --n-cpu-moe in $NCPUMOE (default 28,30,32,34,36), plus
-  # `-ot exps=CPU` (every expert on the CPU), flash attention on, prompt processing $PROMPTS
+  # `-ot exps=CPU` (every expert on the CPU) and, for each N in $NGL, the default layer split
+  # `-ngl N` (N whole layers on the GPU, the rest on the CPU), flash attention on, prompt processing $PROMPTS
   # (default 512,4096,8192) and $GEN (default 64) generated tokens, batch and micro-batch
   # $UBATCH (default 4096); each run's peak GPU memory (nvidia-smi, every 200 ms) next to its
   # JSON in $OUT.
   local gguf=$1 out=${OUT:-bench-out}; mkdir -p "$out"
   local common=(-m "$gguf" -ngl 99 -fa 1 -p "${PROMPTS:-512,4096,8192}" -n "${GEN:-64}"
     -b "${UBATCH:-4096}" -ub "${UBATCH:-4096}" -r "${REPEAT:-2}" -o json)
-  for n in $(echo "${NCPUMOE:-28,30,32,34,36}" | tr ',' ' ') all; do
-    local args=(--n-cpu-moe "$n"); [ "$n" = all ] && args=(-ot "exps=CPU")
+  local configs; configs="$(echo "${NCPUMOE:-28,30,32,34,36}" | tr ',' ' ') all"
+  for n in $(echo "${NGL:-}" | tr ',' ' '); do configs="$configs ngl$n"; done
+  configs=${CONFIGS:-$configs}  # or the list itself, e.g. CONFIGS="34 all ngl7"
+  for n in $configs; do
+    local args=(--n-cpu-moe "$n")
+    case "$n" in
+      all) args=(-ot "exps=CPU") ;;
+      ngl*) args=(-ngl "${n#ngl}") ;;  # the default layer split: N whole layers on the GPU
+    esac
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/mem_$n.txt" &
     local smi=$!
     timeout "${LIMIT:-600}" "$LLAMA/build/bin/llama-bench" "${common[@]}" "${args[@]}" \

@@ -1,7 +1,7 @@
 """The llama.cpp side of the side-by-side table, from what `llamacpp.sh bench` wrote into a
-folder: per configuration (`--n-cpu-moe N`, or every expert on the CPU) its peak GPU memory and
-llama-bench's tokens/s for each prompt length (pp) and for generation (tg); which N is the
-fewest within the budget and which is the fastest there.
+folder: per configuration (`--n-cpu-moe N`, every expert on the CPU, or `-ngl N` layers) its
+peak GPU memory and llama-bench's tokens/s for each prompt length (pp) and for generation
+(tg); which N is the fewest within the budget and which is the fastest there.
 
     python benchmarks/llamacpp/summarize.py OUT_DIR [--budget-mib 16384]
 
@@ -58,10 +58,18 @@ def markdown(table: list[dict]) -> str:
     head = ["config", "peak GPU MiB", *keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
-        name = "-ot exps=CPU" if r["config"] == "all" else f"--n-cpu-moe {r['config']}"
+        name = _name(r["config"])
         cells = [name, str(r["peak_mib"])] + [str(r.get(k, "")) for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _name(config: str) -> str:
+    if config == "all":
+        return "-ot exps=CPU"
+    if config.startswith("ngl"):
+        return f"-ngl {config[3:]} (layer split)"
+    return f"--n-cpu-moe {config}"
 
 
 def _order(key: str) -> tuple:
