@@ -218,6 +218,17 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
     assert report["bench"] == "prefill-offload" and report["staging_gib"] > 0
 
 
+def test_bench_prefill_profiles_only_when_asked():
+    """Without `profile`, no row runs (or reports) the extra cProfile'd pass."""
+    from agentrt.bench.prefill import offload_prefill
+
+    report = offload_prefill(
+        "tiny", "cpu", None, None, ["stream"], [32], [], 0, 32, repeat=1, slots=10, resident=False
+    )
+    assert [r["plan"] for r in report["runs"]] == ["stream"]
+    assert "profile" not in report["runs"][0] and report["profile_gb_s"]["copy"] > 0
+
+
 def test_native_rows_kernel_matches_the_fp32_experts():
     """Prefill's CPU experts in the native kernel (rows grouped by expert, each weight row read
     once): each row's weighted expert output, as an fp32 reference computes it."""

@@ -66,7 +66,7 @@ def offload_prefill(
     model, store, cfg = load_offloadable(spec, device, dtype, seed)
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
     kernel = kernel_for(cpu_kernel, store.dtype)
-    profile = profile_for(store, torch.device(device), kernel=kernel)
+    bandwidths = profile_for(store, torch.device(device), kernel=kernel)
     link = _bulk_copy_bw(store, device)
     rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device, profile)
     runs = []
@@ -113,7 +113,7 @@ def offload_prefill(
         "staging_gib": staging / 2**30,
         "cache_state": "filled with random experts before the rows (a decode working set)",
         "pinned_store": store.pinned,
-        "profile_gb_s": {"copy": profile.copy / 1e9, "cpu": profile.cpu_overlapped / 1e9},
+        "profile_gb_s": {"copy": bandwidths.copy / 1e9, "cpu": bandwidths.cpu_overlapped / 1e9},
         "bulk_copy_gb_s": link / 1e9,  # B_P of the floor: one layer's experts in one copy
         "machine": machine(),
         "runs": runs,
