@@ -472,6 +472,31 @@ def test_cuda_defaults_turn_on_prefill_graphs_only_where_they_apply():
     assert config("cpu", prefill_graphs=True).prefill_graphs  # (the engine ignores it off CUDA)
 
 
+def test_the_warm_up_runs_a_whole_chunk_first_offloaded_too():
+    """Start-up runs one piece of the whole prefill chunk before the scratch prompt, with the
+    experts offloaded too: the kernels only long pieces take (and the norms' larger size
+    class) are tuned there, not inside the first long request; the state ends empty."""
+    from agentrt.session.runtime import Runtime
+
+    for options in ({}, {"expert_cache_slots": 6}):
+        rt = Runtime.open("tiny", device="cpu", cache="off", prefill_chunk=96, **options)
+        eng = rt.engine
+        assert (eng.offload is not None) == bool(options)
+        lengths: list[int] = []
+        real = eng.prefill
+
+        def recorded(state, ids, capture=(), _real=real, _seen=lengths, **kw):
+            _seen.append(len(ids))
+            return _real(state, ids, capture=capture, **kw)
+
+        eng.prefill = recorded
+        state = eng.new_state()
+        eng._warm_up_run(state)
+        assert lengths[0] == 96 and len(lengths) > 1  # (then the scratch prompt)
+        assert state.num_tokens == 0
+        rt.close()
+
+
 def test_the_warm_up_prompt_runs_every_kind_of_prefill_piece(hf_checkpoints):
     """The start-up scratch prompt has a piece for each kernel path a request can take: chunked
     with captures inside and at its end, chunked without captures (fla's own pass, whose

@@ -149,6 +149,32 @@ def test_fla_head_norms_tune_once_per_size_class():
         assert len([k for k in tile.cache if k[0] == 256]) <= 2
 
 
+@needs_fla
+def test_fla_l2norm_tunes_once_per_size_class():
+    """q/k's L2 norm (fla's kernel) over many row counts: as fla's own wrapper computes it,
+    and tuned for at most two size classes (the wrapper tunes again every 65,536 rows: every
+    4,096 tokens of a 16-head prompt)."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from agentrt.models import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tuner = kernels._fla_l2norm()[1]
+    while not hasattr(tuner, "cache"):
+        tuner = tuner.fn
+    before = set(tuner.cache)
+    xs = [
+        torch.randn(rows, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+        for rows in (3, 700, 4100, 65537, 70000, 150000, 300000)
+    ]
+    ours = [kernels.fla_l2norm(x) for x in xs]
+    assert {key[1] for key in set(tuner.cache) - before} <= {1, 2}
+    for x, y in zip(xs, ours, strict=True):
+        torch.testing.assert_close(y, l2norm_fwd(x)[0])
+        ref = x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(y.float(), ref, atol=1e-2, rtol=1e-2)
+
+
 def _tiny_report(kernel: str):
     from agentrt.bench import engine as bench
 

@@ -220,6 +220,42 @@ def fla_rms_norm(
     return y.view(x.shape)
 
 
+def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's L2 norm of `x`'s last dimension, as its `l2norm_fwd` computes it (the kernel fla's
+    chunked rule runs on q and k), with the size class capped at two: the wrapper passes
+    cdiv(rows, 65536), a compile-time argument and autotuning key the kernel does not otherwise
+    use, so every 4096 tokens of a 16-head prompt meant a new compilation and tuning (10 s on
+    an H200) inside the first request that long. Rows over 512 wide go to fla's wrapper."""
+    import triton
+
+    l2norm_fwd, kernel = _fla_l2norm()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    count, dim = rows.shape
+    if dim > 512:
+        return l2norm_fwd(x, eps)[0]
+    y = torch.empty_like(rows)
+    rstd = torch.empty(count, dtype=torch.float32, device=rows.device)
+    with _on_device_of(x):
+        kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](
+            x=rows,
+            y=y,
+            rstd=rstd,
+            eps=eps,
+            T=count,
+            D=dim,
+            BD=triton.next_power_of_2(dim),
+            NB=_size_class(count, 65536),
+        )
+    return y.view(x.shape)
+
+
+@functools.cache
+def _fla_l2norm():
+    from fla.modules.norm.l2norm import l2norm_fwd, l2norm_fwd_kernel
+
+    return l2norm_fwd, l2norm_fwd_kernel
+
+
 FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
 
 
@@ -231,8 +267,10 @@ def fla_gated_delta_rule(q, k, v, g, beta, state):
     0.07-0.08 ms up to 64 tokens, 0.29 ms at 256, against the chunked form's 0.59-0.61 ms; equal
     at 512 (`benchmarks/fla_crossover.py`). 64 is the bound verified on the GPU end to end."""
     chunk, recurrent = fla_ops()
-    fn = recurrent if q.shape[0] <= FLA_RECURRENT_MAX else chunk
-    out, final = fn(
+    short = q.shape[0] <= FLA_RECURRENT_MAX
+    if not short:  # (fla's chunked rule would norm them by `l2norm_fwd`: the same kernel)
+        q, k = fla_l2norm(q), fla_l2norm(k)
+    out, final = (recurrent if short else chunk)(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
@@ -240,7 +278,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, state):
         beta=beta.to(v.dtype).unsqueeze(0),
         initial_state=state.float().unsqueeze(0),
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=short,
     )
     return out.squeeze(0), final.squeeze(0).float()
 
@@ -250,15 +288,15 @@ def _fla_internals():
     """fla 0.6.0's internal forward steps of the chunked rule (the public function returns only
     the final state; these also give the state at each chunk start, which it computes anyway):
     the state step as its Triton kernel (`_fla_states_fp32` allocates the states)."""
-    from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
+    _fla_l2norm()  # (its imports checked with the others)
     return (
-        l2norm_fwd,
+        fla_l2norm,
         chunk_local_cumsum,
         RCP_LN2,
         (
@@ -286,10 +324,9 @@ def _on_device_of(x: torch.Tensor):
 
 
 def _fla_chunk_starts(q, k, v, g, beta, state):
-    l2norm_fwd, local_cumsum, rcp_ln2, (intra, state_kernel, fwd_o) = _fla_internals()
+    l2norm, local_cumsum, rcp_ln2, (intra, state_kernel, fwd_o) = _fla_internals()
     q, k, v = (t.unsqueeze(0).contiguous() for t in (q, k, v))
-    q, _ = l2norm_fwd(q)
-    k, _ = l2norm_fwd(k)
+    q, k = l2norm(q), l2norm(k)
     g = local_cumsum(g.float().unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=rcp_ln2)
     beta = beta.to(v.dtype).unsqueeze(0).contiguous()
     w, u, _ = intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
