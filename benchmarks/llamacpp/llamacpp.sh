@@ -17,7 +17,11 @@
 #       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3); DEVICE=cuda draws
 #       the values on the GPU, as `synthetic:NAME` built there (the weights agentrt runs).
 #   bash benchmarks/llamacpp/llamacpp.sh bench GGUF
-#       llama-bench over a sweep of --n-cpu-moe and -ot exps=CPU (see `bench` below).
+#       llama-bench over a sweep of --n-cpu-moe, -ot exps=CPU and -ngl layer splits (see
+#       `bench` below).
+# agentrt's side on the same weights and budget: `python benchmarks/llamacpp/agentrt_side.py`
+# (remove the GGUF from /dev/shm first: a 128 GiB host cannot hold it and agentrt's pinned
+# experts at once).
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -76,18 +80,19 @@ bench() {
   # `-ot exps=CPU` (every expert on the CPU) and, for each N in $NGL, the default layer split
   # `-ngl N` (N whole layers on the GPU, the rest on the CPU), flash attention on, prompt processing $PROMPTS
   # (default 512,4096,8192) and $GEN (default 64) generated tokens, batch and micro-batch
-  # $UBATCH (default 4096); each run's peak GPU memory (nvidia-smi, every 200 ms) next to its
-  # JSON in $OUT.
+  # $UBATCH (default 4096), weights mapped from the file unless MMAP=0 (then loaded into
+  # pinned host buffers: the GGUF must then live on a disk, not in /dev/shm beside them); each
+  # run's peak GPU memory (nvidia-smi, every 200 ms) next to its JSON in $OUT.
   local gguf=$1 out=${OUT:-bench-out}; mkdir -p "$out"
-  local common=(-m "$gguf" -ngl 99 -fa 1 -p "${PROMPTS:-512,4096,8192}" -n "${GEN:-64}"
-    -b "${UBATCH:-4096}" -ub "${UBATCH:-4096}" -r "${REPEAT:-2}" -o json)
+  local common=(-m "$gguf" -fa 1 -p "${PROMPTS:-512,4096,8192}" -n "${GEN:-64}"
+    -b "${UBATCH:-4096}" -ub "${UBATCH:-4096}" -r "${REPEAT:-2}" -mmp "${MMAP:-1}" -o json)
   local configs; configs="$(echo "${NCPUMOE:-28,30,32,34,36}" | tr ',' ' ') all"
   for n in $(echo "${NGL:-}" | tr ',' ' '); do configs="$configs ngl$n"; done
   configs=${CONFIGS:-$configs}  # or the list itself, e.g. CONFIGS="34 all ngl7"
   for n in $configs; do
-    local args=(--n-cpu-moe "$n")
+    local args=(-ngl 99 --n-cpu-moe "$n")  # (-ngl is a list in llama-bench: given once)
     case "$n" in
-      all) args=(-ot "exps=CPU") ;;
+      all) args=(-ngl 99 -ot "exps=CPU") ;;
       ngl*) args=(-ngl "${n#ngl}") ;;  # the default layer split: N whole layers on the GPU
     esac
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/mem_$n.txt" &

@@ -32,7 +32,10 @@ def rows(folder: Path) -> list[dict]:
         except json.JSONDecodeError:
             runs = []
         row: dict = {"config": config, "peak_mib": _peak(folder / f"mem_{config}.txt")}
+        layers = int(config[3:]) if config.startswith("ngl") and config[3:].isdigit() else None
         for run in runs:
+            if layers is not None and run.get("n_gpu_layers") != layers:
+                continue  # (llama-bench runs every -ngl it is given: only the config's own)
             kind = f"pp{run['n_prompt']}" if run.get("n_prompt") else f"tg{run.get('n_gen')}"
             row[kind] = round(float(run["avg_ts"]), 1)
             row.setdefault("build_commit", run.get("build_commit"))
