@@ -130,11 +130,11 @@ def test_fla_norms_match_torch(dtype):
 def test_fla_head_norms_tune_once_per_size_class():
     """Head-sized norms (fla's tile kernels) over many row counts: right, and tuned for at most
     two size classes per shape (fla's own wrappers tune again for almost every prompt length)."""
-    from agentrt.models import kernels
+    from agentrt.models import fla_norms
 
     g = torch.Generator(device="cuda").manual_seed(0)
     tiles = []
-    for kernel in kernels._fla_norms()[2:]:  # the autotuner, under any heuristics wrapper
+    for kernel in fla_norms._fla_norms()[2:]:  # the autotuner, under any heuristics wrapper
         while not hasattr(kernel, "cache"):
             kernel = kernel.fn
         tiles.append(kernel)
@@ -142,8 +142,8 @@ def test_fla_head_norms_tune_once_per_size_class():
         x, gate = (torch.randn(rows, 256, generator=g, device="cuda") for _ in range(2))
         scale = torch.rand(256, generator=g, device="cuda") + 0.5
         plain = torch.nn.functional.rms_norm(x, (256,), None, 1e-6) * scale
-        torch.testing.assert_close(kernels.fla_rms_norm(x, scale, 1e-6), plain)
-        gated = kernels.fla_rms_norm(x, scale, 1e-6, gate)
+        torch.testing.assert_close(fla_norms.fla_rms_norm(x, scale, 1e-6), plain)
+        gated = fla_norms.fla_rms_norm(x, scale, 1e-6, gate)
         torch.testing.assert_close(gated, plain * torch.nn.functional.silu(gate))
     for tile in tiles:
         assert len([k for k in tile.cache if k[0] == 256]) <= 2
@@ -156,10 +156,10 @@ def test_fla_l2norm_tunes_once_per_size_class():
     4,096 tokens of a 16-head prompt)."""
     from fla.modules.norm.l2norm import l2norm_fwd
 
-    from agentrt.models import kernels
+    from agentrt.models import fla_norms
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    tuner = kernels._fla_l2norm()[1]
+    tuner = fla_norms.fla_l2norm_ops()[1]
     while not hasattr(tuner, "cache"):
         tuner = tuner.fn
     before = set(tuner.cache)
@@ -167,7 +167,7 @@ def test_fla_l2norm_tunes_once_per_size_class():
         torch.randn(rows, 128, generator=g, device="cuda", dtype=torch.bfloat16)
         for rows in (3, 700, 4100, 65537, 70000, 150000, 300000)
     ]
-    ours = [kernels.fla_l2norm(x) for x in xs]
+    ours = [fla_norms.fla_l2norm(x) for x in xs]
     assert {key[1] for key in set(tuner.cache) - before} <= {1, 2}
     for x, y in zip(xs, ours, strict=True):
         torch.testing.assert_close(y, l2norm_fwd(x)[0])

@@ -334,17 +334,14 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self, state: SequenceState) -> None:
-        """On CUDA, before the first request: compile and tune what a request runs (chunked and
-        short prefill pieces, captures inside a piece, the decode step, whose CUDA graph is
-        captured for `state`'s buffers) on a scratch prompt, then empty `state`. First one
-        eager piece of the engine's whole prefill chunk (as long prompts run: the kernels
-        that only long pieces take, and the larger size class of the norms), offloaded too,
-        where it costs one pass over the missing experts (about 1 s at 16 GiB) against 4-12 s
-        of tuning inside the first request past 1K, 2K or 4K tokens. With prefill graphs the
-        scratch prompt runs twice, eagerly first: prompts longer than the graphs take run
-        eagerly, and their kernels (other variants than a replay's static pass) would
-        otherwise compile inside the first such request. Elsewhere nothing (there is nothing
-        to compile)."""
+        """On CUDA, before the first request: compile and tune what a request runs on a
+        scratch prompt (chunked and short pieces, captures inside a piece, the decode step,
+        whose CUDA graph is captured for `state`'s buffers), then empty `state`. First one
+        eager piece of the whole prefill chunk (the kernels only long pieces take, the norms'
+        larger size class), offloaded too: one pass over the missing experts (about 1 s at
+        16 GiB) against 4-12 s of tuning in the first request past 1K, 2K or 4K tokens. With
+        prefill graphs the scratch prompt runs eagerly first (longer prompts run eagerly).
+        Elsewhere nothing (there is nothing to compile)."""
         if self.device.type == "cuda":
             self._warm_up_run(state)
 

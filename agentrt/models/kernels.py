@@ -1,5 +1,5 @@
-"""Linear-attention kernels (causal depthwise conv with carried state, the gated delta rule) and
-fla's fused RMS norms for the layers that use the `fla` backend.
+"""Linear-attention kernels (causal depthwise conv with carried state, the gated delta rule) for
+the layers that use them (fla's fused norms: `fla_norms`).
 
 One small interface, `gated_delta_rule(q, k, v, g, beta, state, backend)`, with two backends:
 - `torch`: a pure-torch chunked (WY / UT-transform) implementation, always available, exact enough
@@ -14,13 +14,14 @@ unbatched: q, k `[T, Hk, dk]`, v `[T, Hv, dv]`, g (log decay, <= 0) and beta `[T
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from agentrt.models.fla_norms import fla_l2norm, fla_l2norm_ops, on_device_of
 
 CHUNK = 64
 
@@ -167,95 +168,6 @@ def fla_causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) 
     return out.squeeze(0)
 
 
-@functools.cache
-def _fla_norms():
-    """fla's norm wrappers (row kernels, above 512 channels) and tile kernels (up to 512)."""
-    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd, layer_norm_gated_fwd_kernel
-    from fla.modules.norm.layernorm import layer_norm_fwd, layer_norm_fwd_kernel
-
-    return layer_norm_fwd, layer_norm_gated_fwd, layer_norm_fwd_kernel, layer_norm_gated_fwd_kernel
-
-
-def _size_class(rows: int, per_class: int) -> int:
-    """The `NB` argument of fla's tile norm kernels. Its wrappers pass cdiv(rows, per_class),
-    which the kernels do not use except as an autotuning key: every new value meant a new
-    compilation and tuning of nine configurations, i.e. one for nearly every new prompt length
-    (a q norm has 16 rows per token, 2048 rows per value). Two classes instead."""
-    return 1 if rows <= per_class else 2
-
-
-def _fla_tile_norm(kernel, rows, gates, scale, eps: float, per_class: int) -> torch.Tensor:
-    """One of fla's tile norm kernels (rows of up to 512 channels) on `[T, D]` rows."""
-    import triton
-
-    count, dim = rows.shape
-    y, rstd = torch.empty_like(rows), torch.empty(count, dtype=torch.float, device=rows.device)
-    args = dict(x=rows, y=y, w=scale, b=None, mean=None, rstd=rstd, eps=eps, T=count, D=dim)
-    args |= dict(BD=triton.next_power_of_2(dim), NB=_size_class(count, per_class))
-    if gates is None:
-        args |= dict(res=None, res_out=None, G=1, HAS_RESIDUAL=False, STORE_RESIDUAL_OUT=False)
-        args |= dict(HAS_WEIGHT=True, HAS_BIAS=False)
-    else:  # (this kernel derives the HAS_* flags from the arguments)
-        args |= dict(g=gates, residual=None, residual_out=None, ACTIVATION="swish")
-    kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](**args, IS_RMS_NORM=True)
-    return y
-
-
-def fla_rms_norm(
-    x: torch.Tensor, scale: torch.Tensor, eps: float, gate: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`rmsnorm(x) * scale` (times `silu(gate)` when given) in one fla kernel (fp32 inside, one
-    rounding to x's dtype), where the torch path takes five to eight; `scale` is fp32."""
-    plain, gated, plain_tile, gated_tile = _fla_norms()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    gates = None if gate is None else gate.reshape(-1, gate.shape[-1]).contiguous()
-    with _on_device_of(x):
-        if rows.shape[1] <= 512:  # fla's own classes: 2048 rows, 2048 * 32 gated
-            tile, per_class = (plain_tile, 2048) if gate is None else (gated_tile, 65536)
-            return _fla_tile_norm(tile, rows, gates, scale, eps, per_class).view(x.shape)
-        if gate is None:
-            y, _, _, _ = plain(rows, scale, None, eps=eps, is_rms_norm=True)
-        else:
-            y, _, _, _ = gated(rows, gates, scale, None, "swish", eps=eps, is_rms_norm=True)
-    return y.view(x.shape)
-
-
-def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's L2 norm of `x`'s last dimension, as its `l2norm_fwd` computes it (the kernel fla's
-    chunked rule runs on q and k), with the size class capped at two: the wrapper passes
-    cdiv(rows, 65536), a compile-time argument and autotuning key the kernel does not otherwise
-    use, so every 4096 tokens of a 16-head prompt meant a new compilation and tuning (10 s on
-    an H200) inside the first request that long. Rows over 512 wide go to fla's wrapper."""
-    import triton
-
-    l2norm_fwd, kernel = _fla_l2norm()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    count, dim = rows.shape
-    if dim > 512:
-        return l2norm_fwd(x, eps)[0]
-    y = torch.empty_like(rows)
-    rstd = torch.empty(count, dtype=torch.float32, device=rows.device)
-    with _on_device_of(x):
-        kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](
-            x=rows,
-            y=y,
-            rstd=rstd,
-            eps=eps,
-            T=count,
-            D=dim,
-            BD=triton.next_power_of_2(dim),
-            NB=_size_class(count, 65536),
-        )
-    return y.view(x.shape)
-
-
-@functools.cache
-def _fla_l2norm():
-    from fla.modules.norm.l2norm import l2norm_fwd, l2norm_fwd_kernel
-
-    return l2norm_fwd, l2norm_fwd_kernel
-
-
 FLA_RECURRENT_MAX = 64  # segments up to this many tokens take fla's fused recurrent kernel
 
 
@@ -294,7 +206,7 @@ def _fla_internals():
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    _fla_l2norm()  # (its imports checked with the others)
+    fla_l2norm_ops()  # (its imports checked with the others)
     return (
         fla_l2norm,
         chunk_local_cumsum,
@@ -314,13 +226,8 @@ def fla_chunk_starts(q, k, v, g, beta, state):
     state kernel stores them in fp32, the precision its recurrence runs at, so a checkpoint taken
     at a chunk start is the live state exactly; its output kernel reads them rounded to k's
     dtype, as fla's own pass does (the output is unchanged)."""
-    with _on_device_of(q):  # fla's public functions set the device; its internal ones do not
+    with on_device_of(q):  # fla's public functions set the device; its internal ones do not
         return _fla_chunk_starts(q, k, v, g, beta, state)
-
-
-def _on_device_of(x: torch.Tensor):
-    """The CUDA device of `x` made current (nothing for CPU tensors: Triton's interpreter)."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _fla_chunk_starts(q, k, v, g, beta, state):

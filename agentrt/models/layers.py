@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from agentrt.models import kernels
+from agentrt.models import fla_norms
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.kv import KVCache, LayerCache
 from agentrt.models.moe import ExpertBackend, RoutedExperts
@@ -120,8 +120,8 @@ def _probe_fla_norms(device, dtype) -> bool:
             scale = torch.rand(dim, device=device, generator=gen) + 0.5
             plain = F.rms_norm(x.float(), (dim,), None, 1e-6) * scale
             for got, want in (
-                (kernels.fla_rms_norm(x, scale, 1e-6), plain),
-                (kernels.fla_rms_norm(x, scale, 1e-6, gate), plain * F.silu(gate.float())),
+                (fla_norms.fla_rms_norm(x, scale, 1e-6), plain),
+                (fla_norms.fla_rms_norm(x, scale, 1e-6, gate), plain * F.silu(gate.float())),
             ):
                 if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
                     raise ValueError(f"differs by {(got.float() - want).abs().max():.3g}")
@@ -139,7 +139,7 @@ class RMSNorm(NormBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused(x):  # one kernel where the lines below take five
-            return kernels.fla_rms_norm(x, self.scale(), self.eps)
+            return fla_norms.fla_rms_norm(x, self.scale(), self.eps)
         # F.rms_norm: one fused kernel on CUDA (eager prefill of short suffixes is launch-bound);
         # on the CPU the same arithmetic in the same order as the explicit formula
         dims = (x.shape[-1],)
@@ -156,7 +156,7 @@ class GatedRMSNorm(NormBase):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.fused(x):  # one kernel where the lines below take eight
-            return kernels.fla_rms_norm(x, self.scale(), self.eps, gate)
+            return fla_norms.fla_rms_norm(x, self.scale(), self.eps, gate)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         h = self.weight * h.to(x.dtype)
         return (h * F.silu(gate.float())).to(x.dtype)
