@@ -13,6 +13,8 @@
 #   ttft_eager   the same with --no-prefill-graphs (into ttft_eager.*)
 #   static       graphed vs eager prefill per piece length, and decode (profile_static.py)
 #   statecache   the state-cache benchmark at LENGTHS (default 8192,32768)
+#   firstcalls   each prompt length's first and second call after an offloaded start-up under
+#                16 GiB, with the kernels Triton tunes in between (first_calls.py)
 # Carry .whl .tok .traces-dev (see gpu_ttft.sh prepare), and .triton-cache.tgz when a previous
 # run left one in $OUT (it saves the fla kernel compilation of a fresh machine).
 set -u
@@ -58,6 +60,11 @@ for r in json.load(open(sys.argv[1]))["runs"]:
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()
            if not isinstance(v, (dict, list))})
 EOF
+fi
+if has firstcalls; then
+  TRITON_PRINT_AUTOTUNING=1 timeout "${FIRST_CALLS_TIMEOUT:-360}" python3 benchmarks/first_calls.py \
+    --prefill-chunk 8192 > "$OUT/first_calls.log" 2>&1
+  grep -h "^first_calls\|^Triton autotuning for function\|^finished after" "$OUT/first_calls.log"
 fi
 # the Triton cache for the next fresh machine (carry it back as .triton-cache.tgz), if small
 # (loading a kernel needs only its .cubin and .json files: the IR and PTX stages stay behind)

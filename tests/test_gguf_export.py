@@ -73,3 +73,44 @@ def test_an_exported_model_is_the_same_model_in_llama_cpp(size, tmp_path):
         check=True,
     )
     assert run.stdout.strip() == ours.strip()
+
+
+def test_a_split_export_is_the_same_model_from_its_first_shard(tmp_path):
+    """`split_max_size`: shards that together hold every tensor once, and llama.cpp loaded
+    from the first shard continues a prompt as from the single file."""
+    tok_dir = SHARED / "tokenizers" / "qwen3"
+    exporter, overrides = _exporter(), {"vocab_size": CASES["tiny"][1]}
+    whole = exporter.export(
+        Path(LLAMA_CPP), "tiny", tok_dir, tmp_path / "one.gguf", "f32", 0, overrides
+    )
+    split = exporter.export(
+        Path(LLAMA_CPP),
+        "tiny",
+        tok_dir,
+        tmp_path / "sharded.gguf",
+        "f32",
+        0,
+        overrides,
+        split_max_size=whole["bytes"] // 3,
+    )
+    assert len(split["files"]) >= 3 and split["gguf"].endswith(
+        f"-00001-of-{len(split['files']):05d}.gguf"
+    )
+    sys.path.insert(0, str(Path(LLAMA_CPP) / "gguf-py"))
+    import gguf
+
+    names = [t.name for f in split["files"] for t in gguf.GGUFReader(f).tensors]
+    assert sorted(names) == sorted(t.name for t in gguf.GGUFReader(whole["gguf"]).tensors)
+    if not LLAMA_SIMPLE:
+        return
+    outputs = [
+        subprocess.run(
+            [LLAMA_SIMPLE, "-m", path, "-n", "24", PROMPT],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout
+        for path in (whole["gguf"], split["gguf"])
+    ]
+    assert outputs[0].strip() == outputs[1].strip() != ""

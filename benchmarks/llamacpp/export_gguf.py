@@ -14,8 +14,14 @@ tokenizer files the converter reads go into a scratch directory.
 
     python benchmarks/llamacpp/export_gguf.py --llama-cpp DIR --model synthetic:qwen3.5-35b-a3b \
         --tokenizer .tok/qwen3 -o /dev/shm/q35.gguf [--outtype bf16|f32] [--seed 0] [--device cuda]
+        [--split-max-size 40G]
 
-Prints a JSON line: the output file, its size, the tensors written, the seconds taken.
+With `--split-max-size` the converter writes shards (`q35-00001-of-0000N.gguf`, ...; llama.cpp
+loads them from the first), which can then live on different file systems: e.g. all but the
+last on a disk and symlinked back, so that `--no-mmap` (weights copied into pinned host
+buffers) fits beside them in host memory.
+
+Prints a JSON line: the output files, their size, the tensors written, the seconds taken.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from agentrt.models.synthetic import (
     resolve_size,
     router_skew,
 )
+from agentrt.offload.config import parse_bytes
 
 OUTTYPES = {"bf16": "MOSTLY_BF16", "f32": "ALL_F32", "f16": "MOSTLY_F16"}
 
@@ -127,6 +134,7 @@ def export(
     seed: int = 0,
     overrides: dict | None = None,
     device: str = "cpu",
+    split_max_size: int = 0,
 ) -> dict:
     """Write `size` (config.json fields `overrides` changed, e.g. the vocabulary's size to
     match a tokenizer) to `out`; returns the report."""
@@ -152,13 +160,15 @@ def export(
         original, gguf.quants.quantize = _fast_bf16(gguf)
         try:
             with torch.inference_mode():
-                cls(model_dir, ftype, out).write()
+                cls(model_dir, ftype, out, split_max_size=split_max_size).write()
         finally:
             base.index_tensors = reader
             gguf.quants.quantize = original
+    files = [out] if out.is_file() else sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
     return {
-        "gguf": str(out),
-        "bytes": out.stat().st_size,
+        "gguf": str(files[0]),
+        "files": [str(f) for f in files],
+        "bytes": sum(f.stat().st_size for f in files),
         "tensors": len(tensors),
         "model": f"synthetic:{size}",
         "seed": seed,
@@ -184,6 +194,12 @@ def main() -> None:
         help="where values are drawn: cpu (as a written checkpoint) or cuda (as `synthetic:NAME`"
         " built on that GPU)",
     )
+    parser.add_argument(
+        "--split-max-size",
+        type=parse_bytes,
+        default=0,
+        help="largest shard, e.g. 40G (default: one file)",
+    )
     args = parser.parse_args()
     if not args.model.startswith("synthetic:"):
         parser.error("--model must be synthetic:NAME")
@@ -198,6 +214,7 @@ def main() -> None:
         args.seed,
         overrides,
         args.device,
+        args.split_max_size,
     )
     print(json.dumps(report))
 

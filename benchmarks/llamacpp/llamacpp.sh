@@ -15,7 +15,11 @@
 #   bash benchmarks/llamacpp/llamacpp.sh export [MODEL] [GGUF]
 #       `export_gguf.py` of MODEL (default synthetic:qwen3.5-35b-a3b, bf16) into GGUF (default
 #       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3); DEVICE=cuda draws
-#       the values on the GPU, as `synthetic:NAME` built there (the weights agentrt runs).
+#       the values on the GPU, as `synthetic:NAME` built there (the weights agentrt runs);
+#       SPLIT=40G writes shards of at most that size (GGUF is then the first's name).
+#   bash benchmarks/llamacpp/llamacpp.sh spill GGUF DIR
+#       Moves every shard of a split GGUF but the last into DIR (a disk) and links them back,
+#       so that MMAP=0 (weights copied into pinned host buffers) fits beside the rest.
 #   bash benchmarks/llamacpp/llamacpp.sh bench GGUF
 #       llama-bench over a sweep of --n-cpu-moe, -ot exps=CPU and -ngl layer splits (see
 #       `bench` below).
@@ -72,7 +76,17 @@ export_gguf() {
   local model=${1:-synthetic:qwen3.5-35b-a3b}
   local out=${2:-/dev/shm/${model#synthetic:}.gguf}
   python3 "$HERE/export_gguf.py" --llama-cpp "$LLAMA" --model "$model" \
-    --device "${DEVICE:-cpu}" --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}"
+    --device "${DEVICE:-cpu}" --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}" \
+    --split-max-size "${SPLIT:-0}"
+}
+
+spill() {
+  local first=$1 dir=$2 shard
+  mkdir -p "$dir"
+  for shard in $(ls "${first%-00001-of-*}"-*-of-*.gguf | head -n -1); do
+    mv "$shard" "$dir/" && ln -s "$dir/$(basename "$shard")" "$shard"
+  done
+  ls -la "$(dirname "$first")" "$dir"
 }
 
 bench() {
@@ -109,6 +123,7 @@ case "${1:-}" in
   prepare) prepare "${2:-}" ;;
   build) build ;;
   export) export_gguf "${2:-}" "${3:-}" ;;
+  spill) spill "${2:?the first shard}" "${3:?a directory on a disk}" ;;
   bench) bench "${2:?a GGUF file}" ;;
-  *) echo "usage: $0 prepare [DIR] | build | export [MODEL] [GGUF] | bench GGUF" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [DIR] | build | export [MODEL] [GGUF] | spill GGUF DIR | bench GGUF" >&2; exit 2 ;;
 esac
