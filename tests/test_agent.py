@@ -94,6 +94,7 @@ def test_loop_feeds_tool_results_and_errors_back(tmp_path):
     assert len(run.requests) == 3 and run.requests[2]["messages"][-1]["role"] == "tool"
 
 
+@pytest.mark.slow
 def test_run_command_on_tiny_completes(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     trace = tmp_path / "run.jsonl"

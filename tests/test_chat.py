@@ -176,6 +176,7 @@ def test_chat_timings_when_stopped_by_a_stop_string():
     assert cut.finish_reason == "stop" and cut.timings["decode_s"] > 0
 
 
+@pytest.mark.slow
 def test_content_equals_decoded_tokens_even_when_cut_mid_character():
     rt = Runtime.open()
     for n in range(1, 30):

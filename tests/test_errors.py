@@ -53,6 +53,7 @@ def _bad_dirs(tmp_path, hf_qwen3):
     "case",
     ["missing", "no_config", "bad_json", "unknown_arch", "no_weights", "corrupt", "wrong_shape"],
 )
+@pytest.mark.slow
 def test_bad_model_dirs(tmp_path, hf_qwen3, case):
     path, exc_type, words = _bad_dirs(tmp_path, hf_qwen3)[case]
     with pytest.raises(exc_type, match=words):
@@ -74,6 +75,7 @@ def test_prompt_longer_than_context(tmp_path, hf_qwen3):
     assert len(rt.generate(list(range(60)), max_tokens=10)) == 4  # stops at the context end
 
 
+@pytest.mark.slow
 def test_cli_prompt_too_long(tmp_path):
     from agentrt.models.tiny import ensure_tiny
 
@@ -85,6 +87,7 @@ def test_cli_prompt_too_long(tmp_path):
     assert proc.stderr.startswith("error: prompt has ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bad_options_are_named():
     with pytest.raises(InvalidArgumentError, match="cache must be"):
         Runtime.open(cache="bogus")
@@ -127,6 +130,7 @@ def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_cli_chat_needs_a_tokenizer_before_loading(tmp_path):
     proc = run_cli(
         "chat", "--model", "synthetic:qwen3-30b-a3b", "--device", "cpu", "hi", timeout=120

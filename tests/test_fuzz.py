@@ -219,6 +219,7 @@ PATHS = st.sampled_from(ENDPOINTS) | st.builds(
 )
 
 
+@pytest.mark.slow
 @fuzz_settings(max_examples=60)
 @given(data=st.data())
 def test_fuzz_every_endpoint(server, data):
@@ -389,6 +390,7 @@ def _import_example(fmt: str, data) -> None:
             assert check_cli(shown) == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(IMPORT_SEEDS))
 @fuzz_settings(max_examples=70)
 @given(data=st.data())

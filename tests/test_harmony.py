@@ -243,6 +243,7 @@ def _script(monkeypatch, rt, reply: str, stop: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_gpt_oss_turn_returns_openai_tool_calls_and_the_next_turn_reuses_state(
     gpt_oss_runtime, monkeypatch
 ):

@@ -186,6 +186,7 @@ def test_lfu_heap_victim_is_the_least_frequent_resident():
             lfu.insert(key)
 
 
+@pytest.mark.slow
 def test_slots_follow_the_vram_budget():
     from agentrt.engine.placement import (
         dense_bytes,
@@ -664,6 +665,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     """The kernel's thread pool (graph decode's host steps: `start`, then `finish`) computes
     what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads, fresh

@@ -371,6 +371,7 @@ def test_non_streaming_disconnect_stops_generation(server, monkeypatch):
     assert 0 < generated < server.chat.runtime.engine.max_context // 2  # stopped early
 
 
+@pytest.mark.slow
 def test_stream_starts_before_the_first_token_and_keeps_alive(server, monkeypatch):
     import agentrt.server.app as app_module
 

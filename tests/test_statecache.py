@@ -85,6 +85,7 @@ def model(request, tiny_qwen3) -> str:
     return "tiny" if request.param == "hybrid" else str(tiny_qwen3)
 
 
+@pytest.mark.slow
 def test_semantic_is_transparent_and_reuses_exactly_where_possible(model, tmp_path):
     off = Runtime.open(model, cache="off")
     sem = _semantic(model, tmp_path / "state")
@@ -240,6 +241,7 @@ SECOND_PROCESS = """
 """
 
 
+@pytest.mark.slow
 def test_second_process_reuses_checkpoints(tmp_path):
     state = tmp_path / "state"
     sem = _semantic("tiny", state)
@@ -637,6 +639,7 @@ def test_reads_do_not_wait_for_a_write_in_progress(tmp_path):
     store.close()
 
 
+@pytest.mark.slow
 def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
     out = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "agentrt.cli", "bench", "statecache", "--model", "tiny"]
@@ -651,6 +654,7 @@ def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
     assert run["restored_vs_recomputed_max_abs_diff"] < 1e-4  # fp32 on the CPU
 
 
+@pytest.mark.slow
 def test_bench_statecache_fidelity_restored_equals_recomputed_on_the_cpu(tmp_path):
     """`bench statecache --fidelity`: in fp32 on the CPU a restored checkpoint's suffix logits
     and greedy continuation equal the recomputed ones exactly, in both capture designs; the

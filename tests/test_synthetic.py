@@ -131,6 +131,7 @@ def test_model_make_and_info_cli(tmp_path):
     assert chat.returncode == 0 and "4 generated" in chat.stderr, chat.stderr
 
 
+@pytest.mark.slow
 def test_bench_prefill_cli_prints_json(tmp_path):
     cmd = [
         sys.executable,

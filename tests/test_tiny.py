@@ -88,6 +88,7 @@ def test_tiny_template_renders_tools_reasoning_and_outputs():
     assert "<think>" not in text2  # earlier reasoning is dropped once a new user turn arrives
 
 
+@pytest.mark.slow
 def test_cli_chat_on_fresh_home(tmp_path):
     env = dict(os.environ, AGENTRT_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
     proc = run_cli(
