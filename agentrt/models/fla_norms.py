@@ -36,18 +36,33 @@ def _size_class(rows: int, per_class: int) -> int:
 
 def _fla_tile_norm(kernel, rows, gates, scale, eps: float, per_class: int) -> torch.Tensor:
     """One of fla's tile norm kernels (rows of up to 512 channels) on `[T, D]` rows."""
-    import triton
-
-    count, dim = rows.shape
-    y, rstd = torch.empty_like(rows), torch.empty(count, dtype=torch.float, device=rows.device)
-    args = dict(x=rows, y=y, w=scale, b=None, mean=None, rstd=rstd, eps=eps, T=count, D=dim)
-    args |= dict(BD=triton.next_power_of_2(dim), NB=_size_class(count, per_class))
+    args = dict(w=scale, b=None, mean=None, eps=eps, IS_RMS_NORM=True)
     if gates is None:
         args |= dict(res=None, res_out=None, G=1, HAS_RESIDUAL=False, STORE_RESIDUAL_OUT=False)
         args |= dict(HAS_WEIGHT=True, HAS_BIAS=False)
     else:  # (this kernel derives the HAS_* flags from the arguments)
         args |= dict(g=gates, residual=None, residual_out=None, ACTIVATION="swish")
-    kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](**args, IS_RMS_NORM=True)
+    return _launch_tile(kernel, rows, per_class, **args)
+
+
+def _launch_tile(kernel, rows: torch.Tensor, per_class: int, **args) -> torch.Tensor:
+    """A row-tile kernel of fla's norms on `[T, D]` rows (one program per `BT` rows) with its
+    size class from `_size_class`; returns the output rows (the per-row statistics, which
+    only fla's backward pass reads, are dropped)."""
+    import triton
+
+    count, dim = rows.shape
+    y, rstd = torch.empty_like(rows), torch.empty(count, dtype=torch.float, device=rows.device)
+    kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](
+        x=rows,
+        y=y,
+        rstd=rstd,
+        T=count,
+        D=dim,
+        BD=triton.next_power_of_2(dim),
+        NB=_size_class(count, per_class),
+        **args,
+    )
     return y
 
 
@@ -76,27 +91,12 @@ def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     cdiv(rows, 65536), a compile-time argument and autotuning key the kernel does not otherwise
     use, so every 4096 tokens of a 16-head prompt meant a new compilation and tuning (10 s on
     an H200) inside the first request that long. Rows over 512 wide go to fla's wrapper."""
-    import triton
-
     l2norm_fwd, kernel = fla_l2norm_ops()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    count, dim = rows.shape
-    if dim > 512:
-        return l2norm_fwd(x, eps)[0]
-    y = torch.empty_like(rows)
-    rstd = torch.empty(count, dtype=torch.float32, device=rows.device)
     with on_device_of(x):
-        kernel[lambda meta: (triton.cdiv(count, meta["BT"]),)](
-            x=rows,
-            y=y,
-            rstd=rstd,
-            eps=eps,
-            T=count,
-            D=dim,
-            BD=triton.next_power_of_2(dim),
-            NB=_size_class(count, 65536),
-        )
-    return y.view(x.shape)
+        if rows.shape[1] > 512:
+            return l2norm_fwd(x, eps)[0]
+        return _launch_tile(kernel, rows, 65536, eps=eps).view(x.shape)
 
 
 @functools.cache

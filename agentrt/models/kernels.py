@@ -208,7 +208,6 @@ def _fla_internals():
 
     fla_l2norm_ops()  # (its imports checked with the others)
     return (
-        fla_l2norm,
         chunk_local_cumsum,
         RCP_LN2,
         (
@@ -231,9 +230,9 @@ def fla_chunk_starts(q, k, v, g, beta, state):
 
 
 def _fla_chunk_starts(q, k, v, g, beta, state):
-    l2norm, local_cumsum, rcp_ln2, (intra, state_kernel, fwd_o) = _fla_internals()
+    local_cumsum, rcp_ln2, (intra, state_kernel, fwd_o) = _fla_internals()
     q, k, v = (t.unsqueeze(0).contiguous() for t in (q, k, v))
-    q, k = l2norm(q), l2norm(k)
+    q, k = fla_l2norm(q), fla_l2norm(k)
     g = local_cumsum(g.float().unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=rcp_ln2)
     beta = beta.to(v.dtype).unsqueeze(0).contiguous()
     w, u, _ = intra(k=k, v=v, g=g, beta=beta, chunk_size=CHUNK)
