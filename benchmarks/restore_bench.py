@@ -3,10 +3,12 @@ fresh cache object, nothing in RAM) and from the RAM tier (the cache that wrote 
 
 Builds a random `SequenceState` shaped like MODEL (default synthetic:qwen3.5-35b-a3b: 10 attention
 layers of KV, 30 linear-attention states) holding TOKENS tokens on DEVICE, saves one checkpoint
-into a fresh state directory, then restores it three times from each tier with WORKERS
-decompression threads and prints the times (and, with PROFILE=1 in the environment, a cProfile
-of one restore of each tier). Usage:
-    python benchmarks/restore_bench.py [TOKENS] [MODEL] [DEVICE] [WORKERS]
+into a fresh state directory, then restores it three times from each tier with THREADS
+read threads (a comma list runs it once per count; 0: the default) and prints the times (and,
+with PROFILE=1 in the environment, a cProfile of one restore of each tier; with BREAKDOWN=1,
+when each upload group's chunks were ready and how long its upload took to dispatch, from the
+restore's start). Usage:
+    python benchmarks/restore_bench.py [TOKENS] [MODEL] [DEVICE] [THREADS]
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.models.registry import config_of
 from agentrt.statecache import Boundaries, StateCache
-from agentrt.statecache.config import StateCacheConfig
+from agentrt.statecache.config import StateCacheConfig, restore_threads
 from agentrt.statecache.manager import layout_for
+from agentrt.statecache.restore import Restorer
 
 
 def _sync(device: torch.device) -> None:
@@ -34,11 +37,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Groups:
+    """With BREAKDOWN=1: the time each upload group's chunks were ready and its dispatch ended."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, float]] = []
+        self.t0 = 0.0
+        if os.environ.get("BREAKDOWN") == "1":
+            upload = Restorer._upload_group
+
+            def timed(this, *args, **kwargs):
+                ready = time.perf_counter()
+                upload(this, *args, **kwargs)
+                self.marks.append((ready - self.t0, time.perf_counter() - self.t0))
+
+            Restorer._upload_group = timed
+
+    def start(self) -> None:
+        self.marks.clear()
+        self.t0 = time.perf_counter()
+
+    def report(self) -> str:
+        if not self.marks:
+            return ""
+        ready = [f"{r * 1e3:.1f}" for r, _ in self.marks]
+        dispatch = sum(d - r for r, d in self.marks)
+        return f"; groups ready at ms {' '.join(ready)}; upload dispatch {dispatch * 1e3:.1f} ms"
+
+
+GROUPS: _Groups | None = None
+
+
 def _restores(label, cache, state, ids, device, reps: int = 3) -> None:
     for i in range(reps + 1):
         state.reset()
         _sync(device)
         prof = cProfile.Profile() if os.environ.get("PROFILE") == "1" and i == reps else None
+        GROUPS.start()
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -49,15 +84,24 @@ def _restores(label, cache, state, ids, device, reps: int = 3) -> None:
             prof.disable()
             pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
         elif i:  # (the first restore warms allocations)
-            print(f"restore of {len(ids) - 1} tokens from {label}: {seconds:.4f} s ({hit})")
+            print(
+                f"restore of {len(ids) - 1} tokens from {label}: {seconds:.4f} s ({hit})"
+                + GROUPS.report()
+            )
 
 
-def main(tokens: int, spec: str, device_name: str, workers: int) -> None:
+def main(tokens: int, spec: str, device_name: str, threads: int) -> None:
+    global GROUPS
+    GROUPS = _Groups()
     device = torch.device(device_name)
     cfg = config_of(spec)
     root = Path(tempfile.mkdtemp(prefix="agentrt-restore-"))
     conf = StateCacheConfig(
-        state_dir=root, max_bytes=8 * 2**30, ram_bytes=4 * 2**30, min_distance=0, workers=workers
+        state_dir=root,
+        max_bytes=8 * 2**30,
+        ram_bytes=4 * 2**30,
+        min_distance=0,
+        restore_threads=threads,
     )
     marker = cfg.vocab_size - 1
     layout, bounds = layout_for(cfg, torch.bfloat16), Boundaries({"message_end": ((marker,),)})
@@ -86,7 +130,8 @@ def main(tokens: int, spec: str, device_name: str, workers: int) -> None:
     stored = writer.stats["bytes_written"]
     print(
         f"save + write of {raw / 2**20:.0f} MiB ({stored / max(raw, 1):.2f} stored): "
-        f"{seconds:.3f} s ({raw / 2**20 / seconds:.0f} MiB/s), {workers} workers, {device}"
+        f"{seconds:.3f} s ({raw / 2**20 / seconds:.0f} MiB/s), {restore_threads(conf)} read "
+        f"threads, {device}"
     )
     _restores("RAM", writer, state, ids, device)
     writer.close()
@@ -98,9 +143,10 @@ def main(tokens: int, spec: str, device_name: str, workers: int) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(
-        int(args[0]) if args else 32768,
-        args[1] if len(args) > 1 else "synthetic:qwen3.5-35b-a3b",
-        args[2] if len(args) > 2 else "cpu",
-        int(args[3]) if len(args) > 3 else StateCacheConfig().workers,
-    )
+    for count in (args[3] if len(args) > 3 else "0").split(","):
+        main(
+            int(args[0]) if args else 32768,
+            args[1] if len(args) > 1 else "synthetic:qwen3.5-35b-a3b",
+            args[2] if len(args) > 2 else "cpu",
+            int(count),
+        )

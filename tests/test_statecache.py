@@ -774,6 +774,17 @@ def test_payloads_zstd_does_not_shrink_are_stored_raw_and_still_checked():
             unpack(bytes(bad))
     with pytest.raises(CorruptPayload):
         unpack(raw[:-2])
+    # the RAM tier's own bytes skip the checksum (not the size check): a flipped data bit is
+    # copied as it is there, refused with it
+    bad = bytearray(raw)
+    bad[len(raw) // 2] ^= 0x10
+    place = torch.zeros(64000, dtype=torch.bfloat16)
+    unpack_scatter(bytes(bad), [row_bytes(place)], verify=False)
+    assert row_bytes(place).tobytes() == bytes(bad[_HEAD.size :])
+    with pytest.raises(CorruptPayload):
+        unpack_scatter(bytes(bad), [row_bytes(place)])
+    with pytest.raises(CorruptPayload):
+        unpack_scatter(raw, [row_bytes(place[:-1])], verify=False)
 
 
 def test_scattered_decompression_fills_each_place_and_checks_the_data():
@@ -991,3 +1002,17 @@ def test_a_writer_behind_gets_the_checkpoints_after_the_response(tmp_path, monke
     keys = PrefixKeys(cache.fp, ids)
     assert all(cache._stored(keys.key(pos)) for pos in wanted)
     sem.close()
+
+
+def test_restore_threads_leave_a_core_to_the_restoring_thread(monkeypatch):
+    """A restore reads on one thread per core but one (the restoring thread uploads meanwhile),
+    2 to 16 of them; an explicit count wins; a negative one is refused."""
+    from agentrt.errors import InvalidArgumentError
+    from agentrt.statecache.config import StateCacheConfig, restore_threads
+
+    for cores, threads in ((1, 2), (2, 2), (8, 7), (16, 15), (64, 16)):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert restore_threads(StateCacheConfig()) == threads
+    assert restore_threads(StateCacheConfig(restore_threads=3)) == 3
+    with pytest.raises(InvalidArgumentError):
+        StateCacheConfig(restore_threads=-1)

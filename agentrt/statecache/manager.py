@@ -19,7 +19,6 @@ deleted and the next candidate is tried. Recent payloads also live in an in-proc
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import threading
 import time
@@ -36,7 +35,7 @@ from agentrt.statecache.boundaries import Boundaries
 from agentrt.statecache.codec import (
     Layout,
 )
-from agentrt.statecache.config import StateCacheConfig
+from agentrt.statecache.config import StateCacheConfig, restore_threads
 from agentrt.statecache.keys import BLOCK, PrefixKeys
 from agentrt.statecache.ram import RamTier
 from agentrt.statecache.restore import Restorer
@@ -97,10 +96,8 @@ class StateCache(Writer, Restorer):
         # checkpoints to write, and keys of records to touch (hit counts: a write transaction,
         # so it happens on the writer thread, never in a request)
         self._queue: queue.Queue[_Job | bytes | None] = queue.Queue(maxsize=config.queue_size)
-        # restores read and decompress chunks in parallel: one thread per core, up to 16
-        restore_threads = max(config.workers, min(16, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(
-            max_workers=restore_threads,
+            max_workers=restore_threads(config),
             thread_name_prefix="agentrt-restore",
             initializer=single_threaded,  # one thread per worker, no OpenMP team each
         )

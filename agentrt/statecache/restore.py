@@ -216,8 +216,8 @@ class Restorer:
         def fill(index: int, ck: bytes) -> None:
             place = [row_bytes(staged[index * span : (index + 1) * span])]
             payload = ram_chunks[ck]
-            if payload is not None:
-                unpack_scatter(payload, place)
+            if payload is not None:  # (the RAM tier's bytes never left this process)
+                unpack_scatter(payload, place, verify=False)
             elif self.store.read_chunk(ck, functools.partial(unpack_scatter, outs=place)) is None:
                 raise KeyError("payload missing")
 
@@ -271,20 +271,20 @@ class Restorer:
 
     def _upload_group(self, host: torch.Tensor, first: int, count: int, scratch, kv_caches):
         """`count` chunks from chunk `first` (payload order: per attention layer k then v, per
-        kv head BLOCK tokens) into the caches: one copy to the device, then per tensor one copy
-        that lays the chunks' rows out in the cache."""
+        kv head BLOCK tokens) into the caches: one copy to the device, then one call that lays
+        each tensor's rows out in the cache (few Python-level calls: this thread competes with
+        the read threads for the interpreter)."""
         data = host
         if scratch is not None:
             data = scratch[: host.numel()]
             data.copy_(host, non_blocking=host.is_pinned())
         layout = self.layout
-        shape = (count, layout.num_attn, 2, layout.kv_heads, BLOCK, layout.head_dim)
-        chunks = data.view(kv_caches[0].k.dtype).view(shape)
+        shape = (count, layout.num_attn * 2, layout.kv_heads, BLOCK, layout.head_dim)
+        chunks = data.view(kv_caches[0].k.dtype).view(shape).transpose(0, 2).unbind(1)
         lo, hi = first * BLOCK, (first + count) * BLOCK
-        for i, cache in enumerate(kv_caches):
-            for j, target in enumerate((cache.k, cache.v)):
-                rows = target[:, lo:hi].view(layout.kv_heads, count, BLOCK, layout.head_dim)
-                rows.copy_(chunks[:, i, j].transpose(0, 1))
+        rows = (layout.kv_heads, count, BLOCK, layout.head_dim)
+        targets = [t[:, lo:hi].view(rows) for cache in kv_caches for t in (cache.k, cache.v)]
+        torch._foreach_copy_(targets, list(chunks))
 
     def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor], load) -> None:
         """Blob tensors into the caches; asynchronous copies when `load` holds them pinned (its
