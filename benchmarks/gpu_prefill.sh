@@ -37,10 +37,12 @@ if has long; then  # a 64K-token cold prompt under the budget (KV takes slots fr
   grep -A3 "^plan " "$OUT/prefill_64k.log" || tail -20 "$OUT/prefill_64k.log"
 fi
 if has decode; then  # the decode hit rate and tok/s right after a short and a long prefill
-  for len in 512 32768; do
-    timeout "${DECODE_TIMEOUT:-200}" python3 -m agentrt.cli bench decode --offload auto \
-      --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB --prompt-len $len \
-      --tokens 64 --json "$OUT/decode_$len.json" > "$OUT/decode_$len.log" 2>&1
-    tail -4 "$OUT/decode_$len.log"
-  done
+  # (one invocation, rounds interleaved: both lengths decode under the same calibration)
+  timeout "${DECODE_TIMEOUT:-300}" python3 -m agentrt.cli bench decode --offload auto \
+    --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB \
+    --prompt-len 512,32768 --repeat "${DECODE_REPEAT:-3}" --tokens 64 \
+    --json "$OUT/decode_after.json" > "$OUT/decode_after.log" 2>&1
+  grep -v '^ \|^{\|^}' "$OUT/decode_after.log" | tail -8
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['after_prompt'])" \
+    "$OUT/decode_after.json"
 fi

@@ -394,6 +394,37 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     assert "host-memory ceiling" in result.stderr
 
 
+@pytest.mark.slow
+def test_bench_decode_after_several_prompt_lengths(tmp_path):
+    """With several prompt lengths every setting decodes after each (labels `@LENGTH`, ratios
+    per length) and `after_prompt` compares each length's tok/s and hit rate with the first's;
+    a list without --offload is a usage error."""
+    import json
+
+    from util import run_cli
+
+    out = tmp_path / "decode.json"
+    args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "8,40"]
+    args += ["--tokens", "3", "--offload", "auto,static", "--vram-budget", "1066MiB"]
+    result = run_cli(*args, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["prompt_tokens"] == [8, 40]
+    labels = [r["label"] for r in report["runs"]]
+    assert labels == ["auto/split/lru@8", "static@8", "auto/split/lru@40", "static@40"]
+    assert [r["prompt_tokens"] for r in report["runs"]] == [8, 8, 40, 40]
+    assert {"auto/split/lru_vs_static@8", "auto/split/lru_vs_static@40"} <= set(report["ratios"])
+    after = report["after_prompt"]["auto/split/lru@40"]
+    long, short = report["runs"][2], report["runs"][0]
+    assert after["tok_s_ratio"] == pytest.approx(long["tok_s"] / short["tok_s"])
+    if short["hit_rate"]:
+        assert after["hit_rate_ratio"] == pytest.approx(long["hit_rate"] / short["hit_rate"])
+    assert after["versus_prompt_tokens"] == 8 and "static@40" in report["after_prompt"]
+    assert "auto/split/lru after 40 tokens" in result.stderr
+    bad = run_cli("bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "8,40")
+    assert bad.returncode == 2 and "only with --offload" in bad.stderr
+
+
 def test_measured_bandwidths_keep_probing_the_cpu_side():
     """With bandwidths that follow measurements, a slow CPU estimate sends every miss over the
     copy path, but every PROBE_EVERY-th such decision still runs one miss on the CPU, so the

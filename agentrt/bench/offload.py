@@ -36,6 +36,7 @@ import itertools
 import pstats
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def offload_decode(
     dtype: str | None,
     budget: str | None,
     runs: list[dict[str, Any]],
-    prompt_len: int,
+    prompt_len: int | Sequence[int],
     tokens: int,
     seed: int,
     graphs: bool,
@@ -133,15 +134,20 @@ def offload_decode(
     cpu_kernel: str = "auto",
     py_profile: str | None = None,
 ) -> dict[str, Any]:
-    """The report of `bench decode --offload` (see the module docstring). `py_profile`: a text
-    file that gets, per setting and round, the costliest Python functions of `PROFILE_STEPS`
-    more decode steps run under cProfile after the timed ones (not timed)."""
+    """The report of `bench decode --offload` (see the module docstring). `prompt_len`: one
+    prompt length, or several: every setting then runs after each (rounds interleaved, one
+    calibration), labels get `@LENGTH`, and `after_prompt` compares each length's tok/s and hit
+    rate with the first's. `py_profile`: a text file that gets, per setting and round, the
+    costliest Python functions of `PROFILE_STEPS` more decode steps run under cProfile after
+    the timed ones (not timed)."""
     from agentrt.bench.engine import machine
 
+    lengths = [prompt_len] if isinstance(prompt_len, int) else list(dict.fromkeys(prompt_len))
     dtype = dtype or EngineConfig.default_dtype(device)
     model, store, cfg = load_offloadable(spec, device, dtype, seed)
     extra = PROFILE_STEPS if py_profile else 0
-    ids = text_ids(cfg.vocab_size, prompt_len + WARMUP_STEPS + tokens + extra, text, tokenizer_dir)
+    steps = WARMUP_STEPS + tokens + extra
+    ids = text_ids(cfg.vocab_size, max(lengths) + steps, text, tokenizer_dir)
     if py_profile:
         Path(py_profile).write_text("")
     kernel = kernel_for(cpu_kernel, store.dtype, strict=True)
@@ -149,11 +155,13 @@ def offload_decode(
     profile = profile_for(store, torch.device(device), kernel=kernel)
     dram_probe = dram_read_bandwidth()
     budget_bytes = parse_bytes(budget) if budget else None
-    rounds: dict[str, list[dict]] = {}
-    order = [s for _ in range(repeat) for s in runs if s["offload"] != "layer"]
-    order += [s for s in runs if s["offload"] == "layer"]
-    for setting in order:
-        print(f"agentrt: bench decode {label(setting)} ...", file=sys.stderr)
+    rounds: dict[tuple[str, int], list[dict]] = {}
+    movable = [s for s in runs if s["offload"] != "layer"]
+    order = [(s, n) for _ in range(repeat) for n in lengths for s in movable]
+    order += [(s, n) for n in lengths for s in runs if s["offload"] == "layer"]
+    for setting, length in order:
+        name = label(setting) + (f" after {length} tokens" if len(lengths) > 1 else "")
+        print(f"agentrt: bench decode {name} ...", file=sys.stderr)
         config = OffloadConfig(
             mode=setting["offload"] if setting["offload"] != "none" else "auto",
             split=setting.get("split", True),
@@ -163,7 +171,8 @@ def offload_decode(
             vram_budget=budget_bytes,
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured
         )
-        run = _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, graphs)
+        prompt = ids[: length + steps]
+        run = _run(model, store, device, dtype, setting, config, prompt, length, tokens, graphs)
         if py_profile:
             _append_profile(py_profile, run.pop("_py_profile"), run["label"])
         run["within_budget"] = (
@@ -171,23 +180,32 @@ def offload_decode(
             if budget_bytes is None or run["peak_gpu_bytes"] is None or setting["offload"] == "none"
             else run["peak_gpu_bytes"] <= budget_bytes
         )
-        rounds.setdefault(run["label"], []).append(run)
-    results = [_median_round(r) for r in rounds.values()]
-    _add_bounds(results, profile, store.expert_bytes)
+        rounds.setdefault((run["label"], length), []).append(run)
+    groups = {n: [_median_round(r) for (_, m), r in rounds.items() if m == n] for n in lengths}
+    results = [run for group in groups.values() for run in group]
+    for group in groups.values():
+        _add_bounds(group, profile, store.expert_bytes)
     dram_sources = {
         "sum": dram_probe,
         "calibration_copies_and_cpu": profile.copy_overlapped + profile.cpu_overlapped,
         "decode_cpu_experts": max((r["measured_cpu_gb_s"] or 0) * 1e9 for r in results),
     }
     dram = max(dram_sources.values())
-    _add_ceilings(results, dram, store.expert_bytes)
+    all_ratios: dict[str, float] = {}
+    for n, group in groups.items():
+        _add_ceilings(group, dram, store.expert_bytes)
+        found = ratios(group)
+        all_ratios.update(found if len(lengths) == 1 else {f"{k}@{n}": v for k, v in found.items()})
+    if len(lengths) > 1:
+        for run in results:
+            run["label"] += f"@{run['prompt_tokens']}"
     report = {
         "bench": "decode-offload",
         "model": spec,
         "device": device,
         "dtype": dtype,
         "vram_budget": budget,
-        "prompt_tokens": prompt_len,
+        "prompt_tokens": lengths[0] if len(lengths) == 1 else lengths,
         "tokens": tokens,
         "warmup_steps": WARMUP_STEPS,
         "repeat": repeat,
@@ -203,8 +221,10 @@ def offload_decode(
         "dram_read_sources_gb_s": {k: v / 1e9 for k, v in dram_sources.items()},
         "machine": machine(),
         "runs": results,
-        "ratios": ratios(results),
+        "ratios": all_ratios,
     }
+    if len(lengths) > 1:
+        report["after_prompt"] = after_prompt(groups)
     print(summary_table(results), file=sys.stderr)
     if ceilings := ceiling_lines(results, dram):
         print(ceilings, file=sys.stderr)
@@ -240,6 +260,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     run = {
         "label": label(setting),
         **setting,
+        "prompt_tokens": prompt_len,
         "cuda_graph": bool(engine.decode_graph and engine.decode_graph.enabled),
         "tok_s": tokens / elapsed,
         "ms_per_token": 1000 * elapsed / tokens,
@@ -466,6 +487,27 @@ def ratios(runs: list[dict]) -> dict[str, float]:
             out[f"{name}_vs_lru"] = by[name] / by[name.replace("/lfu", "/lru")]
         if name + "/no-prefetch" in by:
             out[f"{name}_vs_no-prefetch"] = by[name] / by[name + "/no-prefetch"]
+    return out
+
+
+def after_prompt(groups: dict[int, list[dict]]) -> dict[str, dict[str, float | None]]:
+    """Per setting and prompt length after the first listed: its tok/s and hit rate over the
+    same setting's after the first prompt length, e.g. decode right after a 32K-token prefill
+    against decode after a 512-token one (labels already carry `@LENGTH`)."""
+    first, *rest = groups
+    base = {r["label"].rsplit("@", 1)[0]: r for r in groups[first]}
+    out: dict[str, dict[str, float | None]] = {}
+    for n in rest:
+        for run in groups[n]:
+            ref = base.get(run["label"].rsplit("@", 1)[0])
+            if ref is None:
+                continue
+            hits = (run["hit_rate"], ref["hit_rate"])
+            out[run["label"]] = {
+                "tok_s_ratio": run["tok_s"] / ref["tok_s"],
+                "hit_rate_ratio": hits[0] / hits[1] if None not in hits and hits[1] else None,
+                "versus_prompt_tokens": first,
+            }
     return out
 
 

@@ -202,7 +202,15 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
 
 @bench.command("decode")
 @_bench_options
-@click.option("--prompt-len", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option(
+    "--prompt-len",
+    default="512",
+    show_default=True,
+    callback=csv_ints,
+    help="Tokens prefilled before decoding. With --offload a comma-separated list: every "
+    "setting decodes after each (e.g. 512,32768: decode right after a long prefill against "
+    "after a short one, rounds interleaved).",
+)
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @_csv_option("--graphs", ("on", "off"), "on", "Comma-separated CUDA-graph settings: on, off.")
 @_csv_option(
@@ -288,6 +296,8 @@ def bench_decode(
     modes = ["off"] if eager else graphs
     if py_profile and not offload:
         raise click.BadParameter("only with --offload", param_hint="--py-profile")
+    if len(prompt_len) > 1 and not offload:
+        raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
     if offload:
         prepare_cpu_threads(device, offload)
         from agentrt.bench import offload as bo
@@ -317,7 +327,7 @@ def bench_decode(
 
     _report(
         b.decode(
-            model, resolve_device(device), dtype, linear_attn, prompt_len, tokens, seed, modes
+            model, resolve_device(device), dtype, linear_attn, prompt_len[0], tokens, seed, modes
         ),
         json_out,
     )
