@@ -65,7 +65,7 @@ class _Groups:
         return f"; groups ready at ms {' '.join(ready)}; upload dispatch {dispatch * 1e3:.1f} ms"
 
 
-GROUPS: _Groups | None = None
+GROUPS = _Groups()  # (patched once, for every thread count's restores)
 
 
 def _restores(label, cache, state, ids, device, reps: int = 3) -> None:
@@ -91,8 +91,6 @@ def _restores(label, cache, state, ids, device, reps: int = 3) -> None:
 
 
 def main(tokens: int, spec: str, device_name: str, threads: int) -> None:
-    global GROUPS
-    GROUPS = _Groups()
     device = torch.device(device_name)
     cfg = config_of(spec)
     root = Path(tempfile.mkdtemp(prefix="agentrt-restore-"))

@@ -339,6 +339,24 @@ def test_baselines_take_the_fewest_cpu_layers_that_fit_the_budget():
 
 
 @pytest.mark.slow
+def test_layer_placement_moves_a_layer_to_the_host_once():
+    """A second `layer` placement of the same model (a benchmark's next prompt length) leaves
+    the layers the first one moved as they are, not wrapped twice."""
+    from agentrt.engine.placement import _cpu_expert_layers
+    from agentrt.offload.host_layer import HostLayer
+
+    rt = Runtime.open(cache="off", offload="static", cpu_moe_layers=0)
+    model, store = rt.engine.model, rt.engine.offload.store
+    config = OffloadConfig(mode="layer", cpu_layers=2)
+    for _ in range(2):
+        assert _cpu_expert_layers(model, store, config) == frozenset(
+            layer for layer in store.layers if layer < 2
+        )
+    moved = [layer for layer in model.layers if isinstance(layer, HostLayer)]
+    assert len(moved) == 2 and not any(isinstance(m.inner, HostLayer) for m in moved)
+
+
+@pytest.mark.slow
 def test_bench_decode_compares_placements_in_one_run(tmp_path):
     """`bench decode --offload ...` runs every combination once and reports the per-token
     figures, the decode bound and ratios (values are not asserted: this is no timing test)."""
@@ -815,7 +833,7 @@ def test_the_layer_chain_ceiling_adds_the_gpu_time_to_the_cpu_share():
     """A token's CPU experts sit on the chain of layers (T >= t_gpu + C / B_H') while copies
     may overlap everything (N - C <= B_P' T): T >= (t_gpu B_H' + N) / (B_P' + B_H'), never
     under N / DRAM nor t_gpu; copy-only, N / B_P."""
-    from agentrt.bench.offload import _add_ceilings, chain_seconds
+    from agentrt.bench.offload_figures import add_ceilings, chain_seconds
 
     assert chain_seconds(1.0, 0.01, 50.0, 70.0, 1e3) == pytest.approx((0.01 * 70 + 1) / 120)
     assert chain_seconds(1.0, 0.0, 50.0, 70.0, 100.0) == pytest.approx(1 / 100)  # DRAM
@@ -826,7 +844,7 @@ def test_the_layer_chain_ceiling_adds_the_gpu_time_to_the_cpu_share():
     split |= {"measured_cpu_gb_s": 70.0, "tok_s": 30.0}
     static = {"offload": "static", "cpu_experts_per_token": 170.0, "tok_s": 25.0}
     runs = [{"offload": "none", "ms_per_token": 10.0}, split, static]
-    _add_ceilings(runs, dram=100e9, expert_bytes=6_000_000)
+    add_ceilings(runs, dram=100e9, expert_bytes=6_000_000)
     need = 160 * 6_000_000
     assert split["host_read_bytes_per_token"] == need
     want = 1 / max(need / 100e9, (0.01 * 70e9 + need) / 120e9)

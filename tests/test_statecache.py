@@ -1011,7 +1011,7 @@ def test_restore_threads_leave_a_core_to_the_restoring_thread(monkeypatch):
     from agentrt.statecache.config import StateCacheConfig, restore_threads
 
     for cores, threads in ((1, 2), (2, 2), (8, 7), (16, 15), (64, 16)):
-        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
         assert restore_threads(StateCacheConfig()) == threads
     assert restore_threads(StateCacheConfig(restore_threads=3)) == 3
     with pytest.raises(InvalidArgumentError):

@@ -24,7 +24,7 @@ resident run) includes the GPU's own expert work, which could overlap the CPU's:
 that much too low, by the share of expert work in t_gpu.
 With `repeat` > 1 the settings run that many rounds, interleaved (all settings, then all again),
 and each setting reports the round of median tok/s with every round's tok/s beside it; `layer`
-runs once, last (it moves layers to the host for good).
+runs once (per prompt length), last (it moves layers to the host for good).
 """
 
 from __future__ import annotations
@@ -42,13 +42,21 @@ from typing import Any
 
 import torch
 
+from agentrt.bench.offload_figures import (
+    add_bounds,
+    add_ceilings,
+    after_prompt,
+    ceiling_lines,
+    ratios,
+    summary_table,
+)
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
-from agentrt.offload.calibrate import Profile, dram_read_bandwidth
+from agentrt.offload.calibrate import dram_read_bandwidth
 from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_kernel import kernel_for, kernel_name
 from agentrt.offload.store import ExpertStore
@@ -174,7 +182,7 @@ def offload_decode(
         prompt = ids[: length + steps]
         run = _run(model, store, device, dtype, setting, config, prompt, length, tokens, graphs)
         if py_profile:
-            _append_profile(py_profile, run.pop("_py_profile"), run["label"])
+            _append_profile(py_profile, run.pop("_py_profile"), name)
         run["within_budget"] = (
             None
             if budget_bytes is None or run["peak_gpu_bytes"] is None or setting["offload"] == "none"
@@ -184,7 +192,7 @@ def offload_decode(
     groups = {n: [_median_round(r) for (_, m), r in rounds.items() if m == n] for n in lengths}
     results = [run for group in groups.values() for run in group]
     for group in groups.values():
-        _add_bounds(group, profile, store.expert_bytes)
+        add_bounds(group, profile, store.expert_bytes)
     dram_sources = {
         "sum": dram_probe,
         "calibration_copies_and_cpu": profile.copy_overlapped + profile.cpu_overlapped,
@@ -193,7 +201,7 @@ def offload_decode(
     dram = max(dram_sources.values())
     all_ratios: dict[str, float] = {}
     for n, group in groups.items():
-        _add_ceilings(group, dram, store.expert_bytes)
+        add_ceilings(group, dram, store.expert_bytes)
         found = ratios(group)
         all_ratios.update(found if len(lengths) == 1 else {f"{k}@{n}": v for k, v in found.items()})
     if len(lengths) > 1:
@@ -372,158 +380,3 @@ def _per_token(
         "host_plan_ms_per_token": 1e3 * d["plan_s"] / tokens,
         "host_cpu_experts_ms_per_token": 1e3 * d["cpu_s"] / tokens,
     }
-
-
-def _add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:
-    """The decode bound of docs/architecture.md §8: 1 / (t_gpu + misses/token * S / B_miss);
-    t_gpu from the `none` run."""
-    resident = next((r for r in runs if r["offload"] == "none"), None)
-    t_gpu = resident["ms_per_token"] / 1000 if resident else None
-    for run in runs:
-        if run["offload"] == "auto":
-            b_miss = (
-                profile.copy_overlapped + profile.cpu_overlapped if run["split"] else profile.copy
-            )
-            # the experts missing when their layer came, whether they missed or a prefetch
-            # brought them (a prefetch hides its copy behind compute; the bound does not)
-            slow = (run["misses_per_token"] + run["prefetch_hits_per_token"]) * expert_bytes
-        else:
-            b_miss = profile.cpu
-            slow = run["cpu_expert_bytes_per_token"]
-        run["t_gpu_ms"] = None if t_gpu is None else 1000 * t_gpu
-        run["b_miss_gb_s"] = b_miss / 1e9
-        if t_gpu is None or run["offload"] == "none":
-            run["bound_tok_s"] = run["measured_over_bound"] = None
-            continue
-        run["bound_tok_s"] = 1 / (t_gpu + slow / b_miss)
-        run["measured_over_bound"] = run["tok_s"] / run["bound_tok_s"]
-        seen = _measured_b_miss(run)
-        run["bound_at_measured_bandwidths_tok_s"] = 1 / (t_gpu + slow / seen) if seen else None
-
-
-def _add_ceilings(runs: list[dict], dram: float, expert_bytes: int) -> None:
-    """The host-memory ceiling of each offloaded run (see the module docstring): the bytes of
-    the experts missing from the device when their layer came (`auto`: misses and the experts a
-    prefetch brought in time; static/layer: the CPU's experts) read once at `dram` bytes/s."""
-    static = next((r["tok_s"] for r in runs if r["offload"] == "static"), None)
-    resident = next((r for r in runs if r["offload"] == "none"), None)
-    t_gpu = resident["ms_per_token"] / 1000 if resident else None
-    for run in runs:
-        if run["offload"] == "none":
-            continue
-        if run["offload"] == "auto":
-            missing = run["misses_per_token"] + run["prefetch_hits_per_token"]
-        else:
-            missing = run["cpu_experts_per_token"]
-        run["host_read_bytes_per_token"] = needed = missing * expert_bytes
-        run["host_memory_ceiling_tok_s"] = dram / needed if needed else None
-        if run["offload"] != "auto" or not needed:
-            continue
-        if t_gpu is not None and run["measured_copy_gb_s"]:
-            cpu = run["measured_cpu_gb_s"] if run["split"] else None
-            run["chain_ceiling_tok_s"] = 1 / chain_seconds(
-                needed, t_gpu, run["measured_copy_gb_s"] * 1e9, cpu and cpu * 1e9, dram
-            )
-        if static:
-            run["ceiling_vs_static"] = run["host_memory_ceiling_tok_s"] / static
-            if "chain_ceiling_tok_s" in run:
-                run["chain_ceiling_vs_static"] = run["chain_ceiling_tok_s"] / static
-
-
-def chain_seconds(
-    needed: float, t_gpu: float, copy: float, cpu: float | None, dram: float
-) -> float:
-    """The least seconds per token of the layer chain (module docstring): `needed` bytes of
-    missing experts, copied at `copy` bytes/s behind everything and (with the split) computed
-    at `cpu` bytes/s on the chain, all read from host memory at `dram` at most."""
-    least = max(needed / dram, t_gpu)
-    if cpu:
-        return max(least, (t_gpu * cpu + needed) / (copy + cpu))
-    return max(least, needed / copy)
-
-
-def ceiling_lines(runs: list[dict], dram: float) -> str:
-    """One line per offloaded run: the bytes it must read from host memory and its ceilings."""
-    rows = [r for r in runs if r.get("host_memory_ceiling_tok_s") is not None]
-    if not rows:
-        return ""
-    lines = [f"host-memory ceiling (DRAM read {dram / 1e9:.1f} GB/s):"]
-    for r in rows:
-        # (no leading space: scripts drop indented lines, the JSON, from the output)
-        line = f"- {r['label']:<30}{r['host_read_bytes_per_token'] / 1e6:>8.0f} MB/token"
-        line += f"  <= {r['host_memory_ceiling_tok_s']:.1f} tok/s"
-        if "ceiling_vs_static" in r:
-            line += f" ({r['ceiling_vs_static']:.2f}x static)"
-        if "chain_ceiling_tok_s" in r:
-            line += f"; layer chain <= {r['chain_ceiling_tok_s']:.1f} tok/s"
-        if "chain_ceiling_vs_static" in r:
-            line += f" ({r['chain_ceiling_vs_static']:.2f}x static)"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _measured_b_miss(run: dict) -> float | None:
-    """B_miss from the bandwidths decode itself measured (the engine's real arrangement)."""
-    copy, cpu = run["measured_copy_gb_s"], run["measured_cpu_gb_s"]
-    if run["offload"] == "auto":
-        sides = [copy] + ([cpu] if run["split"] else [])
-    else:
-        sides = [cpu]
-    return sum(sides) * 1e9 if all(sides) else None
-
-
-def ratios(runs: list[dict]) -> dict[str, float]:
-    """tok/s ratios between settings of the same invocation."""
-    by = {r["label"]: r["tok_s"] for r in runs}
-    out = {}
-    autos = [r["label"] for r in runs if r["offload"] == "auto"]
-    for name in autos:
-        for base in ("static", "layer", "none"):
-            if base in by:
-                out[f"{name}_vs_{base}"] = by[name] / by[base]
-        if "/split/" in name and name.replace("/split/", "/copy-only/") in by:
-            out[f"{name}_vs_copy-only"] = by[name] / by[name.replace("/split/", "/copy-only/")]
-        if "/lfu" in name and name.replace("/lfu", "/lru") in by:
-            out[f"{name}_vs_lru"] = by[name] / by[name.replace("/lfu", "/lru")]
-        if name + "/no-prefetch" in by:
-            out[f"{name}_vs_no-prefetch"] = by[name] / by[name + "/no-prefetch"]
-    return out
-
-
-def after_prompt(groups: dict[int, list[dict]]) -> dict[str, dict[str, float | None]]:
-    """Per setting and prompt length after the first listed: its tok/s and hit rate over the
-    same setting's after the first prompt length, e.g. decode right after a 32K-token prefill
-    against decode after a 512-token one (labels already carry `@LENGTH`)."""
-    first, *rest = groups
-    base = {r["label"].rsplit("@", 1)[0]: r for r in groups[first]}
-    out: dict[str, dict[str, float | None]] = {}
-    for n in rest:
-        for run in groups[n]:
-            ref = base.get(run["label"].rsplit("@", 1)[0])
-            if ref is None:
-                continue
-            hits = (run["hit_rate"], ref["hit_rate"])
-            out[run["label"]] = {
-                "tok_s_ratio": run["tok_s"] / ref["tok_s"],
-                "hit_rate_ratio": hits[0] / hits[1] if None not in hits and hits[1] else None,
-                "versus_prompt_tokens": first,
-            }
-    return out
-
-
-def summary_table(runs: list[dict]) -> str:
-    head = f"{'setting':<30}{'tok/s':>8}{'hit':>7}{'copied':>8}{'cpu':>7}{'ahead':>7}{'MB/tok':>8}"
-    head += f"{'bound':>8}{'meas/bd':>9}{'peak GiB':>10}"
-    lines = [head]
-    for r in runs:
-        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
-        bound = "-" if r["bound_tok_s"] is None else f"{r['bound_tok_s']:.1f}"
-        ratio = "-" if r["measured_over_bound"] is None else f"{r['measured_over_bound']:.2f}"
-        peak = "-" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
-        lines.append(
-            f"{r['label']:<30}{r['tok_s']:>8.2f}{hit:>7}{r['copied_per_token']:>8.1f}"
-            f"{r['cpu_experts_per_token']:>7.1f}{r['prefetched_per_token']:>7.1f}"
-            f"{r['pcie_bytes_per_token'] / 1e6:>8.1f}"
-            f"{bound:>8}{ratio:>9}{peak:>10}"
-        )
-    return "\n".join(lines)

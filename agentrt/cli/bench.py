@@ -15,6 +15,7 @@ from agentrt.cli.options import (
     csv_choice,
     csv_ints,
     csv_ints_or_empty,
+    csv_option,
     json_option,
     on_off,
     prepare_cpu_threads,
@@ -189,17 +190,6 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
     )
 
 
-def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: str):
-    """A comma-separated list option whose items must be among `choices`."""
-    return click.option(
-        name,
-        default=default,
-        show_default=default is not None,
-        callback=csv_choice(*choices),
-        help=help,
-    )
-
-
 @bench.command("decode")
 @_bench_options
 @click.option(
@@ -212,8 +202,8 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     "after a short one, rounds interleaved).",
 )
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@_csv_option("--graphs", ("on", "off"), "on", "Comma-separated CUDA-graph settings: on, off.")
-@_csv_option(
+@csv_option("--graphs", ("on", "off"), "on", "Comma-separated CUDA-graph settings: on, off.")
+@csv_option(
     "--offload",
     ("auto", "none", "static", "layer"),
     None,
@@ -222,19 +212,19 @@ def _csv_option(name: str, choices: tuple[str, ...], default: str | None, help: 
     "bound of docs/architecture.md §8, peak GPU memory). `none` keeps every expert on the "
     "device and gives t_gpu.",
 )
-@_csv_option(
+@csv_option(
     "--split",
     ("on", "off"),
     "on",
     "For --offload auto: comma-separated miss handling, on (copies + CPU) and/or off.",
 )
-@_csv_option(
+@csv_option(
     "--expert-policy",
     ("lru", "lfu"),
     "lru",
     "For --offload auto: comma-separated cache policies.",
 )
-@_csv_option(
+@csv_option(
     "--prefetch",
     ("on", "off"),
     "on",

@@ -74,6 +74,17 @@ def csv_choice(*choices: str):
     return parse
 
 
+def csv_option(name: str, choices: tuple[str, ...], default: str | None, help: str):
+    """A comma-separated list option whose items must be among `choices`."""
+    return click.option(
+        name,
+        default=default,
+        show_default=default is not None,
+        callback=csv_choice(*choices),
+        help=help,
+    )
+
+
 def one_of(*choices: str):
     def check(ctx, param, value: str) -> str:
         if value not in choices:

@@ -182,7 +182,8 @@ def _cpu_expert_layers(model: CausalLM, store: ExpertStore, config: OffloadConfi
     )
     n = min(n, len(model.layers))
     for i in range(n):
-        model.layers[i] = HostLayer(model.layers[i])
+        if not isinstance(model.layers[i], HostLayer):  # (moved by an earlier install)
+            model.layers[i] = HostLayer(model.layers[i])
     return frozenset(layer for layer in store.layers if layer < n)
 
 

@@ -1,7 +1,8 @@
 """Keeps torch's CPU parallelism to one OpenMP team per process: helper threads (the state-cache
 writer and restore workers) run their tensor copies on themselves alone. Also chooses, before torch
 loads, how that team's idle workers wait (`spin_between_steps`), and keeps helper threads' freed
-buffers in the C heap (`keep_freed_buffers`).
+buffers in the C heap (`keep_freed_buffers`), and counts the cores this process may use
+(`usable_cores`).
 
 Every thread that runs a parallel torch CPU kernel gets an OpenMP team of its own, of
 `torch.get_num_threads()` threads. Sixteen restore workers copying at once would run sixteen
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Callable
 
@@ -33,6 +35,15 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
             except (OSError, AttributeError):
                 continue
     return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's CPU set
+    limits; `os.cpu_count()` counts the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (no affinity call on this platform)
+        return os.cpu_count() or 1
 
 
 def single_threaded() -> None:

@@ -41,6 +41,7 @@ import torch
 
 from agentrt.env import home_dir, switched_off, variable
 from agentrt.errors import AgentrtError
+from agentrt.host.cputhreads import usable_cores
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.offload.config import CPU_KERNELS
 
@@ -73,7 +74,7 @@ class NativeExperts:
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
-        threads = min(torch.get_num_threads(), _usable_cores())
+        threads = min(torch.get_num_threads(), usable_cores())
         self.pool_threads = max(1, threads - 1)  # (a core for the caller)
         self.pooled = threads >= 4 and not switched_off("CPU_POOL")
         os.register_at_fork(after_in_child=self._forget_calls)
@@ -215,14 +216,6 @@ def native_experts() -> NativeExperts | None:
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         print(f"agentrt: native CPU expert kernel unavailable ({exc})", file=sys.stderr)
         return None
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity mask)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 @functools.cache

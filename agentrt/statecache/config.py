@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrt.env import home_dir
 from agentrt.errors import InvalidArgumentError
+from agentrt.host.cputhreads import usable_cores
 
 GIB = 2**30
 
@@ -51,4 +51,4 @@ def restore_threads(config: StateCacheConfig) -> int:
     least 2 and at most 16."""
     if config.restore_threads:
         return config.restore_threads
-    return max(2, min(16, (os.cpu_count() or 1) - 1))
+    return max(2, min(16, usable_cores() - 1))
