@@ -187,3 +187,27 @@ def test_router_skew_makes_expert_popularity_heavy_tailed():
             resolve_size(bad)
     rt = Runtime.open("synthetic:tiny@skew=1.5", cache="off")  # (the tiny tokenizer comes along)
     assert rt.tokenizer is not None and len(rt.generate([10, 11, 12], max_tokens=3)) == 3
+
+
+def test_views_of_a_host_block_go_down_in_one_copy_with_the_same_values():
+    """A synthetic model built for a host expert store draws on the device and copies down: the
+    views of one block (gate_up and down rows per expert) are gathered in a device copy of the
+    block and copied once; other targets, and a block left partly covered, get their own copies;
+    the host holds the same values either way."""
+    from agentrt.models.synthetic import _Staged
+
+    def block_views(base):
+        return base[:, :8].view(4, 2, 4), base[:, 8:].view(4, 1, 4)
+
+    sources = [torch.randn(4, 2, 4), torch.randn(4, 1, 4)]
+    whole, part = torch.zeros(4, 12), torch.full((4, 12), 7.0)
+    other, staged = torch.zeros(3), _Staged(torch.device("cpu"))
+    for target, source in zip(block_views(whole), sources, strict=True):
+        staged.copy(target, source)
+    assert not whole.any()  # (gathered, not yet down)
+    staged.copy(block_views(part)[0], sources[0])  # the next block: the first goes down
+    staged.copy(other, torch.ones(3))  # contiguous: at once
+    staged.flush()
+    assert torch.equal(whole, torch.cat([s.reshape(4, -1) for s in sources], dim=1))
+    assert torch.equal(part[:, :8], sources[0].reshape(4, 8)) and (part[:, 8:] == 7).all()
+    assert torch.equal(other, torch.ones(3)) and staged.host is None

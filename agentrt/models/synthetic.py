@@ -310,6 +310,7 @@ def build_in_memory(
     zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
     skew = router_skew(size)
     device = torch.device(device)
+    staged = _Staged(device)
     with torch.inference_mode():
         for name, tensor in named_tensors(model):
             if tensor.device.type == device.type:
@@ -317,8 +318,47 @@ def build_in_memory(
             else:  # host store of a device model: draw on the device, then copy down
                 scratch = torch.empty_like(tensor, device=device)
                 init_value(name, scratch, seed, zero_centered, skew)
-                tensor.copy_(scratch)
+                staged.copy(tensor, scratch)
+        staged.flush()
     return model
+
+
+class _Staged:
+    """Copies of device tensors into host views, gathered per host base tensor: a view of an
+    expert store's per-layer block (gate_up and down rows interleaved per expert) is filled in a
+    device copy of the block, which goes down in one contiguous copy once the views written
+    cover the block and the next block comes (a copy into a strided host view goes through a
+    pageable temporary of its own, then a host copy). Other targets are copied at once; a block
+    left partly covered gets its views one by one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: torch.Tensor | None = None  # the block being gathered, and its device copy
+        self.copy_of: torch.Tensor | None = None
+        self.written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host view, device view)
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        base = target._base
+        if target.is_contiguous() or base is None or not base.is_contiguous():
+            target.copy_(source)
+            return
+        if base is not self.host:
+            self.flush()
+            self.host, self.copy_of = base, torch.empty_like(base, device=self.device)
+        offset = target.storage_offset() - base.storage_offset()
+        view = self.copy_of.as_strided(target.shape, target.stride(), offset)
+        view.copy_(source)
+        self.written.append((target, view))
+
+    def flush(self) -> None:
+        if self.host is not None:
+            if sum(t.numel() for t, _ in self.written) == self.host.numel():
+                self.host.copy_(self.copy_of)
+            else:
+                for target, view in self.written:
+                    target.copy_(view)
+        self.host = self.copy_of = None
+        self.written = []
 
 
 # ----------------------------------------------------------------------------- writing to disk
