@@ -685,3 +685,29 @@ def test_flash_sink_attention_matches_plain(q_len, window):
     keys = slice(0, start + q_len)
     want = sink_attention(q, k[:, keys], v[:, keys], pos, sinks, window, dim**-0.5).float()
     assert (got - want).abs().max().item() < 2e-2
+
+
+def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
+    """The Triton matvec over packed MXFP4 expert rows equals dequantize-then-matmul (fp32) for
+    gpt-oss-20b's expert shapes (H = I = 2880), selected rows repeated, one x per row or one
+    for all."""
+    from agentrt.offload.mxfp4_rows import RowLayout, matvec, matvec_reference, pack_row
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layout = RowLayout(hidden=2880, inter=2880)
+    rows = torch.stack(
+        [
+            pack_row(
+                layout,
+                torch.randn(5760, 2880, generator=g, device="cuda") * 0.02,
+                torch.randn(2880, 2880, generator=g, device="cuda") * 0.02,
+            )
+            for _ in range(3)
+        ]
+    )
+    slots = torch.tensor([2, 0, 2, 1], device="cuda")
+    for part in (layout.gate_up, layout.down):
+        for shape in ((4, part.cols), (part.cols,)):
+            x = torch.randn(*shape, generator=g, device="cuda")
+            want = matvec_reference(rows, slots, part, x)
+            torch.testing.assert_close(matvec(rows, slots, part, x), want, rtol=1e-4, atol=1e-4)

@@ -896,3 +896,34 @@ def test_a_shorter_context_gives_the_kv_room_back_to_the_expert_cache(model_spec
     assert cache.num_slots == 40 and not cache.pending
     assert all(c.capacity <= grow for c in rt._state.kv_caches())
     cache.check()
+
+
+def test_packed_mxfp4_rows_hold_an_expert_in_17_32_of_a_byte_per_weight():
+    """A packed expert row: gate_up's codes and exponents, then down's; 17/32 of a byte per
+    weight; values on the FP4 grid (one power of two per block of 32) come back exactly, and the
+    reference matvec over selected rows equals the dense product."""
+    from agentrt.models.mxfp4 import FP4_VALUES
+    from agentrt.offload.mxfp4_rows import RowLayout, matvec_reference, pack_row, unpack
+
+    layout = RowLayout(hidden=64, inter=96)
+    gate_up, down = layout.gate_up, layout.down
+    assert (gate_up.codes, gate_up.scales, down.codes) == (0, 192 * 32, 192 * 34)
+    assert layout.row_bytes == 3 * 64 * 96 * 17 // 32 == down.scales + 64 * 3
+    gen = torch.Generator().manual_seed(0)
+    grid = torch.tensor(FP4_VALUES)
+
+    def on_grid(rows, cols):  # FP4 codes times a power of two per block of 32
+        codes = grid[torch.randint(0, 16, (rows, cols), generator=gen)]
+        powers = 2.0 ** torch.randint(-8, 0, (rows, cols // 32, 1), generator=gen)
+        return (codes.view(rows, -1, 32) * powers).view(rows, cols)
+
+    experts = [(on_grid(192, 64), on_grid(64, 96)) for _ in range(3)]
+    rows = torch.stack([pack_row(layout, a, b) for a, b in experts])
+    assert rows.dtype == torch.uint8 and rows.shape == (3, layout.row_bytes)
+    assert torch.equal(unpack(rows, gate_up, torch.float32)[1], experts[1][0])
+    assert torch.equal(unpack(rows, down, torch.float32)[2], experts[2][1])
+    slots, x = torch.tensor([2, 0, 2]), torch.randn(3, 96, generator=gen)
+    want = torch.stack([experts[s][1] @ x[i] for i, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(matvec_reference(rows, slots, down, x), want)
+    with pytest.raises(ValueError):
+        RowLayout(hidden=48, inter=96)
