@@ -711,3 +711,29 @@ def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
             x = torch.randn(*shape, generator=g, device="cuda")
             want = matvec_reference(rows, slots, part, x)
             torch.testing.assert_close(matvec(rows, slots, part, x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_grouped_kernel_matches_the_dequantized_reference(dtype):
+    """The Triton grouped matmul over packed MXFP4 expert rows (a prefill chunk's tokens in runs
+    per expert, an empty run and a run past one tile among them) equals dequantize-then-matmul."""
+    from agentrt.offload.mxfp4_rows import RowLayout, grouped, grouped_reference, pack_row
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    layout = RowLayout(hidden=2880, inter=2880)
+    rows = torch.stack(
+        [
+            pack_row(
+                layout,
+                torch.randn(5760, 2880, generator=g, device="cuda") * 0.02,
+                torch.randn(2880, 2880, generator=g, device="cuda") * 0.02,
+            )
+            for _ in range(3)
+        ]
+    )
+    slots, counts = [2, 0, 1, 2], [70, 0, 1, 33]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for part in (layout.gate_up, layout.down):
+        x = torch.randn(sum(counts), part.cols, generator=g, device="cuda").to(dtype)
+        want = grouped_reference(rows, slots, counts, part, x)
+        torch.testing.assert_close(grouped(rows, slots, counts, part, x), want, **tol)

@@ -903,7 +903,13 @@ def test_packed_mxfp4_rows_hold_an_expert_in_17_32_of_a_byte_per_weight():
     weight; values on the FP4 grid (one power of two per block of 32) come back exactly, and the
     reference matvec over selected rows equals the dense product."""
     from agentrt.models.mxfp4 import FP4_VALUES
-    from agentrt.offload.mxfp4_rows import RowLayout, matvec_reference, pack_row, unpack
+    from agentrt.offload.mxfp4_rows import (
+        RowLayout,
+        grouped_reference,
+        matvec_reference,
+        pack_row,
+        unpack,
+    )
 
     layout = RowLayout(hidden=64, inter=96)
     gate_up, down = layout.gate_up, layout.down
@@ -925,5 +931,8 @@ def test_packed_mxfp4_rows_hold_an_expert_in_17_32_of_a_byte_per_weight():
     slots, x = torch.tensor([2, 0, 2]), torch.randn(3, 96, generator=gen)
     want = torch.stack([experts[s][1] @ x[i] for i, s in enumerate(slots.tolist())])
     torch.testing.assert_close(matvec_reference(rows, slots, down, x), want)
+    x = torch.randn(7, 64, generator=gen)  # a prefill's runs: 3 tokens of expert 1, 4 of 0
+    got = grouped_reference(rows, [1, 0], [3, 4], gate_up, x)
+    torch.testing.assert_close(got, torch.cat([x[:3] @ experts[1][0].T, x[3:] @ experts[0][0].T]))
     with pytest.raises(ValueError):
         RowLayout(hidden=48, inter=96)

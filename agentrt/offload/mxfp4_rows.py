@@ -1,7 +1,8 @@
 """Packed MXFP4 expert rows: the layout one expert takes when its weights stay MXFP4 (17/32 of a
-byte per weight against 2 in bf16), the rows' plain-torch dequantization (the reference), and a
-Triton matvec over selected rows (a decode token's experts, `mxfp4_triton`) checked against
-it.
+byte per weight against 2 in bf16), the rows' plain-torch dequantization and products (the
+references), and the same products through Triton kernels (`mxfp4_triton`): a matvec over
+selected rows (a decode token's experts) and a grouped matmul over runs of tokens per expert (a
+prefill chunk's).
 
 One expert with gate_up `[2I, H]` and down `[H, I]` is one uint8 row: gate_up's codes
 `[2I, H/2]`, its exponents `[2I, H/32]`, down's codes `[H, I/2]`, its exponents `[H, I/32]`
@@ -116,6 +117,63 @@ def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor)
         part.rows,
         part.cols // 2,
         part.groups,
+        BLOCK_N=block_n,
+        BLOCK_B=block_b,
+    )
+    return out
+
+
+def grouped_reference(
+    rows: torch.Tensor, slots: list[int], counts: list[int], part: Part, x: torch.Tensor
+) -> torch.Tensor:
+    """A prefill chunk's experts: `x [T, cols]` holds the tokens of expert `slots[g]` in
+    consecutive runs of `counts[g]` rows; `out [T, rows]` (fp32) = each run times its expert's
+    weights, dequantized to x's dtype (as the grouped kernel rounds them)."""
+    out, begin = torch.empty(x.shape[0], part.rows, dtype=torch.float32, device=x.device), 0
+    for slot, count in zip(slots, counts, strict=True):
+        weight = unpack(rows[slot : slot + 1], part, x.dtype)[0]
+        out[begin : begin + count] = (x[begin : begin + count] @ weight.T).float()
+        begin += count
+    return out
+
+
+def grouped(
+    rows: torch.Tensor, slots: list[int], counts: list[int], part: Part, x: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_reference` through the Triton kernel: one program per tile of BLOCK_M tokens of
+    one expert and BLOCK_N outputs; it decodes the expert's codes tile by tile into x's dtype
+    and multiplies with fp32 accumulation (`counts` come from the host: a prefill's plan has
+    them)."""
+    import triton
+
+    from agentrt.offload.mxfp4_triton import grouped_kernel
+
+    block_m, block_n, block_b = 32, 64, 32
+    tile_slot, tile_start, tile_end, begin = [], [], [], 0
+    for slot, count in zip(slots, counts, strict=True):
+        for start in range(begin, begin + count, block_m):
+            tile_slot.append(slot)
+            tile_start.append(start)
+            tile_end.append(begin + count)
+        begin += count
+    out = torch.empty(x.shape[0], part.rows, dtype=torch.float32, device=x.device)
+    if not tile_slot:
+        return out
+    tiles = torch.tensor([tile_slot, tile_start, tile_end], dtype=torch.int64).to(x.device)
+    grid = (len(tile_slot), triton.cdiv(part.rows, block_n))
+    grouped_kernel[grid](
+        rows,
+        tiles,
+        x.contiguous(),
+        out,
+        rows.stride(0),
+        part.codes,
+        part.scales,
+        len(tile_slot),
+        part.rows,
+        part.cols // 2,
+        part.groups,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_B=block_b,
     )
