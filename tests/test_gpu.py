@@ -687,24 +687,30 @@ def test_flash_sink_attention_matches_plain(q_len, window):
     assert (got - want).abs().max().item() < 2e-2
 
 
+def _gpt_oss_20b_packed_rows(g: torch.Generator):
+    """Three packed MXFP4 expert rows of gpt-oss-20b's shapes (H = I = 2880), random weights."""
+    from agentrt.offload.mxfp4_rows import RowLayout, pack_row
+
+    layout = RowLayout(hidden=2880, inter=2880)
+    experts = [
+        pack_row(
+            layout,
+            torch.randn(5760, 2880, generator=g, device="cuda") * 0.02,
+            torch.randn(2880, 2880, generator=g, device="cuda") * 0.02,
+        )
+        for _ in range(3)
+    ]
+    return layout, torch.stack(experts)
+
+
 def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
     """The Triton matvec over packed MXFP4 expert rows equals dequantize-then-matmul (fp32) for
     gpt-oss-20b's expert shapes (H = I = 2880), selected rows repeated, one x per row or one
     for all."""
-    from agentrt.offload.mxfp4_rows import RowLayout, matvec, matvec_reference, pack_row
+    from agentrt.offload.mxfp4_rows import matvec, matvec_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    layout = RowLayout(hidden=2880, inter=2880)
-    rows = torch.stack(
-        [
-            pack_row(
-                layout,
-                torch.randn(5760, 2880, generator=g, device="cuda") * 0.02,
-                torch.randn(2880, 2880, generator=g, device="cuda") * 0.02,
-            )
-            for _ in range(3)
-        ]
-    )
+    layout, rows = _gpt_oss_20b_packed_rows(g)
     slots = torch.tensor([2, 0, 2, 1], device="cuda")
     for part in (layout.gate_up, layout.down):
         for shape in ((4, part.cols), (part.cols,)):
@@ -717,20 +723,10 @@ def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
 def test_mxfp4_grouped_kernel_matches_the_dequantized_reference(dtype):
     """The Triton grouped matmul over packed MXFP4 expert rows (a prefill chunk's tokens in runs
     per expert, an empty run and a run past one tile among them) equals dequantize-then-matmul."""
-    from agentrt.offload.mxfp4_rows import RowLayout, grouped, grouped_reference, pack_row
+    from agentrt.offload.mxfp4_rows import grouped, grouped_reference
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    layout = RowLayout(hidden=2880, inter=2880)
-    rows = torch.stack(
-        [
-            pack_row(
-                layout,
-                torch.randn(5760, 2880, generator=g, device="cuda") * 0.02,
-                torch.randn(2880, 2880, generator=g, device="cuda") * 0.02,
-            )
-            for _ in range(3)
-        ]
-    )
+    layout, rows = _gpt_oss_20b_packed_rows(g)
     slots, counts = [2, 0, 1, 2], [70, 0, 1, 33]
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for part in (layout.gate_up, layout.down):
