@@ -465,6 +465,26 @@ def test_measured_bandwidths_keep_probing_the_cpu_side():
     assert runs[False] == 0 and 1 <= runs[True] <= 4
 
 
+def test_measured_bandwidths_move_by_window_and_keep_a_floor():
+    """A window of observations moves an estimate a tenth of the way to its summed rate; one
+    slow call no longer resets it, and a run of slow ones stops at half the starting value."""
+    from agentrt.offload.split import Bandwidths
+
+    bw = Bandwidths(copy=100.0, cpu=100.0)
+    for _ in range(bw.window - 1):
+        bw.observe("cpu", 100, 1.0)
+    assert bw.cpu == 100.0  # (a window is not complete yet)
+    bw.observe("cpu", 100, 1.0)
+    assert bw.cpu == pytest.approx(100.0)
+    bw.observe("copy", 0, 1.0)  # (nothing moved: ignored)
+    for _ in range(bw.window):
+        bw.observe("cpu", 100, 0.5)
+    assert bw.cpu == pytest.approx(0.9 * 100 + 0.1 * 200)
+    for _ in range(100 * bw.window):
+        bw.observe("cpu", 1, 1.0)
+    assert bw.cpu == pytest.approx(50.0) and bw.copy == 100.0
+
+
 @pytest.mark.parametrize("split,biased", [(True, False), (False, False), (True, True)])
 def test_graph_host_step_fills_what_the_next_piece_needs(split, biased):
     """The host step between captured decode pieces (run here on CPU slots): slot indices and

@@ -43,7 +43,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +53,7 @@ from agentrt.offload.host_step import CapturedDecode, LayerIO
 from agentrt.offload.prefetch import Prefetch
 from agentrt.offload.prefill import PrefillStreamer
 from agentrt.offload.slots import ExpertCache
-from agentrt.offload.split import q_star
+from agentrt.offload.split import Bandwidths, q_star
 from agentrt.offload.stats import Totals
 from agentrt.offload.store import ExpertStore
 
@@ -62,25 +61,6 @@ PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as
 # with measured bandwidths, every PROBE_EVERY-th decision that would send no miss to the CPU
 # sends one anyway: otherwise a few slow early samples would settle q* = m for good
 PROBE_EVERY = 64
-
-
-@dataclass
-class Bandwidths:
-    """Bytes/s: `copy` = host->device expert copies, `cpu` = CPU expert compute while copying.
-
-    They start from the calibration profile and follow what decode steps measure in the engine's
-    real arrangement (an exponential moving average), so q* adapts when, say, the CPU is slower
-    next to running copies than the calibration saw."""
-
-    copy: float
-    cpu: float
-    alpha: float = 0.1  # weight of each new measurement
-
-    def observe(self, side: str, num_bytes: int, seconds: float) -> None:
-        if num_bytes <= 0 or seconds <= 0:
-            return
-        old = getattr(self, side)
-        setattr(self, side, (1 - self.alpha) * old + self.alpha * num_bytes / seconds)
 
 
 class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):

@@ -119,6 +119,8 @@ def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor)
         part.groups,
         BLOCK_N=block_n,
         BLOCK_B=block_b,
+        # (fp32 activations: full fp32 products, not TF32 - the reference's precision)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return out
 
@@ -176,5 +178,7 @@ def grouped(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_B=block_b,
+        # (fp32 activations: full fp32 products, not TF32 - the reference's precision)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return out

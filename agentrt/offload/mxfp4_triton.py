@@ -72,6 +72,7 @@ def grouped_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(tiles_ptr + t)
@@ -88,7 +89,7 @@ def grouped_kernel(
         x_at = x_ptr + m[:, None] * 2 * n_bytes + 2 * b[None, :]
         x_lo = tl.load(x_at, mask=x_mask, other=0.0)
         x_hi = tl.load(x_at + 1, mask=x_mask, other=0.0)
-        acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
-        acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+        acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), input_precision=PRECISION)
+        acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), input_precision=PRECISION)
     out_at = out_ptr + m[:, None] * n_rows + n[None, :]
     tl.store(out_at, acc, mask=(m[:, None] < end) & (n[None, :] < n_rows))
