@@ -119,8 +119,6 @@ def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor)
         part.groups,
         BLOCK_N=block_n,
         BLOCK_B=block_b,
-        # (fp32 activations: full fp32 products, not TF32 - the reference's precision)
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return out
 
