@@ -4,6 +4,7 @@ static baseline; the q* rule; cache and policy invariants; budget sizing; calibr
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -956,3 +957,86 @@ def test_packed_mxfp4_rows_hold_an_expert_in_17_32_of_a_byte_per_weight():
     torch.testing.assert_close(got, torch.cat([x[:3] @ experts[1][0].T, x[3:] @ experts[0][0].T]))
     with pytest.raises(ValueError):
         RowLayout(hidden=48, inter=96)
+
+
+def _packed_store(biased: bool):
+    """Two layers of 6 experts (H 64, I 32) whose values sit on the MXFP4 grid, so packing them
+    loses nothing; with biases and gpt-oss's clamped SwiGLU when `biased`."""
+    from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
+    from agentrt.models.mxfp4 import dequantize, quantize
+
+    torch.manual_seed(0)
+    act = SwiGLU(7.0, 1.702) if biased else PLAIN
+
+    def on_grid(*shape):
+        return dequantize(*quantize(torch.randn(*shape) * 0.3), torch.float32)
+
+    routed = RoutedExperts(
+        {layer: on_grid(6, 64, 64) for layer in range(2)},
+        {layer: on_grid(6, 64, 32) for layer in range(2)},
+        {layer: torch.randn(6, 64) for layer in range(2)} if biased else None,
+        {layer: torch.randn(6, 64) for layer in range(2)} if biased else None,
+        act=act,
+    )
+    return routed, ExpertStore.from_routed(routed, pin=False, packed=True)
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_packed_store_rows_compute_like_the_unpacked_experts(biased):
+    """A packed store holds 17/32 of a byte per weight; its rows dequantize to the weights it
+    was given, a decode token's experts over packed slots (`token_experts`) and a prefill
+    part's (`part_ffn`) equal the unpacked computation."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.packed import part_ffn, token_experts
+    from agentrt.offload.pairs import looped_ffn
+
+    routed, store = _packed_store(biased)
+    assert store.expert_bytes == 3 * 64 * 32 * 17 // 32 and store.flat[0].dtype == torch.uint8
+    assert not store.plain  # (the native bf16 kernel does not read packed rows)
+    torch.testing.assert_close(store.gate_up(1), routed.gate_up[1], rtol=0, atol=0)
+    torch.testing.assert_close(store.expert_views(0)[2][3], routed.down[0][3], rtol=0, atol=0)
+    x, ids = torch.randn(1, 64), [4, 0, 5]
+    slots = torch.tensor([1, 2, 0])
+    rows = store.flat[1][ids][[2, 0, 1]]  # (slots: the experts in another order)
+    got = token_experts(store, 1, rows, slots, x, torch.tensor(ids))
+    for j, expert in enumerate(ids):
+        bias = store.expert_biases(1, expert, "cpu")
+        want = expert_ffn(
+            x, routed.gate_up[1][expert], routed.down[1][expert], *bias, act=store.act
+        )
+        torch.testing.assert_close(got[j], want[0], rtol=1e-5, atol=1e-5)
+    counts, experts = [3, 0, 2], [5, 1, 2]
+    xs, scale = torch.randn(5, 64), torch.rand(5, 1)
+    biases = None
+    if biased:
+        biases = (routed.gate_up_bias[0][experts], routed.down_bias[0][experts])
+    got = part_ffn(store, store.flat[0][experts], counts, xs, scale, biases)
+    gate_up, down = routed.gate_up[0][experts], routed.down[0][experts]
+    want = looped_ffn(xs, gate_up, down, counts, scale, biases, store.act)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["split", "copy-only"])
+def test_packed_mxfp4_experts_offloaded_equal_dense(model_spec, name):
+    """`packed_mxfp4`: the experts stay MXFP4 in the host store, the slots and the staging;
+    prefill logits and greedy decode equal the dense model whose experts hold the same MXFP4
+    values (the load rounds them to MXFP4)."""
+    from agentrt.models.mxfp4 import dequantize, quantize
+
+    dense = Runtime.open(model_spec, cache="off")
+    experts = dense.engine.model.experts
+    for stack in [*experts.gate_up.values(), *experts.down.values()]:
+        stack.copy_(dequantize(*quantize(stack), stack.dtype))
+    ids = dense.tokenizer.encode(PROMPT)
+    want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
+    want_tokens = dense.generate(ids, max_tokens=12)
+    config = dataclasses.replace(CONFIGS[name], packed_mxfp4=True)
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    offload = rt.engine.offload
+    assert offload.store.packed and offload.cache.slots.dtype == torch.uint8
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    assert rt.generate(ids, max_tokens=12) == want_tokens
+    offload.cache.check()
+    assert offload.prefill.totals.layers > 0 and offload.totals.copied > 0
+    assert (offload.totals.cpu > 0) == (name == "split")

@@ -112,7 +112,7 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
     """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`: on its thread pool
     where decode uses that, `pooled`) or torch's."""
     x = torch.randn(1, store.hidden).to(store.dtype)
-    gate_up, down = store.gate_up(layer), store.down(layer)
+    _, gate_up, down = store.expert_views(layer)  # (packed: dequantized per expert)
     if kernel is not None:
         out = torch.empty(store.hidden, dtype=torch.float32)
         t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kerne
     wall time on the CPU), so a copy engine left waiting for the CPU does not count."""
     x = torch.randn(store.hidden).to(store.dtype)
     out = torch.empty(store.hidden, dtype=torch.float32)
-    gate_up, down, rows = store.gate_up(layer), store.down(layer), store.flat[layer]
+    rows, gate_up, down = store.expert_views(layer)
     n, half = store.num_experts, store.num_experts // 2
     on_cuda = dest.device.type == "cuda"
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

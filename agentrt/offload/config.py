@@ -81,6 +81,10 @@ class OffloadConfig:
     # bytes of its staging ring (None: half a layer of experts; taken from the expert cache)
     prefill_plan: str = "auto"
     staging_bytes: int | None = None
+    # `auto` mode: keep the experts MXFP4-packed in the host store, the device slots and the
+    # staging (17/32 of a byte per weight; computed by `offload/packed.py`); experts that are
+    # not MXFP4 are rounded to it at load. Experts still pass through host memory unpacked.
+    packed_mxfp4: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in OFFLOAD_MODES:
@@ -99,6 +103,8 @@ class OffloadConfig:
             raise InvalidArgumentError(
                 f"prefill plan must be one of {', '.join(PREFILL_PLANS)}, got {self.prefill_plan!r}"
             )
+        if self.packed_mxfp4 and self.mode != "auto":
+            raise InvalidArgumentError("packed MXFP4 experts need offload mode auto")
         if self.staging_bytes is not None and self.staging_bytes < 0:
             raise InvalidArgumentError("staging_bytes must be >= 0")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:

@@ -10,6 +10,7 @@ import time
 import torch
 
 from agentrt.models.moe import expert_ffn
+from agentrt.offload.packed import token_experts
 
 
 class CapturedDecode:
@@ -30,6 +31,9 @@ class CapturedDecode:
         io.slot_d.copy_(io.slot_h, non_blocking=True)
         io.gw_d.copy_(io.gw_h, non_blocking=True)
         s = self.store
+        if s.packed:
+            ys = token_experts(s, layer, self.cache.slots, io.slot_d, x, ids[0])
+            return self._weighted(ys, io, x)
         w = self.cache.slots.index_select(0, io.slot_d)  # [k, 3*I*H]
         gate_up = w[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = w[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
@@ -41,6 +45,11 @@ class CapturedDecode:
         ys = torch.bmm(s.act(h), down.transpose(1, 2)).squeeze(1)  # [k, H]
         if biases is not None:
             ys = ys + biases[1].index_select(0, ids[0])
+        return self._weighted(ys, io, x)
+
+    @staticmethod
+    def _weighted(ys: torch.Tensor, io: LayerIO, x: torch.Tensor) -> torch.Tensor:
+        """The device experts' outputs `ys [k, H]` under their weights, plus the CPU's sum."""
         # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
         gw = io.gw_d.unsqueeze(1)
         out = torch.where(gw != 0, ys.float() * gw, 0.0).sum(0) + io.cpu_d

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
+from agentrt.offload.packed import part_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
 from agentrt.offload.planner import (
     Costs,
@@ -189,6 +190,8 @@ class PrefillStreamer:
         order (the baselines' resident layers), else None."""
         row = self.cache.slot_of[layer]
         first = row[0]
+        if self.store.packed:  # (packed rows run as parts: no unpacked views of the slots)
+            return None
         if first < 0 or row != list(range(first, first + len(row))):
             return None
         return first
@@ -392,6 +395,11 @@ class PrefillStreamer:
         activation scaled by the routing weights, down (+ biases, scaled) (one grouped GEMM
         each, or a loop where torch has none)."""
         s, x = self.store, ys.x_sorted[begin:end]
+        if s.packed:
+            scale = ys.scale[begin:end].unsqueeze(1)
+            biases = part_biases(s, fill.layer, fill.experts, x.device)
+            ys.out[begin:end] = part_ffn(s, weights, rows, x, scale, biases)
+            return
         gate_up = weights[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = weights[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
         scale = ys.scale[begin:end].unsqueeze(1)

@@ -71,7 +71,7 @@ class StagingRing:
         self.part = part_size(store.num_experts)
         num = staging_parts(store.num_experts, staging_bytes, store.expert_bytes)
         self.buffers = [
-            torch.zeros(self.part, store.expert_numel, dtype=store.dtype, device=device)
+            torch.zeros(self.part, store.expert_numel, dtype=store.storage_dtype, device=device)
             for _ in range(num)
         ]
         self.freed: list[object] = [None] * num  # event after the last reader of each buffer

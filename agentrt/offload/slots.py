@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt.offload.mxfp4_rows import unpack
 from agentrt.offload.policy import POLICIES, Key
 from agentrt.offload.store import ExpertStore
 
@@ -40,7 +41,7 @@ class ExpertCache:
     def _new_pool(self, num_slots: int, policy: str) -> None:
         """Empty slots, their owners and free list, and a fresh policy."""
         self.slots = torch.zeros(  # zeros: a slot read under weight 0 must hold finite numbers
-            num_slots, self.store.expert_numel, dtype=self.store.dtype, device=self.device
+            num_slots, self.store.expert_numel, dtype=self.store.storage_dtype, device=self.device
         )
         self.slot_rows = list(self.slots.unbind(0))  # one view per slot (no indexing per copy)
         self.owner: list[Key | None] = [None] * num_slots
@@ -140,10 +141,14 @@ class ExpertCache:
 
     def gate_up(self, slot: int) -> torch.Tensor:
         s = self.store
+        if s.packed:  # (dequantized: the plain path's view of a packed slot)
+            return unpack(self.slots[slot : slot + 1], s.layout.gate_up, s.dtype)[0]
         return self.slots[slot, : 2 * s.inter * s.hidden].view(2 * s.inter, s.hidden)
 
     def down(self, slot: int) -> torch.Tensor:
         s = self.store
+        if s.packed:
+            return unpack(self.slots[slot : slot + 1], s.layout.down, s.dtype)[0]
         return self.slots[slot, 2 * s.inter * s.hidden :].view(s.hidden, s.inter)
 
     def check(self) -> None:

@@ -2,7 +2,12 @@
 (gate_up rows, then down), so that one expert is one copy. Pinned when the host allows it;
 otherwise pageable, with a warning. Experts with biases (gpt-oss) keep them beside the blocks,
 per layer (a few MB: they live on every device that computes experts, `biases`), and the
-store names the experts' activation (`act`)."""
+store names the experts' activation (`act`).
+
+A packed store (`packed=True`) keeps each expert MXFP4 as one uint8 row (`mxfp4_rows.RowLayout`:
+17/32 of a byte per weight), so copies, slots and staging carry the packed bytes; `dtype` is
+then the dtype experts compute in, and the per-expert weights the CPU side reads
+(`expert_views`) are dequantized on access."""
 
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ import time
 import torch
 
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
+from agentrt.offload.mxfp4_rows import RowLayout, pack_row, unpack
 
 
 class ExpertStore:
-    """`flat[layer]` is `[E, 3*I*H]`; `gate_up(layer)` / `down(layer)` are views of it."""
+    """`flat[layer]` is `[E, 3*I*H]` (packed: `[E, row_bytes]` uint8); `gate_up(layer)` /
+    `down(layer)` are views of it (packed: dequantized copies)."""
 
     def __init__(
         self,
@@ -27,8 +34,10 @@ class ExpertStore:
         pin: bool,
         bias: bool = False,
         act: SwiGLU = PLAIN,
+        packed: bool = False,
     ) -> None:
         self.hidden, self.inter, self.num_experts, self.dtype = hidden, inter, num_experts, dtype
+        self.layout = RowLayout(hidden, inter) if packed else None
         self.pinned = pin
         self.act = act
         self.flat: dict[int, torch.Tensor] = {}
@@ -48,7 +57,7 @@ class ExpertStore:
         # launching the copy or kernel that uses the view)
         self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
         for layer in layers:
-            self.flat[layer] = self._alloc((num_experts, 3 * inter * hidden), dtype)
+            self.flat[layer] = self._alloc((num_experts, self.expert_numel), self.storage_dtype)
 
     def _alloc(self, shape, dtype) -> torch.Tensor:
         if self.pinned:
@@ -66,7 +75,7 @@ class ExpertStore:
         return torch.empty(shape, dtype=dtype)
 
     @classmethod
-    def for_config(cls, cfg, dtype: torch.dtype, pin: bool) -> ExpertStore:
+    def for_config(cls, cfg, dtype: torch.dtype, pin: bool, packed: bool = False) -> ExpertStore:
         """An empty store for the routed experts of a model of `ModelConfig` `cfg`."""
         from agentrt.models import expert_activation
 
@@ -79,6 +88,7 @@ class ExpertStore:
             pin,
             bias=cfg.expert_bias,
             act=expert_activation(cfg),
+            packed=packed,
         )
 
     @property
@@ -87,8 +97,8 @@ class ExpertStore:
 
     @property
     def plain(self) -> bool:
-        """Bias-free SwiGLU experts (what the native CPU kernel computes)."""
-        return self.bias is None and self.act == PLAIN
+        """Bias-free SwiGLU experts in bf16 rows (what the native CPU kernel computes)."""
+        return self.bias is None and self.act == PLAIN and not self.packed
 
     def biases(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`layer`'s (gate_up, down) biases on `device` (copied there once), or None."""
@@ -108,19 +118,33 @@ class ExpertStore:
         return () if both is None else (both[0][expert], both[1][expert])
 
     @property
+    def packed(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of `flat` (and of the device slots and staging that copy it)."""
+        return torch.uint8 if self.packed else self.dtype
+
+    @property
     def expert_numel(self) -> int:
-        return 3 * self.inter * self.hidden
+        """Elements of `storage_dtype` per expert."""
+        return self.layout.row_bytes if self.packed else 3 * self.inter * self.hidden
 
     @property
     def expert_bytes(self) -> int:
-        return self.expert_numel * self.dtype.itemsize
+        return self.expert_numel * self.storage_dtype.itemsize
 
     def gate_up(self, layer: int) -> torch.Tensor:
+        if self.packed:
+            return unpack(self.flat[layer], self.layout.gate_up, self.dtype)
         return self.flat[layer][:, : 2 * self.inter * self.hidden].view(
             self.num_experts, 2 * self.inter, self.hidden
         )
 
     def down(self, layer: int) -> torch.Tensor:
+        if self.packed:
+            return unpack(self.flat[layer], self.layout.down, self.dtype)
         return self.flat[layer][:, 2 * self.inter * self.hidden :].view(
             self.num_experts, self.hidden, self.inter
         )
@@ -128,14 +152,34 @@ class ExpertStore:
     def expert_views(self, layer: int) -> tuple[list[torch.Tensor], ...]:
         """(flat block, gate_up, down) of each expert of `layer`, as lists indexed by expert."""
         views = self._views.get(layer)
+        if views is None and self.packed:
+            rows = self.flat[layer]
+            views = self._views[layer] = (
+                list(rows.unbind(0)),
+                _Unpacked(rows, self.layout.gate_up, self.dtype),
+                _Unpacked(rows, self.layout.down, self.dtype),
+            )
         if views is None:
             views = self._views[layer] = tuple(
                 list(t.unbind(0)) for t in (self.flat[layer], self.gate_up(layer), self.down(layer))
             )
         return views
 
+    def put_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Set `layer`'s experts from `[E, 2I, H]` and `[E, H, I]` weights (packed: rounded to
+        MXFP4 and packed, expert by expert)."""
+        if not self.packed:
+            self.gate_up(layer).copy_(gate_up)
+            self.down(layer).copy_(down)
+            return
+        for expert in range(self.num_experts):
+            self.flat[layer][expert] = pack_row(self.layout, gate_up[expert], down[expert])
+
     def as_routed(self) -> RoutedExperts:
-        """Views shaped like `RoutedExperts` (the loader fills the store through them)."""
+        """Views shaped like `RoutedExperts` (the loader fills the store through them; not for
+        a packed store, which `put_layer` or the loader's packed path fills)."""
+        if self.packed:
+            raise ValueError("a packed expert store has no bf16 views to fill")
         gate_up = {layer: self.gate_up(layer) for layer in self.layers}
         down = {layer: self.down(layer) for layer in self.layers}
         if self.bias is None:
@@ -145,7 +189,7 @@ class ExpertStore:
         return RoutedExperts(gate_up, down, up_bias, down_bias, act=self.act)
 
     @classmethod
-    def from_routed(cls, routed: RoutedExperts, pin: bool) -> ExpertStore:
+    def from_routed(cls, routed: RoutedExperts, pin: bool, packed: bool = False) -> ExpertStore:
         first = next(iter(routed.gate_up.values()))
         num_experts, two_inter, hidden = first.shape
         biased = routed.gate_up_bias is not None
@@ -158,14 +202,27 @@ class ExpertStore:
             pin,
             bias=biased,
             act=routed.act,
+            packed=packed,
         )
         for layer in store.layers:
-            store.gate_up(layer).copy_(routed.gate_up[layer])
-            store.down(layer).copy_(routed.down[layer])
+            store.put_layer(layer, routed.gate_up[layer], routed.down[layer])
             if biased:
                 store.bias[layer][0].copy_(routed.gate_up_bias[layer])
                 store.bias[layer][1].copy_(routed.down_bias[layer])
         return store
+
+
+class _Unpacked:
+    """One matrix of each packed expert row of a layer, dequantized when indexed by expert."""
+
+    def __init__(self, rows: torch.Tensor, part, dtype: torch.dtype) -> None:
+        self.rows, self.part, self.dtype = rows, part, dtype
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return unpack(self.rows[expert : expert + 1], self.part, self.dtype)[0]
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
 
 
 def _pageable_cost(block: torch.Tensor) -> str:

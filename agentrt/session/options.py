@@ -70,12 +70,37 @@ def check_device(device: str) -> str:
     return device
 
 
-def expert_store(spec: str, device: str, dtype):
-    """A host store for the routed experts of `spec` (pinned when a GPU will read it)."""
+def expert_store(spec: str, device: str, dtype, packed: bool = False):
+    """A host store for the routed experts of `spec` (pinned when a GPU will read it; `packed`:
+    MXFP4 rows)."""
     from agentrt.models.registry import config_of
     from agentrt.offload.store import ExpertStore
 
-    return ExpertStore.for_config(config_of(spec), dtype, device.startswith("cuda"))
+    return ExpertStore.for_config(config_of(spec), dtype, device.startswith("cuda"), packed)
+
+
+def host_experts(store):
+    """Where the model's routed experts load: the store's own views, or for a packed store
+    unpacked stacks in host memory (packed into the store after loading, `fill_packed`)."""
+    from agentrt.models.moe import RoutedExperts
+
+    if not store.packed:
+        return store.as_routed()
+    bias = store.bias is not None
+    args = (store.num_experts, store.hidden, store.inter, "cpu", store.dtype, bias, store.act)
+    return RoutedExperts.empty(store.layers, *args)
+
+
+def fill_packed(store, experts) -> None:
+    """Pack loaded host stacks (`host_experts`) into a packed store, layer by layer, freeing
+    each layer's stacks as it goes."""
+    if not store.packed:
+        return
+    for layer in store.layers:
+        store.put_layer(layer, experts.gate_up.pop(layer), experts.down.pop(layer))
+        if store.bias is not None:
+            store.bias[layer][0].copy_(experts.gate_up_bias.pop(layer))
+            store.bias[layer][1].copy_(experts.down_bias.pop(layer))
 
 
 def check_cache(cache: str) -> None:

@@ -39,6 +39,8 @@ from agentrt.session.options import (
     check_device,
     engine_config,
     expert_store,
+    fill_packed,
+    host_experts,
     offload_config,
     static_prefill,
 )
@@ -149,11 +151,14 @@ class Runtime:
         tok = load_tokenizer(tok_dir, c.chat_template) if tok_dir else None
         dtype = torch_dtype(config.dtype)
         clock = _Clock()
-        store = expert_store(model, device, dtype) if placement.mode != "none" else None
-        experts = store.as_routed() if store is not None else None
+        store = None
+        if placement.mode != "none":
+            store = expert_store(model, device, dtype, placement.packed_mxfp4)
+        experts = host_experts(store) if store is not None else None
         source = open_model(model, device, dtype, seed=c.seed, experts=experts)
         offload = None
         if store is not None:
+            fill_packed(store, experts)
             from agentrt.engine.placement import install
 
             offload = install(source.model, store, device, placement, c.recalibrate)

@@ -1,0 +1,61 @@
+"""Expert compute over packed MXFP4 rows (device slots or a staging buffer; layout
+`mxfp4_rows.RowLayout`), for an `ExpertStore` kept packed: a decode token's experts and a
+prefill part's, with the store's biases and activation, as the unpacked paths compute them
+(gate/up, activation in the activations' dtype, down; products accumulated in fp32). Triton
+kernels on CUDA; elsewhere the plain-torch references (dequantize, then multiply)."""
+
+from __future__ import annotations
+
+import torch
+
+from agentrt.offload.mxfp4_rows import (
+    Part,
+    grouped,
+    grouped_reference,
+    matvec,
+    matvec_reference,
+)
+from agentrt.offload.store import ExpertStore
+
+
+def _matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor):
+    return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x)
+
+
+def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor):
+    slots = list(range(len(counts)))
+    return (grouped if rows.is_cuda else grouped_reference)(rows, slots, counts, part, x)
+
+
+def token_experts(
+    store: ExpertStore, layer: int, rows: torch.Tensor, slots: torch.Tensor, x, ids
+) -> torch.Tensor:
+    """One token's experts: `x [1, H]` through the experts in `rows[slots]` (`slots [k]`, on the
+    device; `ids [k]` their expert ids, for the biases) -> `[k, H]` in x's dtype, unweighted."""
+    layout, biases = store.layout, store.biases(layer, x.device)
+    h = _matvec(rows, slots, layout.gate_up, x[0])  # [k, 2I] fp32
+    if biases is not None:
+        h = h + biases[0].index_select(0, ids)
+    y = _matvec(rows, slots, layout.down, store.act(h.to(x.dtype)))  # [k, H] fp32
+    if biases is not None:
+        y = y + biases[1].index_select(0, ids)
+    return y.to(x.dtype)
+
+
+def part_ffn(
+    store: ExpertStore, buf: torch.Tensor, counts: list[int], x, scale, biases=None
+) -> torch.Tensor:
+    """A prefill part's experts, `buf[i]` with `counts[i]` consecutive rows of `x [T, H]` each:
+    gate/up (+ biases), the activation times the routing weights `scale [T, 1]`, down (+
+    biases, scaled) -> `[T, H]` in x's dtype (as `pairs.grouped_ffn` computes unpacked)."""
+    layout = store.layout
+    h = _grouped(buf, counts, layout.gate_up, x)  # [T, 2I] fp32
+    if biases is not None:
+        repeat = torch.tensor(counts, device=x.device)
+        up_bias, down_bias = (b.repeat_interleave(repeat, dim=0) for b in biases)
+        h = h + up_bias
+    hidden = store.act(h.to(x.dtype)) * scale
+    y = _grouped(buf, counts, layout.down, hidden)  # [T, H] fp32
+    if biases is not None:
+        y = y + down_bias * scale
+    return y.to(x.dtype)
