@@ -115,6 +115,32 @@ def test_an_mxfp4_checkpoint_matches_transformers_on_its_dequantized_experts(hf_
     assert (got - want).abs().max().item() < 1e-4
 
 
+def test_an_mxfp4_checkpoint_loads_still_packed_into_an_offloaded_store(hf_gpt_oss, tmp_path):
+    """With `packed_mxfp4`, the checkpoint's MXFP4 pairs go into the host store's rows as they
+    are (no unpacked stacks on the way), and the offloaded model equals the one that loaded
+    them dequantized."""
+    from agentrt import Runtime
+    from agentrt.offload.config import OffloadConfig
+
+    _packed_checkpoint(hf_gpt_oss, tmp_path / "mxfp4")
+    path = str(tmp_path / "mxfp4")
+    dense = Runtime.open(path, cache="off", dtype="float32", tokenizer=None)
+    ids = random_ids(60, seed=3)
+    want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
+    config = OffloadConfig(
+        mode="auto", expert_cache_slots=6, copy_bandwidth=1.0, cpu_bandwidth=1.0,
+        packed_mxfp4=True,
+    )  # fmt: skip
+    rt = Runtime.open(path, cache="off", dtype="float32", tokenizer=None, offload=config)
+    store = rt.engine.offload.store
+    tensors = load_file(str(tmp_path / "mxfp4" / "model.safetensors"))
+    down = tensors["model.layers.2.mlp.experts.down_proj_blocks"]
+    part = store.layout.down
+    assert torch.equal(store.flat[2][:, part.codes : part.scales], down.reshape(down.shape[0], -1))
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+
+
 def test_an_mxfp4_checkpoint_without_its_scales_is_refused(hf_gpt_oss, tmp_path):
     from agentrt.errors import ModelFormatError
 

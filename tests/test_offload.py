@@ -1040,3 +1040,27 @@ def test_packed_mxfp4_experts_offloaded_equal_dense(model_spec, name):
     offload.cache.check()
     assert offload.prefill.totals.layers > 0 and offload.totals.copied > 0
     assert (offload.totals.cpu > 0) == (name == "split")
+
+
+def test_a_synthetic_model_with_packed_experts_draws_them_packed():
+    """`synthetic:NAME` with `packed_mxfp4` draws its experts as MXFP4 codes straight into the
+    host store (weights of about the synthetic init's spread); the offloaded model equals the
+    dense one given the same (dequantized) experts, biases and all."""
+    from agentrt.models.synthetic import INIT_STD
+
+    spec = "synthetic:tiny-gpt-oss"
+    config = dataclasses.replace(CONFIGS["split"], packed_mxfp4=True)
+    rt = Runtime.open(spec, cache="off", offload=config)
+    store = rt.engine.offload.store
+    assert 0.5 * INIT_STD < store.gate_up(0).float().std().item() < 2 * INIT_STD
+    dense = Runtime.open(spec, cache="off")
+    experts = dense.engine.model.experts
+    for layer in store.layers:
+        experts.gate_up[layer].copy_(store.gate_up(layer))
+        experts.down[layer].copy_(store.down(layer))
+        assert torch.equal(experts.gate_up_bias[layer], store.bias[layer][0])
+    ids = rt.tokenizer.encode(PROMPT)
+    want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    assert rt.generate(ids, max_tokens=8) == dense.generate(ids, max_tokens=8)

@@ -130,11 +130,23 @@ class WeightSink:
 
         pair = self.done.packed.setdefault((layer, kind), {})
         pair[part] = tensor
-        if len(pair) == 2:
+        if len(pair) == 2 and hasattr(self.model.experts, "put_mxfp4"):  # (kept packed)
+            del self.done.packed[(layer, kind)]
+            self._put_still_packed(layer, kind, pair["blocks"], pair["scales"])
+        elif len(pair) == 2:
             del self.done.packed[(layer, kind)]
             dest = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
             weights = dequantize(pair["blocks"], pair["scales"], dest[layer].dtype)
             self._put_fused(layer, kind, weights, packed=True)
+
+    def _put_still_packed(self, layer: int, kind: str, blocks, scales) -> None:
+        """An MXFP4 pair into experts that stay packed (`offload.packed_load.PackedSink`), rows
+        in the architecture's order (its layout applies to codes and exponents alike)."""
+        mask = self._expert_mask(layer)
+        if self.layout is not None:
+            blocks, scales = (self.layout(kind, t, True) for t in (blocks, scales))
+        self.model.experts.put_mxfp4(layer, kind, blocks, scales)
+        mask[:, [0, 1] if kind == "gate_up_proj" else [2]] = True
 
     def _put_fused(self, layer: int, kind: str, tensor: torch.Tensor, packed: bool = False) -> None:
         mask = self._expert_mask(layer)

@@ -283,6 +283,8 @@ def named_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         yield (name if name == "lm_head.weight" else prefix + name), param.data
     experts = model.experts
     stacks = {"gate_up_proj": experts.gate_up, "down_proj": experts.down}
+    if hasattr(experts, "fill_synthetic"):  # (experts kept packed: drawn by the sink itself)
+        stacks = {}
     if experts.gate_up_bias is not None and experts.down_bias is not None:
         stacks |= {"gate_up_proj_bias": experts.gate_up_bias, "down_proj_bias": experts.down_bias}
     for layer in sorted(experts.gate_up):
@@ -311,7 +313,10 @@ def build_in_memory(
     skew = router_skew(size)
     device = torch.device(device)
     staged = _Staged(device)
+    packed = hasattr(experts, "fill_synthetic")  # (experts kept MXFP4: drawn packed)
     with torch.inference_mode():
+        if packed:
+            experts.fill_synthetic(seed, INIT_STD, device)
         for name, tensor in named_tensors(model):
             if tensor.device.type == device.type:
                 init_value(name, tensor, seed, zero_centered, skew)

@@ -17,7 +17,8 @@ import time
 import torch
 
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
-from agentrt.offload.mxfp4_rows import RowLayout, pack_row, unpack
+from agentrt.models.mxfp4 import quantize
+from agentrt.offload.mxfp4_rows import RowLayout, unpack
 
 
 class ExpertStore:
@@ -172,8 +173,19 @@ class ExpertStore:
             self.gate_up(layer).copy_(gate_up)
             self.down(layer).copy_(down)
             return
-        for expert in range(self.num_experts):
-            self.flat[layer][expert] = pack_row(self.layout, gate_up[expert], down[expert])
+        self.put_part(layer, self.layout.gate_up, gate_up)
+        self.put_part(layer, self.layout.down, down)
+
+    def put_part(self, layer: int, part, weights: torch.Tensor) -> None:
+        """One matrix of every packed expert of `layer` (`weights [E, rows, cols]`), rounded to
+        MXFP4, a few experts at a time (the temporaries stay small)."""
+        rows = self.flat[layer]
+        for begin in range(0, self.num_experts, 8):
+            codes, scales = quantize(weights[begin : begin + 8])
+            n = codes.shape[0]
+            rows[begin : begin + n, part.codes : part.scales] = codes.reshape(n, -1)
+            end = part.scales + part.rows * part.groups
+            rows[begin : begin + n, part.scales : end] = scales.reshape(n, -1)
 
     def as_routed(self) -> RoutedExperts:
         """Views shaped like `RoutedExperts` (the loader fills the store through them; not for

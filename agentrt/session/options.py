@@ -80,27 +80,18 @@ def expert_store(spec: str, device: str, dtype, packed: bool = False):
 
 
 def host_experts(store):
-    """Where the model's routed experts load: the store's own views, or for a packed store
-    unpacked stacks in host memory (packed into the store after loading, `fill_packed`)."""
-    from agentrt.models.moe import RoutedExperts
+    """Where the model's routed experts load: the store's own views, or for a packed store a
+    `PackedSink` (packed as they load; `fill_packed` packs what came unpacked)."""
+    from agentrt.offload.packed_load import PackedSink
 
-    if not store.packed:
-        return store.as_routed()
-    bias = store.bias is not None
-    args = (store.num_experts, store.hidden, store.inter, "cpu", store.dtype, bias, store.act)
-    return RoutedExperts.empty(store.layers, *args)
+    return PackedSink(store) if store.packed else store.as_routed()
 
 
-def fill_packed(store, experts) -> None:
-    """Pack loaded host stacks (`host_experts`) into a packed store, layer by layer, freeing
-    each layer's stacks as it goes."""
-    if not store.packed:
-        return
-    for layer in store.layers:
-        store.put_layer(layer, experts.gate_up.pop(layer), experts.down.pop(layer))
-        if store.bias is not None:
-            store.bias[layer][0].copy_(experts.gate_up_bias.pop(layer))
-            store.bias[layer][1].copy_(experts.down_bias.pop(layer))
+def fill_packed(experts) -> None:
+    """After loading into `host_experts`: a packed store's unpacked remainder packed."""
+    finish = getattr(experts, "finish", None)
+    if finish is not None:
+        finish()
 
 
 def check_cache(cache: str) -> None:

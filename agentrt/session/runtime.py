@@ -158,7 +158,7 @@ class Runtime:
         source = open_model(model, device, dtype, seed=c.seed, experts=experts)
         offload = None
         if store is not None:
-            fill_packed(store, experts)
+            fill_packed(experts)
             from agentrt.engine.placement import install
 
             offload = install(source.model, store, device, placement, c.recalibrate)

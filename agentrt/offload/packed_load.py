@@ -1,0 +1,107 @@
+"""`PackedSink`: where a model's routed experts load when the host store keeps them MXFP4-packed.
+
+It stands in for the model's `RoutedExperts` while the weights load (the offload engine replaces
+it once they are in): an MXFP4 checkpoint's `_blocks` / `_scales` pairs go straight into the
+store's rows (`put_mxfp4`: no dequantization, no unpacked copy), a synthetic model's experts are
+drawn packed (`fill_synthetic`), and unpacked weights (a bf16 checkpoint) land in host stacks
+made on first use, which `finish` rounds to MXFP4 and packs. Biases load into the store's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, MutableMapping
+
+import torch
+
+from agentrt.errors import ModelFormatError
+from agentrt.models.moe import RoutedExperts
+from agentrt.models.mxfp4 import BLOCK, FP4_VALUES
+from agentrt.offload.store import ExpertStore
+
+# the root mean square of the 16 FP4 codes' values: random codes times 2**e have this times 2**e
+FP4_RMS = math.sqrt(sum(v * v for v in FP4_VALUES) / len(FP4_VALUES))
+
+
+class _Stacks(MutableMapping):
+    """layer -> an unpacked `[E, rows, cols]` host stack, made when first asked for (every layer
+    of the store is a key from the start, as in `RoutedExperts`)."""
+
+    def __init__(self, store: ExpertStore, rows: int, cols: int) -> None:
+        self.store, self.shape = store, (store.num_experts, rows, cols)
+        self.made: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self.store.flat:
+            raise KeyError(layer)
+        if layer not in self.made:
+            self.made[layer] = torch.empty(self.shape, dtype=self.store.dtype)
+        return self.made[layer]
+
+    def __setitem__(self, layer: int, value: torch.Tensor) -> None:
+        self.made[layer] = value
+
+    def __delitem__(self, layer: int) -> None:
+        self.made.pop(layer, None)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.store.layers)
+
+    def __len__(self) -> int:
+        return len(self.store.flat)
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self.store.flat
+
+
+class PackedSink(RoutedExperts):
+    """The loading side of a packed `ExpertStore` (see the module docstring)."""
+
+    def __init__(self, store: ExpertStore) -> None:
+        h, i = store.hidden, store.inter
+        biases = (None, None)
+        if store.bias is not None:
+            biases = tuple({layer: pair[k] for layer, pair in store.bias.items()} for k in (0, 1))
+        super().__init__(_Stacks(store, 2 * i, h), _Stacks(store, h, i), *biases, act=store.act)
+        self.store = store
+        self.direct: set[tuple[int, str]] = set()  # (layer, part) written packed
+
+    def put_mxfp4(self, layer: int, kind: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """A checkpoint's MXFP4 pair of `layer` (`kind` gate_up_proj or down_proj), rows in the
+        store's order (`[E, rows, G, 16]` codes, `[E, rows, G]` exponents), into the rows."""
+        name = "gate_up" if kind == "gate_up_proj" else "down"
+        part = getattr(self.store.layout, name)
+        want = (self.store.num_experts, part.rows, part.groups)
+        if tuple(scales.shape) != want or tuple(blocks.shape) != (*want, BLOCK // 2):
+            raise ModelFormatError(
+                f"layer {layer} experts.{kind}: MXFP4 blocks {tuple(blocks.shape)} and scales "
+                f"{tuple(scales.shape)}, expected {(*want, BLOCK // 2)} and {want}"
+            )
+        rows, n = self.store.flat[layer], self.store.num_experts
+        rows[:, part.codes : part.scales] = blocks.reshape(n, -1)
+        rows[:, part.scales : part.scales + part.rows * part.groups] = scales.reshape(n, -1)
+        self.direct.add((layer, name))
+
+    def fill_synthetic(self, seed: int, std: float, device) -> None:
+        """Every expert drawn packed, seeded per layer: random FP4 codes under one exponent per
+        layer that gives the weights about `std` (drawn on `device`, copied down per layer)."""
+        exponent = 127 + round(math.log2(std / FP4_RMS))
+        for layer in self.store.layers:
+            rows = self.store.flat[layer]
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
+            block = torch.randint(0, 256, tuple(rows.shape), generator=gen, device=device)
+            block = block.to(torch.uint8)
+            for part in (self.store.layout.gate_up, self.store.layout.down):
+                block[:, part.scales : part.scales + part.rows * part.groups] = exponent
+            rows.copy_(block)
+            self.direct |= {(layer, "gate_up"), (layer, "down")}
+
+    def finish(self) -> None:
+        """Pack what loaded unpacked (each layer's stacks freed as it goes)."""
+        store = self.store
+        for name, stacks in (("gate_up", self.gate_up), ("down", self.down)):
+            part = getattr(store.layout, name)
+            for layer in sorted(stacks.made):
+                weights = stacks.made.pop(layer)
+                if (layer, name) not in self.direct:
+                    store.put_part(layer, part, weights)
