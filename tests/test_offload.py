@@ -987,7 +987,7 @@ def test_packed_store_rows_compute_like_the_unpacked_experts(biased):
     was given, a decode token's experts over packed slots (`token_experts`) and a prefill
     part's (`part_ffn`) equal the unpacked computation."""
     from agentrt.models.moe import expert_ffn
-    from agentrt.offload.packed import part_ffn, token_experts
+    from agentrt.offload.packed import part_ffn, resident_ffn, token_experts
     from agentrt.offload.pairs import looped_ffn
 
     routed, store = _packed_store(biased)
@@ -1014,6 +1014,11 @@ def test_packed_store_rows_compute_like_the_unpacked_experts(biased):
     gate_up, down = routed.gate_up[0][experts], routed.down[0][experts]
     want = looped_ffn(xs, gate_up, down, counts, scale, biases, store.act)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a resident layer (every expert in order in one block) over a chunk, as RoutedExperts
+    xs, ids = torch.randn(7, 64), torch.randint(0, 6, (7, 2))
+    weights = torch.rand(7, 2)
+    got = resident_ffn(store, 1, store.flat[1], xs, ids, weights)
+    torch.testing.assert_close(got, routed(1, xs, ids, weights), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["split", "copy-only"])
@@ -1064,3 +1069,31 @@ def test_a_synthetic_model_with_packed_experts_draws_them_packed():
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
     assert rt.generate(ids, max_tokens=8) == dense.generate(ids, max_tokens=8)
+
+
+@pytest.mark.slow
+def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
+    """`bench decode` and `bench prefill` with `--expert-format mxfp4`: the experts stay packed
+    (the reports say so, with the packed row's bytes per expert), the baselines run too."""
+    import json
+
+    from util import run_cli
+
+    from agentrt.offload.mxfp4_rows import RowLayout
+
+    cfg = config_of("synthetic:tiny-gpt-oss")
+    row = RowLayout(cfg.hidden_size, cfg.moe_intermediate_size).row_bytes
+    common = ["--model", "synthetic:tiny-gpt-oss", "--device", "cpu", "--expert-format", "mxfp4"]
+    out = tmp_path / "decode.json"
+    args = ["bench", "decode", *common, "--prompt-len", "40", "--tokens", "4"]
+    result = run_cli(*args, "--offload", "auto,static", "--vram-budget", "1.2GiB", "--json", out)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["expert_format"] == "mxfp4" and report["expert_bytes"] == row
+    assert [r["label"] for r in report["runs"]] == ["auto/split/lru", "static"]
+    out = tmp_path / "prefill.json"
+    args = ["bench", "prefill", *common, "--offload", "auto", "--expert-cache-slots", "12"]
+    args += ["--lengths", "96", "--suffixes", "16", "--prefix", "64", "--repeat", "1"]
+    result = run_cli(*args, "--prefill-plan", "auto", "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["expert_format"] == "mxfp4"

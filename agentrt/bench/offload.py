@@ -59,6 +59,7 @@ from agentrt.models.registry import config_of, open_model
 from agentrt.offload.calibrate import dram_read_bandwidth
 from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_kernel import kernel_for, kernel_name
+from agentrt.offload.packed_load import finish_loading, load_sink
 from agentrt.offload.store import ExpertStore
 
 WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert cache
@@ -108,12 +109,15 @@ def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None
     return ids[:count]
 
 
-def load_offloadable(spec: str, device: str, dtype: str, seed: int):
-    """The model with its routed experts in one host store (pinned on CUDA), the store, and
-    the model's config."""
+def load_offloadable(spec: str, device: str, dtype: str, seed: int, packed: bool = False):
+    """The model with its routed experts in one host store (pinned on CUDA; `packed`: MXFP4
+    rows), the store, and the model's config."""
     cfg = config_of(spec)
-    store = ExpertStore.for_config(cfg, torch_dtype(dtype), pin=device.startswith("cuda"))
-    model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=store.as_routed()).model
+    pin = device.startswith("cuda")
+    store = ExpertStore.for_config(cfg, torch_dtype(dtype), pin=pin, packed=packed)
+    sink = load_sink(store)
+    model = open_model(spec, device, torch_dtype(dtype), seed=seed, experts=sink).model
+    finish_loading(sink)
     return model, store, cfg
 
 
@@ -141,6 +145,7 @@ def offload_decode(
     repeat: int = 1,
     cpu_kernel: str = "auto",
     py_profile: str | None = None,
+    packed: bool = False,
 ) -> dict[str, Any]:
     """The report of `bench decode --offload` (see the module docstring). `prompt_len`: one
     prompt length, or several: every setting then runs after each (rounds interleaved, one
@@ -152,7 +157,7 @@ def offload_decode(
 
     lengths = [prompt_len] if isinstance(prompt_len, int) else list(dict.fromkeys(prompt_len))
     dtype = dtype or EngineConfig.default_dtype(device)
-    model, store, cfg = load_offloadable(spec, device, dtype, seed)
+    model, store, cfg = load_offloadable(spec, device, dtype, seed, packed)
     extra = PROFILE_STEPS if py_profile else 0
     steps = WARMUP_STEPS + tokens + extra
     ids = text_ids(cfg.vocab_size, max(lengths) + steps, text, tokenizer_dir)
@@ -220,6 +225,7 @@ def offload_decode(
         "cpu_kernel": cpu_kernel,
         "decode_inputs": "teacher-forced real text" + (" (tokenizer)" if tokenizer_dir else ""),
         "expert_bytes": store.expert_bytes,
+        "expert_format": "mxfp4" if store.packed else "model",
         "pinned_store": store.pinned,
         "profile_gb_s": {
             k: round(getattr(profile, k) / 1e9, 2)
@@ -289,7 +295,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     engine.decode_graph = None
     if experts is not None:
         experts.close()
-    model.set_experts(store.as_routed())  # drop the device cache / resident copy
+    model.set_experts(load_sink(store))  # drop the device cache / resident copy
     del engine, state, experts
     return run
 

@@ -53,17 +53,20 @@ def offload_prefill(
     cpu_kernel: str = "auto",
     linear_attn: str = "auto",
     profile: bool = False,
+    packed: bool = False,
 ) -> dict[str, Any]:
-    """The report of `bench prefill --offload auto` (see the module docstring)."""
+    """The report of `bench prefill --offload auto` (see the module docstring; `packed`: the
+    experts kept MXFP4)."""
     from agentrt.bench.engine import machine
     from agentrt.bench.offload import load_offloadable, resident_experts, text_ids
+    from agentrt.offload.packed_load import load_sink
 
     dtype = dtype or EngineConfig.default_dtype(device)
     longest = max([*lengths, prefix_len + max(suffixes, default=0)])
     context = config_of(spec).max_position_embeddings
     if longest >= context:  # (before minutes of building the model)
         raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
-    model, store, cfg = load_offloadable(spec, device, dtype, seed)
+    model, store, cfg = load_offloadable(spec, device, dtype, seed, packed)
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
     kernel = kernel_for(cpu_kernel, store.dtype)
     bandwidths = profile_for(store, torch.device(device), kernel=kernel)
@@ -75,7 +78,7 @@ def offload_prefill(
         model.set_experts(resident_experts(store, device))
         engine = _engine(model, device, dtype, chunk, linear_attn)
         runs += rows.time(engine, "resident", None)
-        model.set_experts(store.as_routed())
+        model.set_experts(load_sink(store))
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
     staging = 0
@@ -95,7 +98,7 @@ def offload_prefill(
         for run in rows.time(engine, plan, experts):
             runs.append({**run, "cached_at_start": filled})
         staging = experts.prefill.staging_bytes
-        model.set_experts(store.as_routed())
+        model.set_experts(load_sink(store))
         del engine, experts
         _free(device)
     _add_floors(runs, link, store.expert_bytes)
@@ -105,6 +108,7 @@ def offload_prefill(
         "device": device,
         "dtype": dtype,
         "vram_budget": budget,
+        "expert_format": "mxfp4" if packed else "model",
         "prefill_chunk": chunk,
         "split": split,
         "prefix_tokens": prefix_len,

@@ -60,6 +60,16 @@ def _report(report: dict, json_out: str | None) -> None:
     write_json(json_out, report)
 
 
+_expert_format_option = click.option(
+    "--expert-format",
+    type=click.Choice(["model", "mxfp4"]),
+    default="model",
+    show_default=True,
+    help="With --offload: offloaded experts in the model's dtype, or kept MXFP4-packed (host "
+    "store, copies, GPU slots; drawn packed for synthetic models).",
+)
+
+
 @bench.command("prefill")
 @_bench_options
 @click.option(
@@ -130,6 +140,7 @@ def _report(report: dict, json_out: str | None) -> None:
     "costliest functions (host time) go into the row's JSON.",
 )
 @cpu_kernel_option("CPU expert kernel (calibration).")
+@_expert_format_option
 def bench_prefill(
     model,
     device,
@@ -187,6 +198,7 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
         cpu_kernel=o["cpu_kernel"],
         linear_attn=o["linear_attn"],
         profile=o["profile"],
+        packed=o["expert_format"] == "mxfp4",
     )
 
 
@@ -249,6 +261,7 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
     "With --offload: the CPU expert kernel of every setting, static's included (torch's, "
     "agentrt's bf16 kernel built at first use, or auto: native where the CPU has AVX512-BF16)."
 )
+@_expert_format_option
 @click.option(
     "--py-profile",
     type=click.Path(dir_okay=False, writable=True),
@@ -276,6 +289,7 @@ def bench_decode(
     tokenizer,
     repeat,
     cpu_kernel,
+    expert_format,
     py_profile,
 ) -> None:
     """Decode throughput (tok/s) after a prompt, per kernel and CUDA-graph setting; with
@@ -310,6 +324,7 @@ def bench_decode(
             repeat=repeat,
             cpu_kernel=cpu_kernel,
             py_profile=py_profile,
+            packed=expert_format == "mxfp4",
         )
         _report(report, json_out)
         return

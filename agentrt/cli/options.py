@@ -292,6 +292,17 @@ def offload_options() -> list:
             "takes half a layer of experts from the expert cache.",
         ),
         click.option(
+            "--expert-format",
+            type=click.Choice(["model", "mxfp4"]),
+            default="model",
+            show_default=True,
+            help="For --offload auto: how offloaded experts are kept in host memory, copied "
+            "and cached on the GPU: model (the model's dtype; MXFP4 checkpoints are "
+            "dequantized at load) or mxfp4 (packed, 17/32 of a byte per weight; MXFP4 "
+            "checkpoints load as they are, others are rounded to MXFP4; computed by Triton "
+            "kernels on CUDA; not yet measured on a GPU).",
+        ),
+        click.option(
             "--cpu-moe-layers",
             type=click.IntRange(min=0),
             default=None,

@@ -104,7 +104,10 @@ class OffloadConfig:
                 f"prefill plan must be one of {', '.join(PREFILL_PLANS)}, got {self.prefill_plan!r}"
             )
         if self.packed_mxfp4 and self.mode != "auto":
-            raise InvalidArgumentError("packed MXFP4 experts need offload mode auto")
+            raise InvalidArgumentError(
+                "packed MXFP4 experts (--expert-format mxfp4) need offload mode auto "
+                "(--vram-budget or --expert-cache-slots)"
+            )
         if self.staging_bytes is not None and self.staging_bytes < 0:
             raise InvalidArgumentError("staging_bytes must be >= 0")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from agentrt.models.moe import unsort
 from agentrt.offload.mxfp4_rows import (
     Part,
     grouped,
@@ -15,6 +16,7 @@ from agentrt.offload.mxfp4_rows import (
     matvec,
     matvec_reference,
 )
+from agentrt.offload.pairs import bincount
 from agentrt.offload.store import ExpertStore
 
 
@@ -59,3 +61,16 @@ def part_ffn(
     if biases is not None:
         y = y + down_bias * scale
     return y.to(x.dtype)
+
+
+def resident_ffn(store: ExpertStore, layer: int, block: torch.Tensor, x, ids, weights):
+    """A layer whose experts all sit in `block` (in expert order, the baselines' resident
+    layers) over a chunk: `x [T, H]`, `ids`/`weights` `[T, k]` -> `[T, H]` (one sync: the
+    tokens per expert)."""
+    top_k, flat = ids.shape[1], ids.reshape(-1)
+    counts = bincount(flat, store.num_experts).tolist()
+    order = torch.argsort(flat, stable=True)
+    scale = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+    biases = store.biases(layer, x.device)
+    ys = part_ffn(store, block, counts, x.index_select(0, order // top_k), scale, biases)
+    return unsort(ys, order, top_k).sum(1)

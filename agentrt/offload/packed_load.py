@@ -105,3 +105,14 @@ class PackedSink(RoutedExperts):
                 weights = stacks.made.pop(layer)
                 if (layer, name) not in self.direct:
                     store.put_part(layer, part, weights)
+
+
+def load_sink(store: ExpertStore) -> RoutedExperts:
+    """Where a model's routed experts load into `store`: its own views, or a `PackedSink`."""
+    return PackedSink(store) if store.packed else store.as_routed()
+
+
+def finish_loading(sink: RoutedExperts) -> None:
+    """After loading into `load_sink`'s result: a packed store's unpacked remainder packed."""
+    if isinstance(sink, PackedSink):
+        sink.finish()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
-from agentrt.offload.packed import part_ffn
+from agentrt.offload.packed import part_ffn, resident_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
 from agentrt.offload.planner import (
     Costs,
@@ -190,8 +190,6 @@ class PrefillStreamer:
         order (the baselines' resident layers), else None."""
         row = self.cache.slot_of[layer]
         first = row[0]
-        if self.store.packed:  # (packed rows run as parts: no unpacked views of the slots)
-            return None
         if first < 0 or row != list(range(first, first + len(row))):
             return None
         return first
@@ -200,10 +198,12 @@ class PrefillStreamer:
         """A resident layer: grouped GEMMs straight from its slots (no staging, no sync)."""
         s, num = self.store, self.store.num_experts
         block = self.cache.slots[start : start + num]
-        gate_up = block[:, : 2 * s.inter * s.hidden].view(num, 2 * s.inter, s.hidden)
-        down = block[:, 2 * s.inter * s.hidden :].view(num, s.hidden, s.inter)
         self.cache.stats[layer].hits += num
         self.last_plan = LayerPlan("resident", ())
+        if s.packed:
+            return resident_ffn(s, layer, block, x, ids, weights)
+        gate_up = block[:, : 2 * s.inter * s.hidden].view(num, 2 * s.inter, s.hidden)
+        down = block[:, 2 * s.inter * s.hidden :].view(num, s.hidden, s.inter)
         bias = s.biases(layer, x.device)
         up_bias, down_bias = ({layer: bias[0]}, {layer: bias[1]}) if bias else (None, None)
         resident = RoutedExperts({layer: gate_up}, {layer: down}, up_bias, down_bias, act=s.act)

@@ -51,6 +51,7 @@ class RuntimeConfig:
     prefetch: bool = True
     cpu_kernel: str = "auto"
     prefill_plan: str = "auto"
+    expert_format: str = "model"  # model | mxfp4 (offloaded experts kept packed)
 
 
 def check_device(device: str) -> str:
@@ -79,21 +80,6 @@ def expert_store(spec: str, device: str, dtype, packed: bool = False):
     return ExpertStore.for_config(config_of(spec), dtype, device.startswith("cuda"), packed)
 
 
-def host_experts(store):
-    """Where the model's routed experts load: the store's own views, or for a packed store a
-    `PackedSink` (packed as they load; `fill_packed` packs what came unpacked)."""
-    from agentrt.offload.packed_load import PackedSink
-
-    return PackedSink(store) if store.packed else store.as_routed()
-
-
-def fill_packed(experts) -> None:
-    """After loading into `host_experts`: a packed store's unpacked remainder packed."""
-    finish = getattr(experts, "finish", None)
-    if finish is not None:
-        finish()
-
-
 def check_cache(cache: str) -> None:
     if cache not in CACHE_MODES:
         raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
@@ -117,7 +103,14 @@ def offload_config(c: RuntimeConfig) -> OffloadConfig:
         prefetch=c.prefetch,
         cpu_kernel=c.cpu_kernel,
         prefill_plan=c.prefill_plan,
+        packed_mxfp4=_packed(c.expert_format),
     )
+
+
+def _packed(expert_format: str) -> bool:
+    if expert_format not in ("model", "mxfp4"):
+        raise InvalidArgumentError(f"expert format must be model or mxfp4, got {expert_format!r}")
+    return expert_format == "mxfp4"
 
 
 def engine_config(

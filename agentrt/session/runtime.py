@@ -18,6 +18,7 @@ from typing import Any
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError
+from agentrt.offload.packed_load import finish_loading, load_sink
 from agentrt.session.chat import (
     ChatEvent,
     ChatResult,
@@ -39,8 +40,6 @@ from agentrt.session.options import (
     check_device,
     engine_config,
     expert_store,
-    fill_packed,
-    host_experts,
     offload_config,
     static_prefill,
 )
@@ -154,11 +153,11 @@ class Runtime:
         store = None
         if placement.mode != "none":
             store = expert_store(model, device, dtype, placement.packed_mxfp4)
-        experts = host_experts(store) if store is not None else None
+        experts = load_sink(store) if store is not None else None
         source = open_model(model, device, dtype, seed=c.seed, experts=experts)
         offload = None
         if store is not None:
-            fill_packed(experts)
+            finish_loading(experts)
             from agentrt.engine.placement import install
 
             offload = install(source.model, store, device, placement, c.recalibrate)
