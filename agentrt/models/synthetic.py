@@ -2,7 +2,9 @@
 
 Sizes: `tiny` (the embedded default, a small hybrid `qwen3_5_moe`), `tiny-qwen3-moe`,
 `tiny-gpt-oss`, and real shapes `qwen3.5-35b-a3b`, `qwen3-30b-a3b`, `gpt-oss-20b`, `gpt-oss-120b`
-(gpt-oss experts in the model's dtype, not MXFP4-packed: the 120b shape takes 234 GB in bf16).
+(written checkpoints hold gpt-oss experts in the model's dtype, not MXFP4: the 120b shape takes
+234 GB in bf16; built in memory into a packed expert store, `--expert-format mxfp4`, they are
+drawn as MXFP4 codes, 61 GB).
 A checkpoint can be written to disk in HF format (config.json + safetensors, sharded per layer for
 large sizes, fused expert tensors) or built straight into device memory for benchmarks (no disk
 copy). Written files are owner-only (0600; directories it creates, 0700). Every tensor has its own
