@@ -1021,12 +1021,47 @@ def test_packed_store_rows_compute_like_the_unpacked_experts(biased):
     torch.testing.assert_close(got, routed(1, xs, ids, weights), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
+    """The native kernel over packed rows (`cpu_mxfp4`): a token's weighted sum over several
+    experts (with biases and the clamped SwiGLU, and accumulating) equals torch's experts on
+    the dequantized weights."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+
+    routed, store = _packed_store(biased)
+    kernel = mxfp4_kernel(store)
+    if kernel is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    x, ids, w = torch.randn(64), [4, 1, 3], [0.5, 0.3, 0.2]
+    want = sum(
+        wi * expert_ffn(
+            x[None], routed.gate_up[1][e], routed.down[1][e], *store.expert_biases(1, e, "cpu"),
+            act=store.act,
+        )[0]
+        for wi, e in zip(w, ids, strict=True)
+    )  # fmt: skip
+    out = torch.full((64,), 2.0)
+    kernel.run_experts(1, ids, w, x.bfloat16(), out, accumulate=True)
+    want_bf16_x = sum(
+        wi * expert_ffn(
+            x.bfloat16().float()[None], routed.gate_up[1][e], routed.down[1][e],
+            *store.expert_biases(1, e, "cpu"), act=store.act,
+        )[0]
+        for wi, e in zip(w, ids, strict=True)
+    )  # fmt: skip
+    torch.testing.assert_close(out, want_bf16_x + 2.0, rtol=1e-5, atol=1e-5)
+    kernel.run_experts(1, ids, w, x, out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["split", "copy-only"])
 def test_packed_mxfp4_experts_offloaded_equal_dense(model_spec, name):
     """`packed_mxfp4`: the experts stay MXFP4 in the host store, the slots and the staging;
     prefill logits and greedy decode equal the dense model whose experts hold the same MXFP4
     values (the load rounds them to MXFP4)."""
     from agentrt.models.mxfp4 import dequantize, quantize
+    from agentrt.offload.cpu_kernel import native_experts
 
     dense = Runtime.open(model_spec, cache="off")
     experts = dense.engine.model.experts
@@ -1039,6 +1074,8 @@ def test_packed_mxfp4_experts_offloaded_equal_dense(model_spec, name):
     rt = Runtime.open(model_spec, cache="off", offload=config)
     offload = rt.engine.offload
     assert offload.store.packed and offload.cache.slots.dtype == torch.uint8
+    if native_experts() is not None:  # (a C compiler: the CPU side runs the packed kernel)
+        assert offload.packed_cpu is not None
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
     assert rt.generate(ids, max_tokens=12) == want_tokens

@@ -146,7 +146,7 @@ def test_native_kernel_is_private(tmp_path, umask):
     if compiler is None:
         pytest.skip("no C compiler")
     path = tmp_path / "kernels" / "k.so"
-    cpu_kernel._build(compiler, path)
+    cpu_kernel._build(compiler, path, cpu_kernel.SOURCE, "experts_bf16")
     _assert_private_tree(tmp_path / "kernels")
 
 

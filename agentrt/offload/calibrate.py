@@ -113,6 +113,12 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
     where decode uses that, `pooled`) or torch's."""
     x = torch.randn(1, store.hidden).to(store.dtype)
     _, gate_up, down = store.expert_views(layer)  # (packed: dequantized per expert)
+    if hasattr(kernel, "run_experts"):  # (packed rows' kernel)
+        out = torch.empty(store.hidden, dtype=torch.float32)
+        t0 = time.perf_counter()
+        for i in range(count):
+            kernel.run_experts(layer, [i % store.num_experts], [1.0], x[0], out)
+        return count * store.expert_bytes / (time.perf_counter() - t0)
     if kernel is not None:
         out = torch.empty(store.hidden, dtype=torch.float32)
         t0 = time.perf_counter()
@@ -206,7 +212,7 @@ def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=
     the CPU side through `kernel` (a `NativeExperts`) when given, else torch's kernels. Where
     the kernel's pool cannot start, the kernel runs on this thread, as decode's then does."""
     layer = store.layers[0]
-    dest = torch.empty(min(count, 16), store.expert_numel, dtype=store.dtype, device=device)
+    dest = torch.empty(min(count, 16), store.expert_numel, dtype=store.storage_dtype, device=device)
     _time_copies(store, layer, dest, 4)  # warm-up
     if kernel is not None and kernel.pooled:  # torch's OpenMP team may still spin (see above)
         time.sleep(SPIN_SETTLE_S)

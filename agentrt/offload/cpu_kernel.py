@@ -203,18 +203,25 @@ def native_experts() -> NativeExperts | None:
     C compiler or if the build or the load fails (the reason goes to stderr once)."""
     if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
         return None
+    lib = build_library("experts_bf16", SOURCE)
+    return NativeExperts(lib) if lib is not None else None
+
+
+def build_library(name: str, source: str) -> ctypes.CDLL | None:
+    """The C `source` built with `FLAGS` into `home_dir()/kernels` once per source, flags and
+    compiler, and loaded; None (the reason on stderr) without a compiler or if it fails."""
     compiler = variable("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        print("agentrt: no C compiler: CPU experts use torch's kernels", file=sys.stderr)
+        print(f"agentrt: no C compiler: {name} unavailable, torch's kernels run", file=sys.stderr)
         return None
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
-    path = home_dir() / "kernels" / f"experts_bf16-{key}.so"
+    key = hashlib.sha256((source + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
+    path = home_dir() / "kernels" / f"{name}-{key}.so"
     try:
         if not path.exists():
-            _build(compiler, path)
-        return NativeExperts(ctypes.CDLL(str(path)))
+            _build(compiler, path, source, name)
+        return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        print(f"agentrt: native CPU expert kernel unavailable ({exc})", file=sys.stderr)
+        print(f"agentrt: native CPU kernel {name} unavailable ({exc})", file=sys.stderr)
         return None
 
 
@@ -258,12 +265,12 @@ def kernel_name(kernel: NativeExperts | None) -> str:
     return "torch" if kernel is None else "native"
 
 
-def _build(compiler: str, path: Path) -> None:
+def _build(compiler: str, path: Path, text: str, name: str) -> None:
     """Compile into a temporary file, then move it into place (concurrent builds are safe)."""
     private_dir(path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        source, out = Path(tmp) / "experts_bf16.c", Path(tmp) / path.name
-        source.write_text(SOURCE)
+        source, out = Path(tmp) / f"{name}.c", Path(tmp) / path.name
+        source.write_text(text)
         subprocess.run(
             [compiler, *FLAGS, str(source), "-o", str(out), "-lm"],
             check=True,

@@ -49,6 +49,7 @@ import torch
 from agentrt.models.moe import ExpertBackend, expert_ffn
 from agentrt.offload.copies import CudaCalls
 from agentrt.offload.cpu_kernel import NativeExperts
+from agentrt.offload.cpu_mxfp4 import PackedCPUExperts
 from agentrt.offload.host_step import CapturedDecode, LayerIO
 from agentrt.offload.prefetch import Prefetch
 from agentrt.offload.prefill import PrefillStreamer
@@ -73,7 +74,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         cpu_layers: frozenset[int] = frozenset(),
         adaptive: bool = True,
         routers: dict[int, torch.Tensor] | None = None,
-        cpu_kernel: NativeExperts | None = None,
+        cpu_kernel: NativeExperts | PackedCPUExperts | None = None,
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
         slots_for_kv: Callable[[int], int] | None = None,
@@ -109,6 +110,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         # a decode token's CPU experts through the native bf16 kernel (None: torch's kernels;
         # it computes bias-free SwiGLU experts only)
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 and store.plain else None
+        # packed MXFP4 experts: the native kernel that reads their rows (`cpu_mxfp4.py`)
+        self.packed_cpu = cpu_kernel if store.packed else None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}
@@ -134,7 +137,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             staging_bytes=0 if cpu_layers else staging_bytes,
             adaptive=self.adaptive,
             routers=self.routers,
-            cpu_kernel=self.cpu_kernel,
+            cpu_kernel=self.cpu_kernel or self.packed_cpu,
             calls=self.fast,
         )
 
@@ -338,9 +341,16 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         t0 = time.perf_counter()
         one_row = self.cpu_kernel is not None and all(count == 1 for _, count in segments)
         result = torch.empty(x_host.shape[1], dtype=torch.float32) if one_row else None
+        out32 = torch.empty(x_host.shape[1], dtype=torch.float32)
         with torch.inference_mode():
             for expert, count in segments:
                 end = begin + count
+                if self.packed_cpu is not None:  # (packed rows: their kernel, row by row)
+                    for row in range(begin, end):
+                        self.packed_cpu.run_experts(layer, [expert], [1.0], x_host[row], out32)
+                        out[row] = out32
+                    begin = end
+                    continue
                 if one_row:  # (a decode token in a CPU layer: the native kernel)
                     x_row = x_host[begin].contiguous()
                     self.cpu_kernel.run([gate_up[expert]], [down[expert]], [1.0], x_row, result)

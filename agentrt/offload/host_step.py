@@ -140,6 +140,11 @@ class CapturedDecode:
         buffer (by the native kernel when there is one, in one call)."""
         t0 = time.perf_counter()
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
+        if self.packed_cpu is not None:
+            weight = dict(zip(ids, w, strict=True))
+            self.packed_cpu.run_experts(layer, cpu, [weight[e] for e in cpu], io.x_h, acc)
+            self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
+            return
         if self.cpu_kernel is not None:
             self.cpu_kernel.run(*self._native_args(layer, ids, w, cpu), io.x_h, acc)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)

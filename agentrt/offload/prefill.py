@@ -85,8 +85,9 @@ class PrefillStreamer:
         self.cpu_flops = CPU_FLOPS
         self.cpu_bw = bandwidths.cpu  # CPU experts' weight reads in prefill (followed if adaptive)
         self.routers = routers  # each MoE layer's router weights (predicted plans), or None
-        # the native CPU kernel (`cpu_kernel.NativeExperts`, bf16 stores) or None: torch's
-        self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 else None
+        # the native CPU kernel (`cpu_kernel.NativeExperts` for bf16 stores, packed rows' own
+        # `cpu_mxfp4.PackedCPUExperts`) or None: torch's
+        self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 or store.packed else None
         self.accuracy = 0.8  # share of routed missing experts the prediction covered (EMA)
         self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
         # host time of a layer besides its sync and CPU experts (EMA; a streamed layer's too,

@@ -1,0 +1,84 @@
+"""The CPU side of packed MXFP4 experts (`ExpertStore(packed=True)`): a decode token's CPU
+experts read straight from the packed host rows by a native kernel (`experts_mxfp4.c`, built
+with the system C compiler at first use, like `cpu_kernel.py`'s), with the store's biases and
+activation; fp32 sums. `mxfp4_kernel(store)` returns None where it cannot be built (callers
+then dequantize each expert and run torch's kernels)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from pathlib import Path
+
+import torch
+
+from agentrt.offload.cpu_kernel import build_library
+from agentrt.offload.store import ExpertStore
+
+SOURCE = (Path(__file__).parent / "experts_mxfp4.c").read_text()  # (package data)
+_P = ctypes.c_void_p
+
+
+class PackedCPUExperts:
+    """The built kernel bound to one packed store (shapes, biases, activation). Calls run in
+    an OpenMP region on the calling thread and take turns (one scratch buffer)."""
+
+    pooled = False  # (no thread pool of its own: graph decode runs it on the host step's thread)
+
+    def __init__(self, lib: ctypes.CDLL, store: ExpertStore) -> None:
+        self._fn = lib.experts_mxfp4
+        self._fn.argtypes = [_P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P, _P]
+        self._fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, _P]
+        self._fn.restype = None
+        self.store = store
+        self._lock = threading.Lock()
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 copies per layer
+
+    def run_experts(self, layer: int, experts, weights, x: torch.Tensor, out: torch.Tensor,
+                    accumulate: bool = False) -> None:  # fmt: skip
+        """`out` (fp32 `[H]`, contiguous) = sum over `experts` of `layer` of weights[i] times
+        the expert's output for `x` (`[H]`), plus `out` if `accumulate`."""
+        s, n = self.store, len(experts)
+        rows = self.store.flat[layer]
+        row_ptrs = (_P * n)(*[rows[e].data_ptr() for e in experts])
+        x32 = x.reshape(-1).float().contiguous()
+        bias = self._layer_biases(layer)
+        gu = dn = None
+        if bias is not None:
+            gu = (_P * n)(*[bias[0][e].data_ptr() for e in experts])
+            dn = (_P * n)(*[bias[1][e].data_ptr() for e in experts])
+        with self._lock:
+            scratch = self._scratch_for(s.hidden + (3 + n) * s.inter)
+            self._fn(
+                row_ptrs, (ctypes.c_float * n)(*weights), n, x32.data_ptr(), out.data_ptr(),
+                s.hidden, s.inter, gu, dn, s.act.limit, s.act.alpha, int(accumulate),
+                scratch.data_ptr(),
+            )  # fmt: skip
+
+    def _layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        both = self.store.biases(layer, "cpu")
+        if both is None:
+            return None
+        if layer not in self._biases:
+            self._biases[layer] = tuple(b.float().contiguous() for b in both)
+        return self._biases[layer]
+
+    def _scratch_for(self, numel: int) -> torch.Tensor:
+        if self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel, dtype=torch.float32)
+        return self._scratch
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return build_library("experts_mxfp4", SOURCE)
+
+
+def mxfp4_kernel(store: ExpertStore) -> PackedCPUExperts | None:
+    """The native kernel for `store`'s packed experts, or None (not packed, or unbuildable)."""
+    if not store.packed:
+        return None
+    lib = _library()
+    return PackedCPUExperts(lib, store) if lib is not None else None
