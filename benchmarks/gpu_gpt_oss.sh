@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# gpt-oss on the GPU machine: its GPU tests (flash sink attention, graphs, offloaded decode),
-# then `synthetic:gpt-oss-20b` (MODEL=...; experts unpacked in bf16: 42 GB of pinned host
-# memory) under a 16 GiB budget: `bench decode` over the placements, `bench prefill` of 4K and
+# gpt-oss on the GPU machine: its GPU tests (flash sink attention, graphs, offloaded decode,
+# packed MXFP4 kernels and offload), then `synthetic:gpt-oss-20b` (MODEL=..., e.g.
+# synthetic:gpt-oss-120b; FORMAT=mxfp4, the default, keeps the experts packed: 10 / 61 GB of
+# pinned host memory; FORMAT=model: bf16, 42 GB for the 20b) under a 16 GiB budget: `bench decode` over the placements, `bench prefill` of 4K and
 # 8K tokens, and TTFT over the sample traces rendered in harmony. Copy
 # ../shared/data/tokenizers/gpt-oss into .tok/ first (with the Qwen3 tokenizer beside it the
 # carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, decode, prefill, ttft.
@@ -9,30 +10,31 @@ set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 M=${MODEL:-synthetic:gpt-oss-20b}
+F=${FORMAT:-mxfp4}
 TOK=.tok/gpt-oss
 STEPS=",${STEPS:-tests,decode,prefill,ttft},"
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 if has tests; then
-  timeout 300 python3 -m pytest -q -rs tests/test_gpu.py -k "gpt_oss or flash_sink" \
+  timeout 300 python3 -m pytest -q -rs tests/test_gpu.py -k "gpt_oss or flash_sink or mxfp4" \
     > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log"
 fi
 if has decode; then
   timeout "${DECODE_TIMEOUT:-400}" python3 -m agentrt.cli bench decode --model "$M" --device cuda \
-    --vram-budget 16GiB --offload "${OFFLOADS:-auto,static,layer}" --tokenizer "$TOK" \
+    --vram-budget 16GiB --offload "${OFFLOADS:-auto,static,layer}" --tokenizer "$TOK" --expert-format "$F" \
     --prompt-len 256 --tokens "${TOKENS:-32}" --repeat 1 --json "$OUT/decode.json" \
     > "$OUT/decode.log" 2>&1
   grep -v '^ \|^{\|^}' "$OUT/decode.log" | tail -16
 fi
 if has prefill; then
   timeout "${PREFILL_TIMEOUT:-400}" python3 -m agentrt.cli bench prefill --offload auto \
-    --model "$M" --device cuda --vram-budget 16GiB --tokenizer "$TOK" \
+    --model "$M" --device cuda --vram-budget 16GiB --tokenizer "$TOK" --expert-format "$F" \
     --lengths "${LENGTHS:-4096,8192}" --prefill-chunk 8192 --repeat 1 \
     --prefill-plan "${PLANS:-auto,stream}" --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
   grep -A20 "^plan " "$OUT/prefill.log" || tail -20 "$OUT/prefill.log"
 fi
 if has ttft; then
   MODEL=$M TOK=$TOK TEMPLATE=$TOK/chat_template.jinja VARIANTS=dropped PREFILL_CHUNK=8192 \
-    NAME=ttft_gpt_oss TTFT_ARGS="--vram-budget 16GiB --cache semantic,off --max-requests 16" \
+    NAME=ttft_gpt_oss TTFT_ARGS="--vram-budget 16GiB --expert-format $F --cache semantic,off --max-requests 16" \
     timeout "${TTFT_TIMEOUT:-400}" bash benchmarks/gpu_ttft.sh | tail -14
 fi
