@@ -121,8 +121,18 @@ def load_offloadable(spec: str, device: str, dtype: str, seed: int, packed: bool
     return model, store, cfg
 
 
+def make_resident(model, store: ExpertStore, device: str):
+    """Every expert of the store on `device` (the all-resident baseline), swapped into `model`;
+    returns the engine's offload backend (None, or for a packed store every expert preloaded
+    into device slots, where the packed kernels compute them)."""
+    if store.packed:
+        return install(model, store, device, OffloadConfig(mode="static", cpu_moe_layers=0))
+    model.set_experts(resident_experts(store, device))
+    return None
+
+
 def resident_experts(store: ExpertStore, device: str) -> RoutedExperts:
-    """Every expert of the store copied to `device` (the all-resident baseline)."""
+    """Every expert of the store copied to `device`, unpacked."""
     return RoutedExperts(
         {layer: store.gate_up(layer).to(device) for layer in store.layers},
         {layer: store.down(layer).to(device) for layer in store.layers},
@@ -252,8 +262,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     if setting["offload"] == "none":
-        experts = None
-        model.set_experts(resident_experts(store, device))
+        experts = make_resident(model, store, device)
     else:
         experts = install(model, store, device, config)
     engine = Engine(model, EngineConfig(device=device, dtype=dtype, cuda_graphs=graphs), experts)

@@ -58,7 +58,7 @@ def offload_prefill(
     """The report of `bench prefill --offload auto` (see the module docstring; `packed`: the
     experts kept MXFP4)."""
     from agentrt.bench.engine import machine
-    from agentrt.bench.offload import load_offloadable, resident_experts, text_ids
+    from agentrt.bench.offload import load_offloadable, make_resident, text_ids
     from agentrt.offload.packed_load import load_sink
 
     dtype = dtype or EngineConfig.default_dtype(device)
@@ -75,10 +75,11 @@ def offload_prefill(
     runs = []
     if resident:
         print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
-        model.set_experts(resident_experts(store, device))
-        engine = _engine(model, device, dtype, chunk, linear_attn)
+        resident_backend = make_resident(model, store, device)
+        engine = _engine(model, device, dtype, chunk, linear_attn, resident_backend)
         runs += rows.time(engine, "resident", None)
         model.set_experts(load_sink(store))
+        del engine, resident_backend
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
     staging = 0
