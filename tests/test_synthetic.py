@@ -211,3 +211,40 @@ def test_views_of_a_host_block_go_down_in_one_copy_with_the_same_values():
     assert torch.equal(whole, torch.cat([s.reshape(4, -1) for s in sources], dim=1))
     assert torch.equal(part[:, :8], sources[0].reshape(4, 8)) and (part[:, 8:] == 7).all()
     assert torch.equal(other, torch.ones(3)) and staged.host is None
+
+
+def test_model_make_writes_gpt_oss_experts_as_mxfp4_pairs(tmp_path):
+    """`model make --expert-format mxfp4`: gpt-oss experts as `_blocks` / `_scales` uint8 pairs
+    with a `quantization_config`, as the published checkpoints; weights of about the synthetic
+    spread; the checkpoint opens dequantized and offloaded with its experts still packed, to
+    the same logits. Other sizes refuse the format."""
+    from safetensors import safe_open
+
+    from agentrt.models.synthetic import INIT_STD
+    from agentrt.offload.config import OffloadConfig
+
+    out = tmp_path / "gpt-oss"
+    result = run_cli("model", "make", "--size", "tiny-gpt-oss", "--expert-format", "mxfp4",
+                     "-o", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "mxfp4"
+    }
+    with safe_open(str(out / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+        blocks = handle.get_tensor("model.layers.1.mlp.experts.down_proj_blocks")
+    assert "model.layers.1.mlp.experts.down_proj" not in names and blocks.dtype == torch.uint8
+    assert "model.layers.1.mlp.experts.gate_up_proj_scales" in names
+    dense = Runtime.open(str(out), cache="off")
+    spread = dense.engine.model.experts.down[1].float().std().item()
+    assert 0.5 * INIT_STD < spread < 2 * INIT_STD
+    offload = OffloadConfig(mode="auto", expert_cache_slots=10, packed_mxfp4=True,
+                            copy_bandwidth=1.0, cpu_bandwidth=1.0)  # fmt: skip
+    packed = Runtime.open(str(out), cache="off", offload=offload)
+    ids = random_ids(40, seed=5)
+    want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
+    got = packed.engine.prefill(packed.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    bad = run_cli("model", "make", "--size", "tiny", "--expert-format", "mxfp4", "-o",
+                  str(tmp_path / "bad"))  # fmt: skip
+    assert bad.returncode == 2 and "gpt-oss sizes" in bad.stderr

@@ -29,8 +29,7 @@ def model() -> None:
 @click.option(
     "--size",
     required=True,
-    help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b "
-    "(gpt-oss experts unpacked, in --dtype: not the MXFP4 of the published checkpoints).",
+    help="tiny, or a real shape: qwen3.5-35b-a3b, qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b.",
 )
 @click.option(
     "-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory."
@@ -42,8 +41,17 @@ def model() -> None:
     default=None,
     help="Stored dtype (default: float32 for tiny sizes, bfloat16 for real sizes).",
 )
+@click.option(
+    "--expert-format",
+    type=click.Choice(["model", "mxfp4"]),
+    default="model",
+    show_default=True,
+    help="gpt-oss: routed experts in --dtype (model) or as the published checkpoints store "
+    "them (mxfp4: `_blocks` / `_scales` pairs of random MXFP4 codes, 17/32 of a byte per "
+    "weight).",
+)
 @click.option("--force", is_flag=True, help="Write into a non-empty directory.")
-def model_make(arch, size, out, seed, dtype, force) -> None:
+def model_make(arch, size, out, seed, dtype, expert_format, force) -> None:
     """Write a seeded random-weight checkpoint with exact shapes (HF format)."""
     from agentrt.models.synthetic import resolve_size, write_checkpoint
     from agentrt.models.tiny import build_tiny
@@ -52,8 +60,11 @@ def model_make(arch, size, out, seed, dtype, force) -> None:
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise click.UsageError(f"{out_dir} is not empty (use --force to write into it)")
+    mxfp4 = expert_format == "mxfp4"
+    if mxfp4 and "gpt-oss" not in name:
+        raise click.UsageError("--expert-format mxfp4 is for gpt-oss sizes")
     if name.startswith("tiny"):
-        build_tiny(out_dir, name)
+        build_tiny(out_dir, name, mxfp4=mxfp4)
     else:
         with click.progressbar(length=1, label=f"writing {name}", file=sys.stderr) as bar:
 
@@ -61,7 +72,7 @@ def model_make(arch, size, out, seed, dtype, force) -> None:
                 bar.length = total
                 bar.update(done - bar.pos)
 
-            write_checkpoint(name, out_dir, seed=seed, dtype=dtype, progress=progress)
+            write_checkpoint(name, out_dir, seed, dtype, progress, mxfp4=mxfp4)
     click.echo(f"wrote {name} to {out_dir}")
 
 

@@ -7,6 +7,8 @@ tests). Plain torch, any device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from agentrt.errors import ModelFormatError
@@ -42,6 +44,13 @@ def dequantize(
         values = torch.ldexp(values.reshape(codes.shape[0], BLOCK), flat_scales[begin:end, None])
         out[begin:end] = values.to(dtype)
     return out.reshape(*prefix, groups * BLOCK)
+
+
+def exponent_for(std: float) -> int:
+    """The biased exponent that gives uniformly random codes a spread of about `std` (the
+    synthetic models' MXFP4 experts)."""
+    rms = math.sqrt(sum(v * v for v in FP4_VALUES) / len(FP4_VALUES))
+    return 127 + round(math.log2(std / rms))
 
 
 def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

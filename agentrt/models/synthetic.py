@@ -387,22 +387,35 @@ def write_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     config_overrides: dict | None = None,
     max_single_bytes: int = 2**30,
+    mxfp4: bool = False,
 ) -> Path:
     """Write `size` as a HF-format checkpoint (config.json + safetensors) into `out_dir`.
 
     Small models go into one `model.safetensors`; large ones into one shard per layer plus an
-    index, generated and written shard by shard so memory holds one layer at a time.
+    index, generated and written shard by shard so memory holds one layer at a time. `mxfp4`
+    (gpt-oss): routed experts as the published checkpoints store them, `_blocks` / `_scales`
+    pairs of random MXFP4 codes (`mxfp4_pair`) and a `quantization_config` saying so.
     """
     out = private_dir(out_dir)
     raw = hf_config(size)
     raw.update(config_overrides or {})
     if dtype:
         raw["dtype"] = dtype
+    if mxfp4:
+        if raw.get("model_type") != "gpt_oss":
+            raise ValueError("MXFP4 experts are written for gpt-oss checkpoints only")
+        raw["quantization_config"] = {"quant_method": "mxfp4"}
     cfg = ModelConfig.from_hf(raw)
     target = torch_dtype(cfg.torch_dtype)
     skeleton = build_empty_meta(cfg)
     shards: dict[str, list[tuple[str, torch.Size]]] = {}
     for name, tensor in named_tensors(skeleton):
+        if mxfp4 and name.endswith(EXPERT_STACKS):
+            rows, cols = tensor.shape[1], tensor.shape[2]
+            blocks = torch.empty(tensor.shape[0], rows, cols // 32, 16, device="meta")
+            shards.setdefault(_shard_of(name), []).append((name + "_blocks", blocks))
+            shards.setdefault(_shard_of(name), []).append((name + "_scales", blocks[..., 0]))
+            continue
         shards.setdefault(_shard_of(name), []).append((name, tensor))
     total_bytes = sum(t.numel() for _, t in named_tensors(skeleton)) * target.itemsize
     if total_bytes <= max_single_bytes:
@@ -426,6 +439,9 @@ def _write_shard(path: Path, entries, cfg: ModelConfig, target, seed: int, skew:
 
     tensors = {}
     for name, meta in entries:
+        if name.endswith(("_blocks", "_scales")):
+            tensors[name] = mxfp4_tensor(name, meta.shape, seed)
+            continue
         t = torch.empty(meta.shape, dtype=torch.float32)
         init_value(name, t, seed, architecture(cfg.arch).ZERO_CENTERED_NORMS, skew)
         keep_fp32 = name.rsplit(".", 1)[-1] in FP32_PARAMS
@@ -433,6 +449,21 @@ def _write_shard(path: Path, entries, cfg: ModelConfig, target, seed: int, skew:
         tensors[name] = tensors[name].contiguous()
     with private_output(path) as tmp:  # 0600; save_file truncates it, keeping the mode
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
+EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def mxfp4_tensor(name: str, shape, seed: int) -> torch.Tensor:
+    """One half of a synthetic MXFP4 expert pair: `_blocks`, uniformly random code bytes
+    (seeded by name), or `_scales`, one exponent that gives the weights about the synthetic
+    init's spread."""
+    from agentrt.models.mxfp4 import exponent_for
+
+    if name.endswith("_scales"):
+        return torch.full(tuple(shape), exponent_for(INIT_STD), dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(tensor_seed(seed, name))
+    return torch.randint(0, 256, tuple(shape), generator=gen, dtype=torch.uint8)
 
 
 def build_empty_meta(cfg: ModelConfig) -> CausalLM:

@@ -9,18 +9,14 @@ made on first use, which `finish` rounds to MXFP4 and packs. Biases load into th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, MutableMapping
 
 import torch
 
 from agentrt.errors import ModelFormatError
 from agentrt.models.moe import RoutedExperts
-from agentrt.models.mxfp4 import BLOCK, FP4_VALUES
+from agentrt.models.mxfp4 import BLOCK, exponent_for
 from agentrt.offload.store import ExpertStore
-
-# the root mean square of the 16 FP4 codes' values: random codes times 2**e have this times 2**e
-FP4_RMS = math.sqrt(sum(v * v for v in FP4_VALUES) / len(FP4_VALUES))
 
 
 class _Stacks(MutableMapping):
@@ -85,7 +81,7 @@ class PackedSink(RoutedExperts):
     def fill_synthetic(self, seed: int, std: float, device) -> None:
         """Every expert drawn packed, seeded per layer: random FP4 codes under one exponent per
         layer that gives the weights about `std` (drawn on `device`, copied down per layer)."""
-        exponent = 127 + round(math.log2(std / FP4_RMS))
+        exponent = exponent_for(std)
         for layer in self.store.layers:
             rows = self.store.flat[layer]
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
