@@ -16,6 +16,7 @@ from agentrt.cli.options import (
     csv_ints,
     csv_ints_or_empty,
     csv_option,
+    expert_format_option,
     json_option,
     on_off,
     prepare_cpu_threads,
@@ -60,13 +61,9 @@ def _report(report: dict, json_out: str | None) -> None:
     write_json(json_out, report)
 
 
-_expert_format_option = click.option(
-    "--expert-format",
-    type=click.Choice(["model", "mxfp4"]),
-    default="model",
-    show_default=True,
-    help="With --offload: offloaded experts in the model's dtype, or kept MXFP4-packed (host "
-    "store, copies, GPU slots; drawn packed for synthetic models).",
+_expert_format_option = expert_format_option(
+    "With --offload: offloaded experts in the model's dtype, or kept MXFP4-packed (host "
+    "store, copies, GPU slots; drawn packed for synthetic models)."
 )
 
 
@@ -408,51 +405,25 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     show_default=True,
     help="With --fidelity: the engine's chunk (the noise floor runs half and twice this).",
 )
-def bench_statecache(
-    model,
-    device,
-    dtype,
-    linear_attn,
-    seed,
-    eager,
-    json_out,
-    lengths,
-    state_dir,
-    capture_every,
-    rounds,
-    fidelity,
-    suffix,
-    generate,
-    prefill_chunk,
-):
+def bench_statecache(model, device, dtype, linear_attn, seed, eager, json_out, lengths, **o):
     """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead;
     with --fidelity, how exactly a restored checkpoint continues."""
-    dev = resolve_device(device)
+    dev, state_dir, rounds = resolve_device(device), o["state_dir"], o["rounds"]
 
     def note(text: str) -> None:
         click.echo(text, err=True)
 
-    if fidelity:
+    if o["fidelity"]:
         from agentrt.bench.fidelity import fidelity as run
 
-        kwargs = dict(suffix=suffix, generate=generate, chunk=prefill_chunk, note=note)
-        result = run(
-            model,
-            dev,
-            dtype,
-            lengths,
-            state_dir,
-            seed,
-            runs=rounds or 3,
-            linear_attn=linear_attn[0],
-            **kwargs,
-        )
+        kwargs = dict(suffix=o["suffix"], generate=o["generate"], chunk=o["prefill_chunk"])
+        kwargs |= dict(note=note, runs=rounds or 3, linear_attn=linear_attn[0])
+        result = run(model, dev, dtype, lengths, state_dir, seed, **kwargs)
     else:
         from agentrt.bench import statecache as b
 
-        result = b.statecache(
-            model, dev, dtype, lengths, state_dir, seed, capture_every, rounds, note
-        )
+        every = o["capture_every"]
+        result = b.statecache(model, dev, dtype, lengths, state_dir, seed, every, rounds, note)
     _report(result, json_out)
 
 

@@ -242,6 +242,13 @@ def cpu_kernel_option(help: str):
     )
 
 
+def expert_format_option(help: str):
+    """--expert-format model|mxfp4 (model by default)."""
+    choices = click.Choice(["model", "mxfp4"])
+    return click.option("--expert-format", type=choices, default="model", show_default=True,
+                        help=help)  # fmt: skip
+
+
 def offload_options() -> list:
     """Expert placement options (docs/architecture.md §5)."""
     return [
@@ -291,16 +298,12 @@ def offload_options() -> list:
             "or routed, the cheaper by measured costs). The staging ring "
             "takes half a layer of experts from the expert cache.",
         ),
-        click.option(
-            "--expert-format",
-            type=click.Choice(["model", "mxfp4"]),
-            default="model",
-            show_default=True,
-            help="For --offload auto: how offloaded experts are kept in host memory, copied "
+        expert_format_option(
+            "For --offload auto: how offloaded experts are kept in host memory, copied "
             "and cached on the GPU: model (the model's dtype; MXFP4 checkpoints are "
             "dequantized at load) or mxfp4 (packed, 17/32 of a byte per weight; MXFP4 "
             "checkpoints load as they are, others are rounded to MXFP4; computed by Triton "
-            "kernels on CUDA; not yet measured on a GPU).",
+            "kernels on CUDA; not yet measured on a GPU)."
         ),
         click.option(
             "--cpu-moe-layers",
