@@ -9,6 +9,7 @@ import click
 
 from agentrt.cli.main import main
 from agentrt.cli.options import (
+    expert_format_option,
     json_option,
     write_json,
 )
@@ -41,14 +42,9 @@ def model() -> None:
     default=None,
     help="Stored dtype (default: float32 for tiny sizes, bfloat16 for real sizes).",
 )
-@click.option(
-    "--expert-format",
-    type=click.Choice(["model", "mxfp4"]),
-    default="model",
-    show_default=True,
-    help="gpt-oss: routed experts in --dtype (model) or as the published checkpoints store "
-    "them (mxfp4: `_blocks` / `_scales` pairs of random MXFP4 codes, 17/32 of a byte per "
-    "weight).",
+@expert_format_option(
+    "gpt-oss: routed experts in --dtype (model) or as the published checkpoints store them "
+    "(mxfp4: `_blocks` / `_scales` pairs of random MXFP4 codes, 17/32 of a byte per weight)."
 )
 @click.option("--force", is_flag=True, help="Write into a non-empty directory.")
 def model_make(arch, size, out, seed, dtype, expert_format, force) -> None:
