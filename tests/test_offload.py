@@ -1053,6 +1053,19 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     torch.testing.assert_close(out, want_bf16_x + 2.0, rtol=1e-5, atol=1e-5)
     kernel.run_experts(1, ids, w, x, out)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # prefill's rows: 3, 1 and 5 rows of experts 5, 0 and 2, weighted per row
+    from agentrt.offload.pairs import looped_ffn
+
+    experts, counts = [5, 0, 2], {5: 3, 0: 1, 2: 5}
+    xs, scale = torch.randn(9, 64), torch.rand(9, 1)
+    out = torch.empty(9, 64)
+    kernel.run_rows(1, experts, [counts.get(e, 0) for e in range(6)], xs, scale, out)
+    biases = None
+    if biased:
+        biases = (routed.gate_up_bias[1][experts], routed.down_bias[1][experts])
+    gate_up, down = routed.gate_up[1][experts], routed.down[1][experts]
+    want = looped_ffn(xs, gate_up, down, [3, 1, 5], scale, biases, store.act)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["split", "copy-only"])

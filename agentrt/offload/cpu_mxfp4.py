@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import threading
 from pathlib import Path
 
@@ -31,6 +32,10 @@ class PackedCPUExperts:
         self._fn.argtypes = [_P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P, _P]
         self._fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, _P]
         self._fn.restype = None
+        self._rows = lib.experts_mxfp4_rows
+        self._rows.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
+        self._rows.argtypes += [_P, _P, ctypes.c_float, ctypes.c_float, _P]
+        self._rows.restype = None
         self.store = store
         self._lock = threading.Lock()
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -56,6 +61,30 @@ class PackedCPUExperts:
                 s.hidden, s.inter, gu, dn, s.act.limit, s.act.alpha, int(accumulate),
                 scratch.data_ptr(),
             )  # fmt: skip
+
+    def run_rows(self, layer: int, experts, counts, x: torch.Tensor, scale, out) -> None:
+        """Prefill's CPU experts: `x [R, H]` holds `counts[e]` consecutive rows for each of
+        `experts` (in order); `out [R, H]` gets each row's expert output times its `scale`
+        (`[R]` or `[R, 1]`). Each weight row is decoded once for all of its expert's rows."""
+        s, n = self.store, len(experts)
+        rows = s.flat[layer]
+        row_ptrs = (_P * n)(*[rows[e].data_ptr() for e in experts])
+        starts = (ctypes.c_int * (n + 1))(0, *itertools.accumulate(counts[e] for e in experts))
+        x32 = x.float().contiguous()
+        w32 = scale.reshape(-1).float().contiguous()
+        result = torch.empty(x32.shape, dtype=torch.float32)
+        bias = self._layer_biases(layer)
+        gu = dn = None
+        if bias is not None:
+            gu = (_P * n)(*[bias[0][e].data_ptr() for e in experts])
+            dn = (_P * n)(*[bias[1][e].data_ptr() for e in experts])
+        with self._lock:
+            scratch = self._scratch_for(x32.shape[0] * (s.hidden + 2 * s.inter))
+            self._rows(
+                row_ptrs, starts, n, x32.data_ptr(), w32.data_ptr(), result.data_ptr(),
+                s.hidden, s.inter, gu, dn, s.act.limit, s.act.alpha, scratch.data_ptr(),
+            )  # fmt: skip
+        out.copy_(result)
 
     def _layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         both = self.store.biases(layer, "cpu")

@@ -118,3 +118,65 @@ void experts_mxfp4(const uint8_t** rows, const float* weights, int n, const floa
         out[r] = s;
     }
 }
+
+/* Prefill: rows grouped by expert (rows starts[e] .. starts[e + 1] - 1 of x [R, hidden], fp32,
+   for expert e), out[r] = w[r] * (expert_e(x[r]) + its down bias), fp32 [R, hidden]. Work
+   items: (expert, activation i: its gate and up rows), then (expert, output column); an item
+   dots its weight rows with each of the expert's rows in turn, so the weights come from DRAM
+   once (a row of codes stays in L1). scratch: fp32 [R * (hidden + 2 * inter)] (the split
+   inputs, the activations, their split). */
+void experts_mxfp4_rows(const uint8_t** rows, const int* starts, int n, const float* x,
+                        const float* w, float* out, int hidden, int inter,
+                        const float** gu_bias, const float** dn_bias, float limit, float alpha,
+                        float* scratch) {
+    tables();
+    int total = starts[n], hg = hidden / 32, ig = inter / 32;
+    float *xs = scratch, *act = xs + (int64_t)total * hidden, *as = act + (int64_t)total * inter;
+    int64_t gu_codes = (int64_t)inter * hidden, gu_bytes = gu_codes + 2 * inter * hg;
+    int64_t dn_codes = (int64_t)hidden * inter / 2;
+    for (int r = 0; r < total; r++)  /* row r split: xs[r*H .. +H/2) even, then odd */
+        split_pairs(x + (int64_t)r * hidden, hidden, xs + (int64_t)r * hidden,
+                    xs + (int64_t)r * hidden + hidden / 2);
+    long acts = (long)n * inter, outs = (long)n * hidden;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(dynamic, 16)
+        for (long p = 0; p < acts; p++) {
+            int e = (int)(p / inter), i = (int)(p % inter);
+            const uint8_t* row = rows[e];
+            const uint8_t *gc = row + (int64_t)i * hidden / 2, *gs = row + gu_codes + (int64_t)i * hg;
+            const uint8_t *uc = row + (int64_t)(inter + i) * hidden / 2;
+            const uint8_t *us = row + gu_codes + (int64_t)(inter + i) * hg;
+            for (int r = starts[e]; r < starts[e + 1]; r++) {
+                const float* xe = xs + (int64_t)r * hidden;
+                float g = row_dot(gc, gs, xe, xe + hidden / 2, hg);
+                float u = row_dot(uc, us, xe, xe + hidden / 2, hg);
+                if (gu_bias) { g += gu_bias[e][i]; u += gu_bias[e][inter + i]; }
+                float a;
+                if (limit > 0.f) {
+                    g = fminf(g, limit);
+                    u = fmaxf(fminf(u, limit), -limit);
+                    a = (u + 1.f) * g / (1.f + expf(-alpha * g));
+                } else {
+                    a = g / (1.f + expf(-g)) * u;
+                }
+                act[(int64_t)r * inter + i] = a;
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int r = 0; r < total; r++)
+            split_pairs(act + (int64_t)r * inter, inter, as + (int64_t)r * inter,
+                        as + (int64_t)r * inter + inter / 2);
+        #pragma omp for schedule(dynamic, 16)
+        for (long p = 0; p < outs; p++) {
+            int e = (int)(p / hidden), c = (int)(p % hidden);
+            const uint8_t* down = rows[e] + gu_bytes;
+            const uint8_t *dc = down + (int64_t)c * inter / 2, *ds = down + dn_codes + (int64_t)c * ig;
+            for (int r = starts[e]; r < starts[e + 1]; r++) {
+                const float* a = as + (int64_t)r * inter;
+                float y = row_dot(dc, ds, a, a + inter / 2, ig);
+                out[(int64_t)r * hidden + c] = w[r] * (y + (dn_bias ? dn_bias[e][c] : 0.f));
+            }
+        }
+    }
+}

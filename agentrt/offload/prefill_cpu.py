@@ -27,8 +27,8 @@ def cpu_order(experts, counts: list[int]) -> list[int]:
 def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out):
     """`out[rows]` = weighted outputs of `experts` (of `layer`, in `cpu_order`) over their rows
     of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's)."""
-    if store.packed and kernel is not None:  # (packed rows: their kernel, row by row)
-        _packed_rows(kernel, layer, experts, counts, x, scale, out)
+    if store.packed and kernel is not None:  # (packed rows: their own kernel)
+        kernel.run_rows(layer, experts, counts, x, scale, out)
         return
     kernel = kernel if store.plain else None  # (it computes bias-free SwiGLU experts only)
     native = [e for e in experts if kernel is not None and counts[e] <= NATIVE_MAX_ROWS]
@@ -45,17 +45,6 @@ def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, 
     rest = list(experts[len(native) :])
     if rest:
         _torch_rows(store, layer, rest, counts, x[split:], scale[split:], out[split:])
-
-
-def _packed_rows(kernel, layer: int, experts, counts, x, scale, out) -> None:
-    """Packed MXFP4 experts through their native kernel (`cpu_mxfp4`), one row at a time
-    (each row reads its expert's weights again: the CPU takes few-token experts)."""
-    row, begin = torch.empty(x.shape[1], dtype=torch.float32), 0
-    for expert in experts:
-        for r in range(begin, begin + counts[expert]):
-            kernel.run_experts(layer, [expert], [float(scale[r])], x[r], row)
-            out[r] = row
-        begin += counts[expert]
 
 
 def _torch_rows(store, layer, experts, counts, x, scale, out) -> None:
