@@ -245,6 +245,8 @@ def test_model_make_writes_gpt_oss_experts_as_mxfp4_pairs(tmp_path):
     want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
     got = packed.engine.prefill(packed.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
+    info = run_cli("model", "info", str(out))
+    assert info.returncode == 0 and "routed_mxfp4_bytes" in info.stdout
     bad = run_cli("model", "make", "--size", "tiny", "--expert-format", "mxfp4", "-o",
                   str(tmp_path / "bad"))  # fmt: skip
     assert bad.returncode == 2 and "gpt-oss sizes" in bad.stderr

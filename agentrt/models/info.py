@@ -79,8 +79,19 @@ def describe(spec: str) -> dict[str, Any]:
         "params_total": f"{counts['total'] / 1e9:.3f} B",
         "params_active": f"{counts['active_per_token'] / 1e9:.3f} B per token",
         "routed_expert_bytes": _gib(counts["routed_experts"] * itemsize),
+        **_mxfp4_bytes(cfg),
         **_files(path),
     }
+
+
+def _mxfp4_bytes(cfg) -> dict[str, str]:
+    """What the routed experts take kept MXFP4-packed (`--expert-format mxfp4`), where they can
+    be (hidden and expert sizes multiples of 32)."""
+    if cfg.hidden_size % 32 or cfg.moe_intermediate_size % 32:
+        return {}
+    per_expert = cfg.expert_params * 17 // 32
+    total = per_expert * cfg.num_experts * len(cfg.moe_layers)
+    return {"routed_mxfp4_bytes": f"{_gib(total)} ({per_expert / 2**20:.2f} MiB per expert)"}
 
 
 def _layers_line(cfg) -> str:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from agentrt.errors import InvalidArgumentError
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
 from agentrt.models.mxfp4 import quantize
 from agentrt.offload.mxfp4_rows import RowLayout, unpack
@@ -38,6 +39,11 @@ class ExpertStore:
         packed: bool = False,
     ) -> None:
         self.hidden, self.inter, self.num_experts, self.dtype = hidden, inter, num_experts, dtype
+        if packed and (hidden % 32 or inter % 32):
+            raise InvalidArgumentError(
+                f"MXFP4-packed experts need hidden and expert sizes that are multiples of 32; "
+                f"this model has {hidden} and {inter}"
+            )
         self.layout = RowLayout(hidden, inter) if packed else None
         self.pinned = pin
         self.act = act
