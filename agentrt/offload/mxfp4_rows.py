@@ -159,7 +159,9 @@ def grouped(
     out = torch.empty(x.shape[0], part.rows, dtype=torch.float32, device=x.device)
     if not tile_slot:
         return out
-    tiles = torch.tensor([tile_slot, tile_start, tile_end], dtype=torch.int64).to(x.device)
+    tiles = torch.tensor([tile_slot, tile_start, tile_end], dtype=torch.int64)
+    if x.is_cuda:  # (from pinned memory: the copy does not hold the host up)
+        tiles = tiles.pin_memory().to(x.device, non_blocking=True)
     grid = (len(tile_slot), triton.cdiv(part.rows, block_n))
     grouped_kernel[grid](
         rows,
