@@ -85,8 +85,8 @@ class PackedSink(RoutedExperts):
         for layer in self.store.layers:
             rows = self.store.flat[layer]
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
-            block = torch.randint(0, 256, tuple(rows.shape), generator=gen, device=device)
-            block = block.to(torch.uint8)
+            shape = tuple(rows.shape)
+            block = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
             for part in (self.store.layout.gate_up, self.store.layout.down):
                 block[:, part.scales : part.scales + part.rows * part.groups] = exponent
             rows.copy_(block)
