@@ -1,0 +1,77 @@
+"""A decode token's packed MXFP4 CPU experts, gpt-oss-120b shapes (hidden 2880, expert
+intermediate 2880, biases, clamped SwiGLU; 12.6 MiB per expert): agentrt's native kernel
+(`agentrt/offload/cpu_mxfp4.py`) against dequantize-then-torch (what runs without it), cycling
+through 16 experts (202 MiB: beyond the caches), and prefill's rows call for 1, 4 and 16 rows of
+one expert. Prints JSON: ms per expert and GB/s of packed rows read per path, with the thread
+count (`OMP_NUM_THREADS` sets the native kernel's).
+
+    python benchmarks/bench_cpu_mxfp4.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from agentrt.models.moe import SwiGLU, expert_ffn
+from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+from agentrt.offload.store import ExpertStore
+
+EXPERTS, SIZE, CALLS = 16, 2880, 32
+
+
+def _store() -> ExpertStore:
+    store = ExpertStore(range(1), EXPERTS, SIZE, SIZE, torch.bfloat16, pin=False, bias=True,
+                        act=SwiGLU(7.0, 1.702), packed=True)  # fmt: skip
+    rows = store.flat[0]
+    rows.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    for part in (store.layout.gate_up, store.layout.down):
+        rows[:, part.scales : part.scales + part.rows * part.groups] = 120
+    return store
+
+
+def _time(fn, calls: int) -> float:
+    fn(0)  # warm-up
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter() - t0) / calls
+
+
+def _rows_call(kernel, rows: int) -> float:
+    """Seconds of prefill's call for `rows` rows of one expert."""
+    xs, scale, out = torch.randn(rows, SIZE), torch.rand(rows), torch.empty(rows, SIZE)
+    counts = [rows if e == 0 else 0 for e in range(EXPERTS)]
+    return _time(lambda _i: kernel.run_rows(0, [0], counts, xs, scale, out), 8)
+
+
+def main() -> None:
+    store = _store()
+    kernel = mxfp4_kernel(store)
+    x, out = torch.randn(SIZE).to(torch.bfloat16), torch.zeros(SIZE)
+    report = {"threads": os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()}
+    report["expert_mib"] = round(store.expert_bytes / 2**20, 2)
+    if kernel is not None:
+        s = _time(lambda i: kernel.run_experts(0, [i % EXPERTS], [1.0], x, out), CALLS)
+        report["native"] = {"ms": round(s * 1e3, 2), "gb_s": round(store.expert_bytes / s / 1e9, 2)}
+        for rows in (1, 4, 16):
+            report[f"native_rows_{rows}"] = {"ms": round(_rows_call(kernel, rows) * 1e3, 2)}
+    _, gate_up, down = store.expert_views(0)
+
+    def torch_path(i: int) -> None:
+        e = i % EXPERTS
+        expert_ffn(x[None], gate_up[e], down[e], *store.expert_biases(0, e, "cpu"), act=store.act)
+
+    s = _time(torch_path, 4)
+    report["dequantize_then_torch"] = {
+        "ms": round(s * 1e3, 2),
+        "gb_s": round(store.expert_bytes / s / 1e9, 3),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
