@@ -494,23 +494,25 @@ def test_offloaded_decode_on_cuda_matches_resident(name, model):
 @pytest.mark.parametrize("split", [True, False])
 def test_packed_mxfp4_offload_on_cuda_matches_resident(model, split):
     """Experts kept MXFP4 (`packed_mxfp4`): prefill through the grouped Triton kernel over the
-    staging ring, graph decode through the matvec kernel over packed slots, equal the resident
-    model whose experts hold the same MXFP4 values (fp32: full-precision products)."""
+    staging ring, graph decode through the matvec kernel over packed slots (CPU experts through
+    the native MXFP4 kernel), equal the resident model given the same (dequantized) experts
+    (fp32: full-precision products)."""
     from agentrt import Runtime
-    from agentrt.models.mxfp4 import dequantize, quantize
     from agentrt.offload.config import OffloadConfig
 
     ids = list(range(10, 200))
     opts = dict(device="cuda", dtype="float32", cache="off", linear_attn="torch")
-    resident = Runtime.open(model, eager=True, **opts)
-    experts = resident.engine.model.experts
-    for stack in [*experts.gate_up.values(), *experts.down.values()]:
-        stack.copy_(dequantize(*quantize(stack), stack.dtype))
     config = OffloadConfig(
         mode="auto", expert_cache_slots=12, split=split, packed_mxfp4=True,
         copy_bandwidth=1.0, cpu_bandwidth=1.0,
     )  # fmt: skip
     rt = Runtime.open(model, offload=config, **opts)
+    store = rt.engine.offload.store
+    resident = Runtime.open(model, eager=True, **opts)
+    experts = resident.engine.model.experts
+    for layer in store.layers:  # (a synthetic model's packed experts are drawn as codes)
+        experts.gate_up[layer].copy_(store.gate_up(layer))
+        experts.down[layer].copy_(store.down(layer))
     state_a, state_b = resident.engine.new_state(), rt.engine.new_state()
     a = resident.engine.prefill(state_a, ids, all_logits=True)
     b = rt.engine.prefill(state_b, ids, all_logits=True)
