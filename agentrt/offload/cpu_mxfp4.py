@@ -46,14 +46,8 @@ class PackedCPUExperts:
         """`out` (fp32 `[H]`, contiguous) = sum over `experts` of `layer` of weights[i] times
         the expert's output for `x` (`[H]`), plus `out` if `accumulate`."""
         s, n = self.store, len(experts)
-        rows = self.store.flat[layer]
-        row_ptrs = (_P * n)(*[rows[e].data_ptr() for e in experts])
+        row_ptrs, gu, dn = self._pointers(layer, experts)
         x32 = x.reshape(-1).float().contiguous()
-        bias = self._layer_biases(layer)
-        gu = dn = None
-        if bias is not None:
-            gu = (_P * n)(*[bias[0][e].data_ptr() for e in experts])
-            dn = (_P * n)(*[bias[1][e].data_ptr() for e in experts])
         with self._lock:
             scratch = self._scratch_for(s.hidden + (3 + n) * s.inter)
             self._fn(
@@ -65,19 +59,14 @@ class PackedCPUExperts:
     def run_rows(self, layer: int, experts, counts, x: torch.Tensor, scale, out) -> None:
         """Prefill's CPU experts: `x [R, H]` holds `counts[e]` consecutive rows for each of
         `experts` (in order); `out [R, H]` gets each row's expert output times its `scale`
-        (`[R]` or `[R, 1]`). Each weight row is decoded once for all of its expert's rows."""
+        (`[R]` or `[R, 1]`). Each weight row comes from memory once for all of its expert's
+        rows."""
         s, n = self.store, len(experts)
-        rows = s.flat[layer]
-        row_ptrs = (_P * n)(*[rows[e].data_ptr() for e in experts])
+        row_ptrs, gu, dn = self._pointers(layer, experts)
         starts = (ctypes.c_int * (n + 1))(0, *itertools.accumulate(counts[e] for e in experts))
         x32 = x.float().contiguous()
         w32 = scale.reshape(-1).float().contiguous()
         result = torch.empty(x32.shape, dtype=torch.float32)
-        bias = self._layer_biases(layer)
-        gu = dn = None
-        if bias is not None:
-            gu = (_P * n)(*[bias[0][e].data_ptr() for e in experts])
-            dn = (_P * n)(*[bias[1][e].data_ptr() for e in experts])
         with self._lock:
             scratch = self._scratch_for(x32.shape[0] * (s.hidden + 2 * s.inter))
             self._rows(
@@ -85,6 +74,16 @@ class PackedCPUExperts:
                 s.hidden, s.inter, gu, dn, s.act.limit, s.act.alpha, scratch.data_ptr(),
             )  # fmt: skip
         out.copy_(result)
+
+    def _pointers(self, layer: int, experts) -> tuple:
+        """C arrays of the experts' packed rows and of their fp32 biases (None without)."""
+        n, rows = len(experts), self.store.flat[layer]
+        row_ptrs = (_P * n)(*[rows[e].data_ptr() for e in experts])
+        bias = self._layer_biases(layer)
+        if bias is None:
+            return row_ptrs, None, None
+        gu = (_P * n)(*[bias[0][e].data_ptr() for e in experts])
+        return row_ptrs, gu, (_P * n)(*[bias[1][e].data_ptr() for e in experts])
 
     def _layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         both = self.store.biases(layer, "cpu")
