@@ -1147,3 +1147,28 @@ def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
     result = run_cli(*args, "--prefill-plan", "auto", "--json", out)
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["expert_format"] == "mxfp4"
+
+
+def test_a_bf16_checkpoint_packs_layer_by_layer_as_it_loads():
+    """Loading unpacked weights into a packed store holds about one layer unpacked at a time:
+    the loader reports each finished layer, which is packed and its stacks freed."""
+    from agentrt.models.loader import load_model
+    from agentrt.models.tiny import ensure_tiny
+    from agentrt.offload.packed_load import PackedSink
+
+    path = ensure_tiny(quiet=True)
+    store = ExpertStore.for_config(config_of("tiny"), torch.float32, pin=False, packed=True)
+    peak = []
+
+    class Counting(PackedSink):
+        def layer_loaded(self, layer: int) -> None:
+            peak.append(len(self.gate_up.made) + len(self.down.made))
+            super().layer_loaded(layer)
+
+    sink = Counting(store)
+    load_model(path, "cpu", torch.float32, experts=sink)
+    assert len(peak) == len(store.layers) and max(peak) <= 2
+    assert not sink.gate_up.made and not sink.down.made
+    want = load_model(path, "cpu", torch.float32).experts.gate_up[store.layers[-1]]
+    error = (store.gate_up(store.layers[-1]) - want).abs().max()
+    assert error < 0.2 * want.abs().max()  # (MXFP4 rounding: at most a sixth of a block's peak)

@@ -130,14 +130,15 @@ class WeightSink:
 
         pair = self.done.packed.setdefault((layer, kind), {})
         pair[part] = tensor
-        if len(pair) == 2 and hasattr(self.model.experts, "put_mxfp4"):  # (kept packed)
-            del self.done.packed[(layer, kind)]
+        if len(pair) < 2:
+            return
+        del self.done.packed[(layer, kind)]
+        if hasattr(self.model.experts, "put_mxfp4"):  # (experts that stay packed)
             self._put_still_packed(layer, kind, pair["blocks"], pair["scales"])
-        elif len(pair) == 2:
-            del self.done.packed[(layer, kind)]
-            dest = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
-            weights = dequantize(pair["blocks"], pair["scales"], dest[layer].dtype)
-            self._put_fused(layer, kind, weights, packed=True)
+            return
+        dest = self.model.experts.gate_up if kind == "gate_up_proj" else self.model.experts.down
+        weights = dequantize(pair["blocks"], pair["scales"], dest[layer].dtype)
+        self._put_fused(layer, kind, weights, packed=True)
 
     def _put_still_packed(self, layer: int, kind: str, blocks, scales) -> None:
         """An MXFP4 pair into experts that stay packed (`offload.packed_load.PackedSink`), rows
@@ -146,7 +147,15 @@ class WeightSink:
         if self.layout is not None:
             blocks, scales = (self.layout(kind, t, True) for t in (blocks, scales))
         self.model.experts.put_mxfp4(layer, kind, blocks, scales)
-        mask[:, [0, 1] if kind == "gate_up_proj" else [2]] = True
+        self._filled(layer, mask, (slice(None), [0, 1] if kind == "gate_up_proj" else [2]))
+
+    def _filled(self, layer: int, mask: torch.Tensor, where) -> None:
+        """Mark `where` of `layer`'s experts loaded; once all are, tell experts that take a
+        finished layer (`PackedSink.layer_loaded`: it packs the layer and frees its stacks)."""
+        mask[where] = True
+        done = getattr(self.model.experts, "layer_loaded", None)
+        if done is not None and bool(mask.all()):
+            done(layer)
 
     def _put_fused(self, layer: int, kind: str, tensor: torch.Tensor, packed: bool = False) -> None:
         mask = self._expert_mask(layer)
@@ -174,7 +183,7 @@ class WeightSink:
             return
         self._copy(f"layer {layer} experts.{kind}", dest, tensor)
         cols = [0, 1] if kind == "gate_up_proj" else [2]
-        mask[:, cols] = True
+        self._filled(layer, mask, (slice(None), cols))
 
     def _put_expert(self, layer: int, expert: int, part: str, tensor: torch.Tensor) -> None:
         mask = self._expert_mask(layer)
@@ -187,7 +196,7 @@ class WeightSink:
             rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
             dest = self.model.experts.gate_up[layer][expert, rows]
         self._copy(f"layer {layer} expert {expert} {part}", dest, tensor)
-        mask[expert, _PART[part]] = True
+        self._filled(layer, mask, (expert, _PART[part]))
 
     def check_complete(self) -> None:
         missing = [n for n in self.params if n not in self.done.params]

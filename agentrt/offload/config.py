@@ -83,7 +83,7 @@ class OffloadConfig:
     staging_bytes: int | None = None
     # `auto` mode: keep the experts MXFP4-packed in the host store, the device slots and the
     # staging (17/32 of a byte per weight; computed by `offload/packed.py`); experts that are
-    # not MXFP4 are rounded to it at load. Experts still pass through host memory unpacked.
+    # not MXFP4 are rounded to it at load (about one layer unpacked in host memory at a time).
     packed_mxfp4: bool = False
 
     def __post_init__(self) -> None:

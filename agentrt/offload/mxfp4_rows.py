@@ -6,9 +6,8 @@ prefill chunk's).
 
 One expert with gate_up `[2I, H]` and down `[H, I]` is one uint8 row: gate_up's codes
 `[2I, H/2]`, its exponents `[2I, H/32]`, down's codes `[H, I/2]`, its exponents `[H, I/32]`
-(codes and exponents as `agentrt.models.mxfp4` reads them from gpt-oss checkpoints). Nothing in
-the engine keeps experts packed yet: the host store, the expert cache and the kernels that read
-them still take bf16 rows.
+(codes and exponents as `agentrt.models.mxfp4` reads them from gpt-oss checkpoints). A packed
+`ExpertStore` holds its experts as such rows; `packed.py` computes them in the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt.errors import InvalidArgumentError
 from agentrt.models.mxfp4 import BLOCK, dequantize, quantize
 
 
@@ -48,7 +48,10 @@ class RowLayout:
 
     def __post_init__(self) -> None:
         if self.hidden % BLOCK or self.inter % BLOCK:
-            raise ValueError(f"MXFP4 rows need H and I multiples of {BLOCK}")
+            raise InvalidArgumentError(
+                f"MXFP4-packed experts need hidden and expert sizes that are multiples of "
+                f"{BLOCK}; this model has {self.hidden} and {self.inter}"
+            )
 
     @property
     def gate_up(self) -> Part:
@@ -68,12 +71,18 @@ class RowLayout:
 
 def pack_row(layout: RowLayout, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """One expert's `[2I, H]` and `[H, I]` weights as a packed row (MXFP4 rounding)."""
-    out = torch.empty(layout.row_bytes, dtype=torch.uint8, device=gate_up.device)
+    out = torch.empty(1, layout.row_bytes, dtype=torch.uint8, device=gate_up.device)
     for part, weight in ((layout.gate_up, gate_up), (layout.down, down)):
-        codes, scales = quantize(weight)
-        out[part.codes : part.scales] = codes.reshape(-1)
-        out[part.scales : part.scales + part.rows * part.groups] = scales.reshape(-1)
-    return out
+        write_part(out, part, *quantize(weight))
+    return out[0]
+
+
+def write_part(rows: torch.Tensor, part: Part, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Matrix `part` of each of `rows [n, row_bytes]` from its codes (`[n, rows, G, 16]` or the
+    same bytes in any shape) and exponents (`[n, rows, G]`)."""
+    n = rows.shape[0]
+    rows[:, part.codes : part.scales] = codes.reshape(n, -1)
+    rows[:, part.scales : part.scales + part.rows * part.groups] = scales.reshape(n, -1)
 
 
 def unpack(rows: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor:

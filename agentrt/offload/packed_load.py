@@ -4,7 +4,8 @@ It stands in for the model's `RoutedExperts` while the weights load (the offload
 it once they are in): an MXFP4 checkpoint's `_blocks` / `_scales` pairs go straight into the
 store's rows (`put_mxfp4`: no dequantization, no unpacked copy), a synthetic model's experts are
 drawn packed (`fill_synthetic`), and unpacked weights (a bf16 checkpoint) land in host stacks
-made on first use, which `finish` rounds to MXFP4 and packs. Biases load into the store's own.
+made on first use, rounded to MXFP4 and packed as each layer completes (`layer_loaded`, which
+the loader calls) or at `finish`. Biases load into the store's own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from agentrt.errors import ModelFormatError
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.mxfp4 import BLOCK, exponent_for
+from agentrt.offload.mxfp4_rows import write_part
 from agentrt.offload.store import ExpertStore
 
 
@@ -73,9 +75,7 @@ class PackedSink(RoutedExperts):
                 f"layer {layer} experts.{kind}: MXFP4 blocks {tuple(blocks.shape)} and scales "
                 f"{tuple(scales.shape)}, expected {(*want, BLOCK // 2)} and {want}"
             )
-        rows, n = self.store.flat[layer], self.store.num_experts
-        rows[:, part.codes : part.scales] = blocks.reshape(n, -1)
-        rows[:, part.scales : part.scales + part.rows * part.groups] = scales.reshape(n, -1)
+        write_part(self.store.flat[layer], part, blocks, scales)
         self.direct.add((layer, name))
 
     def fill_synthetic(self, seed: int, std: float, device) -> None:
@@ -92,15 +92,18 @@ class PackedSink(RoutedExperts):
             rows.copy_(block)
             self.direct |= {(layer, "gate_up"), (layer, "down")}
 
-    def finish(self) -> None:
-        """Pack what loaded unpacked (each layer's stacks freed as it goes)."""
-        store = self.store
+    def layer_loaded(self, layer: int) -> None:
+        """`layer`'s experts are all in: pack what came unpacked and free its stacks (so a
+        bf16 checkpoint holds about one layer unpacked at a time)."""
         for name, stacks in (("gate_up", self.gate_up), ("down", self.down)):
-            part = getattr(store.layout, name)
-            for layer in sorted(stacks.made):
-                weights = stacks.made.pop(layer)
-                if (layer, name) not in self.direct:
-                    store.put_part(layer, part, weights)
+            weights = stacks.made.pop(layer, None)
+            if weights is not None and (layer, name) not in self.direct:
+                self.store.put_part(layer, getattr(self.store.layout, name), weights)
+
+    def finish(self) -> None:
+        """Pack whatever is still unpacked (layers no loader reported finished)."""
+        for layer in sorted({*self.gate_up.made, *self.down.made}):
+            self.layer_loaded(layer)
 
 
 def load_sink(store: ExpertStore) -> RoutedExperts:

@@ -16,10 +16,9 @@ import time
 
 import torch
 
-from agentrt.errors import InvalidArgumentError
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
 from agentrt.models.mxfp4 import quantize
-from agentrt.offload.mxfp4_rows import RowLayout, unpack
+from agentrt.offload.mxfp4_rows import RowLayout, unpack, write_part
 
 
 class ExpertStore:
@@ -39,11 +38,6 @@ class ExpertStore:
         packed: bool = False,
     ) -> None:
         self.hidden, self.inter, self.num_experts, self.dtype = hidden, inter, num_experts, dtype
-        if packed and (hidden % 32 or inter % 32):
-            raise InvalidArgumentError(
-                f"MXFP4-packed experts need hidden and expert sizes that are multiples of 32; "
-                f"this model has {hidden} and {inter}"
-            )
         self.layout = RowLayout(hidden, inter) if packed else None
         self.pinned = pin
         self.act = act
@@ -185,13 +179,9 @@ class ExpertStore:
     def put_part(self, layer: int, part, weights: torch.Tensor) -> None:
         """One matrix of every packed expert of `layer` (`weights [E, rows, cols]`), rounded to
         MXFP4, a few experts at a time (the temporaries stay small)."""
-        rows = self.flat[layer]
         for begin in range(0, self.num_experts, 8):
-            codes, scales = quantize(weights[begin : begin + 8])
-            n = codes.shape[0]
-            rows[begin : begin + n, part.codes : part.scales] = codes.reshape(n, -1)
-            end = part.scales + part.rows * part.groups
-            rows[begin : begin + n, part.scales : end] = scales.reshape(n, -1)
+            rows = self.flat[layer][begin : begin + 8]
+            write_part(rows, part, *quantize(weights[begin : begin + 8]))
 
     def as_routed(self) -> RoutedExperts:
         """Views shaped like `RoutedExperts` (the loader fills the store through them; not for
