@@ -58,7 +58,8 @@ from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
 from agentrt.offload.calibrate import dram_read_bandwidth
 from agentrt.offload.config import OffloadConfig, parse_bytes
-from agentrt.offload.cpu_kernel import kernel_for, kernel_name
+from agentrt.offload.cpu_kernel import kernel_name
+from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
 from agentrt.offload.packed_load import finish_loading, load_sink
 from agentrt.offload.store import ExpertStore
 
@@ -173,7 +174,7 @@ def offload_decode(
     ids = text_ids(cfg.vocab_size, max(lengths) + steps, text, tokenizer_dir)
     if py_profile:
         Path(py_profile).write_text("")
-    kernel = kernel_for(cpu_kernel, store.dtype, strict=True)
+    kernel = cpu_kernel_for(cpu_kernel, store, strict=True)
     cpu_kernel = kernel_name(kernel)  # (what runs: auto resolved, native unbuildable -> torch)
     profile = profile_for(store, torch.device(device), kernel=kernel)
     dram_probe = dram_read_bandwidth()

@@ -29,7 +29,7 @@ from agentrt.engine.placement import install, profile_for
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.registry import config_of
 from agentrt.offload.config import OffloadConfig, parse_bytes
-from agentrt.offload.cpu_kernel import kernel_for
+from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
 
 FIXED_PLANS = ("stream", "routed")
 
@@ -68,7 +68,7 @@ def offload_prefill(
         raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
     model, store, cfg = load_offloadable(spec, device, dtype, seed, packed)
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
-    kernel = kernel_for(cpu_kernel, store.dtype)
+    kernel = cpu_kernel_for(cpu_kernel, store)
     bandwidths = profile_for(store, torch.device(device), kernel=kernel)
     link = _bulk_copy_bw(store, device)
     rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device, profile)

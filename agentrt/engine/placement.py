@@ -22,8 +22,7 @@ from agentrt.offload.calibrate import (
     save_profile,
 )
 from agentrt.offload.config import OffloadConfig
-from agentrt.offload.cpu_kernel import kernel_for
-from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.ring import staging_bytes_for
@@ -125,9 +124,7 @@ def install(
     (`layer` mode also moves its CPU layers into `HostLayer`s)."""
     device = torch.device(device)
     # (the native kernel computes plain SwiGLU experts only: others run through torch's)
-    kernel = kernel_for(config.cpu_kernel, store.dtype) if store.plain else None
-    if store.packed and config.cpu_kernel != "torch":  # (packed rows: their own kernel)
-        kernel = mxfp4_kernel(store)
+    kernel = cpu_kernel_for(config.cpu_kernel, store) if store.plain or store.packed else None
     if config.mode == "auto":
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
         bw = bandwidths(store, device, config, recalibrate, kernel)

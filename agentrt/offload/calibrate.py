@@ -112,13 +112,13 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
     """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`: on its thread pool
     where decode uses that, `pooled`) or torch's."""
     x = torch.randn(1, store.hidden).to(store.dtype)
-    _, gate_up, down = store.expert_views(layer)  # (packed: dequantized per expert)
     if hasattr(kernel, "run_experts"):  # (packed rows' kernel)
         out = torch.empty(store.hidden, dtype=torch.float32)
         t0 = time.perf_counter()
         for i in range(count):
             kernel.run_experts(layer, [i % store.num_experts], [1.0], x[0], out)
         return count * store.expert_bytes / (time.perf_counter() - t0)
+    _, gate_up, down = store.expert_views(layer)  # (packed: dequantized per expert)
     if kernel is not None:
         out = torch.empty(store.hidden, dtype=torch.float32)
         t0 = time.perf_counter()

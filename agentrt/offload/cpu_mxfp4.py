@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.offload.cpu_kernel import build_library
+from agentrt.offload.cpu_kernel import build_library, kernel_for
 from agentrt.offload.store import ExpertStore
 
 SOURCE = (Path(__file__).parent / "experts_mxfp4.c").read_text()  # (package data)
@@ -102,6 +102,15 @@ class PackedCPUExperts:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     return build_library("experts_mxfp4", SOURCE)
+
+
+def cpu_kernel_for(name: str, store: ExpertStore, strict: bool = False):
+    """The CPU expert kernel `name` (`OffloadConfig.cpu_kernel`) selects for `store`'s experts:
+    for packed rows their own (None with "torch"), else `cpu_kernel.kernel_for`'s. Calibration
+    profiles are keyed by it, so everything that calibrates or installs picks it here."""
+    if store.packed:
+        return mxfp4_kernel(store) if name != "torch" else None
+    return kernel_for(name, store.dtype, strict)
 
 
 def mxfp4_kernel(store: ExpertStore) -> PackedCPUExperts | None:

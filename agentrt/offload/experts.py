@@ -336,27 +336,34 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
     ) -> torch.Tensor:
         """The CPU experts' outputs for their rows of `x_host` (`segments`: expert and row count,
         in order); `observe`: a decode step, whose time updates the measured CPU bandwidth."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if self.packed_cpu is not None:  # (packed rows: their kernel, every row in one call)
+                counts = dict(segments)
+                out = torch.empty_like(x_host)
+                per_expert = [counts.get(e, 0) for e in range(self.store.num_experts)]
+                ones = torch.ones(x_host.shape[0])
+                self.packed_cpu.run_rows(layer, list(counts), per_expert, x_host, ones, out)
+            else:
+                out = self._unpacked_ffn(layer, x_host, segments)
+        if observe:
+            self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
+        return out
+
+    def _unpacked_ffn(self, layer: int, x_host: torch.Tensor, segments) -> torch.Tensor:
+        """`_cpu_ffn` for a store in the model's dtype: the native kernel for one-row experts,
+        else torch's."""
         out, begin = torch.empty_like(x_host), 0
         _, gate_up, down = self.store.expert_views(layer)
-        t0 = time.perf_counter()
         one_row = self.cpu_kernel is not None and all(count == 1 for _, count in segments)
         result = torch.empty(x_host.shape[1], dtype=torch.float32) if one_row else None
-        out32 = torch.empty(x_host.shape[1], dtype=torch.float32)
-        with torch.inference_mode():
-            for expert, count in segments:
-                end = begin + count
-                if self.packed_cpu is not None:  # (packed rows: their kernel, row by row)
-                    for row in range(begin, end):
-                        self.packed_cpu.run_experts(layer, [expert], [1.0], x_host[row], out32)
-                        out[row] = out32
-                    begin = end
-                    continue
-                if one_row:  # (a decode token in a CPU layer: the native kernel)
-                    x_row = x_host[begin].contiguous()
-                    self.cpu_kernel.run([gate_up[expert]], [down[expert]], [1.0], x_row, result)
-                    out[begin] = result
-                    begin = end
-                    continue
+        for expert, count in segments:
+            end = begin + count
+            if one_row:  # (a decode token in a CPU layer: the native kernel)
+                x_row = x_host[begin].contiguous()
+                self.cpu_kernel.run([gate_up[expert]], [down[expert]], [1.0], x_row, result)
+                out[begin] = result
+            else:
                 out[begin:end] = expert_ffn(
                     x_host[begin:end],
                     gate_up[expert],
@@ -364,9 +371,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
                     *self.store.expert_biases(layer, expert, "cpu"),
                     act=self.store.act,
                 )
-                begin = end
-        if observe:
-            self._observe_cpu(len(segments) * self.store.expert_bytes, time.perf_counter() - t0)
+            begin = end
         return out
 
     def close(self) -> None:
