@@ -383,6 +383,7 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     assert split["copied_per_token"] > 0 and split["cpu_experts_per_token"] > 0
     assert 0 <= split["hit_rate"] < 1 and split["bound_tok_s"] > 0
     assert 0 < split["expert_residency"] < 1 and report["runs"][0]["expert_residency"] is None
+    assert 0 <= split["lru_hit_rate"] <= split["hit_rate"]
     assert split["prefetched_per_token"] > 0 and alone["prefetched_per_token"] == 0
     moved = split["copied_per_token"] + split["prefetched_per_token"]
     assert split["pcie_bytes_per_token"] == moved * report["expert_bytes"]

@@ -376,6 +376,9 @@ def _per_token(
     looked_up = d["hits"] + d["misses"] + (0 if cached else d["cpu"])
     return {
         "hit_rate": d["hits"] / looked_up if looked_up else None,
+        # the cache's own hits, without the experts prefetch copied ahead (what an LRU cache of
+        # this residency gives on this routing: the regime a figure belongs to)
+        "lru_hit_rate": (d["hits"] - d["prefetch_hits"]) / looked_up if looked_up else None,
         "misses_per_token": d["misses"] / tokens,
         "copied_per_token": d["copied"] / tokens,
         "cpu_experts_per_token": d["cpu"] / tokens,

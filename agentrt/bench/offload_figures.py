@@ -147,16 +147,19 @@ def after_prompt(groups: dict[int, list[dict]]) -> dict[str, dict[str, float | N
 
 def summary_table(runs: list[dict]) -> str:
     width = max([30, *(len(r["label"]) + 2 for r in runs)])
-    head = f"{'setting':<{width}}{'tok/s':>8}{'hit':>7}{'copied':>8}{'cpu':>7}{'ahead':>7}"
+    head = (
+        f"{'setting':<{width}}{'tok/s':>8}{'hit':>7}{'lru':>6}{'copied':>8}{'cpu':>7}{'ahead':>7}"
+    )
     head += f"{'MB/tok':>8}{'bound':>8}{'meas/bd':>9}{'peak GiB':>10}"
     lines = [head]
     for r in runs:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
+        lru = "-" if r.get("lru_hit_rate") is None else f"{r['lru_hit_rate']:.2f}"
         bound = "-" if r["bound_tok_s"] is None else f"{r['bound_tok_s']:.1f}"
         ratio = "-" if r["measured_over_bound"] is None else f"{r['measured_over_bound']:.2f}"
         peak = "-" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
         lines.append(
-            f"{r['label']:<{width}}{r['tok_s']:>8.2f}{hit:>7}{r['copied_per_token']:>8.1f}"
+            f"{r['label']:<{width}}{r['tok_s']:>8.2f}{hit:>7}{lru:>6}{r['copied_per_token']:>8.1f}"
             f"{r['cpu_experts_per_token']:>7.1f}{r['prefetched_per_token']:>7.1f}"
             f"{r['pcie_bytes_per_token'] / 1e6:>8.1f}"
             f"{bound:>8}{ratio:>9}{peak:>10}"
