@@ -287,61 +287,6 @@ def test_bf16_prefill_with_native_cpu_experts_stays_close_to_dense():
     assert rt.engine.offload.prefill.totals.cpu > 0
 
 
-def test_native_rows_on_the_kernels_pool_give_the_same_bits():
-    """Prefill's CPU experts posted to the native kernel's own threads (the caller dispatches
-    meanwhile) compute exactly what the calling thread's OpenMP team does."""
-    from agentrt.offload.cpu_kernel import native_experts
-
-    kernel = native_experts()
-    if kernel is None:
-        pytest.skip("no C compiler (or the native kernel did not build)")
-    gen = torch.Generator().manual_seed(5)
-    hidden, inter, counts = 136, 40, [2, 1, 7, 0, 4]
-    make = lambda *s: (torch.randn(*s, generator=gen) * 0.05).to(torch.bfloat16)  # noqa: E731
-    gate_up, down = [make(2 * inter, hidden) for _ in counts], [make(hidden, inter) for _ in counts]
-    x, w = make(sum(counts), hidden), torch.rand(sum(counts), generator=gen)
-    want = torch.empty(sum(counts), hidden)
-    kernel.run_rows(gate_up, down, counts, x, w, want)
-    for _ in range(3):  # (the pool's threads are made at the first post, then reused)
-        got = torch.full_like(want, float("nan"))
-        kernel.start_rows(gate_up, down, counts, x, w, got)
-        assert kernel.posted
-        assert kernel.finish() >= 0.0 and not kernel.posted
-        assert torch.equal(got, want)
-
-
-def test_prefill_cpu_experts_on_the_kernels_pool_stay_close_to_dense(monkeypatch):
-    """With the kernel's pool (what hosts of 4 or more cores use), a split prefill posts its CPU
-    experts before dispatching the device's parts and collects them after: the logits are as
-    close to the fp32 model as the dense bf16 model's, and the pool's time is counted."""
-    from agentrt.offload.cpu_kernel import native_experts
-
-    kernel = native_experts()
-    if kernel is None:
-        pytest.skip("no C compiler (or the native kernel did not build)")
-    monkeypatch.setattr(kernel, "pooled", True)
-    fp32 = Runtime.open("tiny", cache="off", prefill_chunk=48)
-    ids = fp32.tokenizer.encode(PROMPT)[:96]
-    ref = fp32.engine.prefill(fp32.engine.new_state(), ids, all_logits=True)
-    dense = Runtime.open("tiny", cache="off", dtype="bfloat16", prefill_chunk=48)
-    noise = (dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True) - ref).abs()
-    config = OffloadConfig(
-        mode="auto",
-        expert_cache_slots=10,
-        prefill_plan="routed",
-        cpu_kernel="native",
-        copy_bandwidth=1.0,
-        cpu_bandwidth=1.0,
-    )
-    rt = Runtime.open("tiny", cache="off", dtype="bfloat16", prefill_chunk=48, offload=config)
-    streamer = rt.engine.offload.prefill
-    assert streamer.cpu_pooled and streamer.costs().dispatch_s == 0.0
-    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
-    assert (got - ref).abs().max().item() <= 1.5 * noise.max().item()
-    assert streamer.totals.cpu > 0 and streamer.totals.cpu_pool_seconds > 0
-    assert not kernel.posted
-
-
 def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeypatch):
     """A prefill that raises inside a layer (say, out of memory) leaves queued fills behind;
     the next pass must not consume them: its logits equal the dense model's."""

@@ -53,10 +53,10 @@ _P = ctypes.c_void_p
 class NativeExperts:
     """The built kernel, with scratch buffers per expert shape (shared by every caller of the
     process, so calls take turns). `run` computes in an OpenMP region on the calling thread
-    (torch's team: CPU layers, calibration); `start` posts the same call to the library's pool
-    of one thread fewer than torch's and returns, so the caller works meanwhile, and `finish`
-    waits for it (graph decode's host steps, where `pooled`: 4 or more threads, and
-    `AGENTRT_CPU_POOL` not 0). `run_rows` / `start_rows` are prefill's several-row form."""
+    (torch's team: prefill, CPU layers, calibration); `start` posts the same call to the
+    library's pool of one thread fewer than torch's and returns, so the caller works meanwhile,
+    and `finish` waits for it (graph decode's host steps, where `pooled`: 4 or more threads,
+    and `AGENTRT_CPU_POOL` not 0)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         args = [_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -67,9 +67,6 @@ class NativeExperts:
         self._rows = lib.experts_rows_bf16
         self._rows.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int, _P]
         self._rows.restype = None
-        self._rows_start = lib.experts_rows_start
-        self._rows_start.argtypes = [*self._rows.argtypes, ctypes.c_int]
-        self._rows_start.restype = ctypes.c_int
         self._wait = lib.experts_wait
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
         lib.experts_fast_path.restype = ctypes.c_int
@@ -125,21 +122,6 @@ class NativeExperts:
         tensors = (x, weights, out)
         args = (*pointers, starts, n, *(t.data_ptr() for t in tensors), hidden, inter)
         return (*args, act.data_ptr()), (act, gate_up, down, *tensors, pointers, starts)
-
-    def start_rows(self, gate_up, down, counts, x, weights, out) -> None:
-        """Post the call `run_rows` makes to the thread pool and return at once (prefill
-        dispatches the device's work meanwhile); `finish` must follow, as after `start`."""
-        self._lock.acquire()
-        try:
-            args, alive = self._rows_args(gate_up, down, counts, x, weights, out)
-            self._args = (args, alive, threading.get_ident())
-            code = self._rows_start(*args, self.pool_threads)
-        except BaseException:
-            self._wait()
-            self._args = None
-            self._lock.release()
-            raise
-        self._posted(code)
 
     def start(self, gate_up, down, weights, x, out, accumulate: bool = False) -> None:
         """Post the call `run` makes to the thread pool and return at once; `finish` must

@@ -145,20 +145,16 @@ void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const in
 
 /* The same on a pool of the library's own threads (not OpenMP: a second OpenMP team in the
    process would take libgomp over the core count, and then it cuts every team's spinning
-   short): experts_start (decode) or experts_rows_start (prefill rows) posts a call and returns,
-   experts_wait waits for it and returns its seconds. The caller works meanwhile (the pool is
-   one thread smaller than its cores). For decode each thread computes its share of the
-   (expert, row) activations (gate and up rows together, so no scratch and one barrier), then
-   its share of the output rows: the same arithmetic, in the same order, as experts_bf16.
-   Waits spin briefly (a host step is shorter than a sleep and wake-up), then sleep on a
-   condition variable. One call at a time (a start returns -2 otherwise). */
+   short): experts_start posts a call and returns, experts_wait waits for it and returns its
+   seconds. The caller works meanwhile (the pool is one thread smaller than its cores). Each
+   thread computes its share of the (expert, row) activations (gate and up rows together, so no
+   scratch and one barrier), then its share of the output rows: the same arithmetic, in the same
+   order, as experts_bf16. Waits spin briefly (a host step is shorter than a sleep and wake-up),
+   then sleep on a condition variable. One call at a time (experts_start returns -2 otherwise). */
 typedef struct {
     const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
     const uint16_t* x; float* out; int hidden, inter, accumulate; uint16_t* act;
 } job_t;
-static rows_t rows_job;  /* a posted prefill rows call (rows_posted) */
-static int rows_posted = 0;
-static long act_next = 0, out_next = 0;  /* atomic: the next items of a posted rows call */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static job_t job;
@@ -214,22 +210,8 @@ static void* pool_thread(void* arg) {
     for (;;) {
         await_value(&generation, seen, 0);
         seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
-        int size = pool_size;
-        if (rows_posted) {  /* prefill rows: items taken ROWS_CHUNK at a time (experts differ) */
-            rows_t r = rows_job;
-            long acts = (long)r.n * r.inter, outs = (long)r.n * r.hidden, p;
-            while ((p = __atomic_fetch_add(&act_next, ROWS_CHUNK, __ATOMIC_RELAXED)) < acts)
-                for (long q = p; q < p + ROWS_CHUNK && q < acts; q++) rows_act(&r, q);
-            barrier(&sense, size);
-            while ((p = __atomic_fetch_add(&out_next, ROWS_CHUNK, __ATOMIC_RELAXED)) < outs)
-                for (long q = p; q < p + ROWS_CHUNK && q < outs; q++) rows_out(&r, q);
-            if (__atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL) == 0) {
-                seconds = now() - started_at;
-                publish(&finished, seen);
-            }
-            continue;
-        }
         job_t j = job;
+        int size = pool_size;
         long lo, hi;
         share((long)j.n * j.inter, t, size, &lo, &hi);
         for (long p = lo; p < hi; p++) {
@@ -283,24 +265,6 @@ int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* 
     if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
     job = j;
-    rows_posted = 0;
-    started_at = now();
-    __atomic_store_n(&pending, pool_size, __ATOMIC_RELAXED);
-    publish(&generation, generation + 1);
-    return 0;
-}
-/* experts_rows_bf16's call posted to the pool (prefill's CPU experts while the caller dispatches
-   the device's work): returns at once; experts_wait waits for it. Same arithmetic, same bits. */
-int experts_rows_start(const uint16_t** gate_up, const uint16_t** down, const int* starts, int n,
-                       const uint16_t* x, const float* w, float* out, int hidden, int inter,
-                       uint16_t* act, int threads) {
-    if (!holds(&finished, generation, 1)) return -2;
-    if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
-    rows_t r = {gate_up, down, starts, n, x, w, out, hidden, inter, act};
-    rows_job = r;
-    rows_posted = 1;
-    __atomic_store_n(&act_next, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&out_next, 0, __ATOMIC_RELAXED);
     started_at = now();
     __atomic_store_n(&pending, pool_size, __ATOMIC_RELAXED);
     publish(&generation, generation + 1);

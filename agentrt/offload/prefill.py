@@ -9,9 +9,8 @@ one buffer of a small staging ring (`ring.py`; its cache hits are copied in from
 the device), and the part runs as two grouped GEMMs over the tokens sorted by position. While part
 i computes, the copy stream fills the ring's other buffers: the layer's next parts, and, when the
 next layer streams, its parts too, so its copies travel under this layer's compute and the next
-layer's attention. Missing experts planned for the CPU run at the same time (`prefill_cpu.py`):
-on the native kernel's thread pool while this thread dispatches the parts, or on this thread
-after it has.
+layer's attention. Missing experts planned for the CPU run on this thread at the same time
+(`prefill_cpu.py`).
 
 Prefill evicts nothing from the expert cache (the decode working set stays; it only fills slots
 that are free, as on a fresh start), and the host store stays the truth: every (token, expert)
@@ -42,7 +41,7 @@ from agentrt.offload.planner import (
     routed_plan,
     size_class,
 )
-from agentrt.offload.prefill_cpu import CPUExperts, cpu_order
+from agentrt.offload.prefill_cpu import cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
 from agentrt.offload.slots import ExpertCache
 from agentrt.offload.stats import PrefillTotals
@@ -124,14 +123,8 @@ class PrefillStreamer:
             cpu_flops=self.cpu_flops,
             token_flops=self.token_flops,
             exposed_s=self.exposed_s + self.overhead_s,
-            # (the native kernel's pool runs the CPU experts while this thread dispatches)
-            dispatch_s=0.0 if self.cpu_pooled else self.dispatch_s,
+            dispatch_s=self.dispatch_s,
         )
-
-    @property
-    def cpu_pooled(self) -> bool:
-        """Whether the CPU experts start before the layer's device work is dispatched."""
-        return not self.store.packed and getattr(self.cpu_kernel, "pooled", False)
 
     @property
     def overhead_s(self) -> float:
@@ -182,13 +175,13 @@ class PrefillStreamer:
         parts, plan = self._layer_plan(layer, counts_h)
         self._plan_ahead(layer, counts_h, predicted_h)
         order, ys, cpu_rows = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
-        side = self._post_cpu(layer, plan, counts_h, ys, cpu_rows) if plan.cpu else None
+        x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
         self._count(layer, plan, counts_h, flat.numel())  # (before parts fill free slots)
         begin, offsets = 0, self._offsets(parts, counts_h)
         for fill, offs in zip(parts, offsets, strict=True):
             begin = self._run_part(fill, counts_h, ys, begin, offs)
-        if side is not None:
-            self._finish_cpu(side, ys, cpu_rows)
+        if plan.cpu:
+            self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
         out = unsort(ys.out, order, top_k).sum(1)
         self._layer_end = (layer, self._mark(), routed_at, plan, self.overhead_s, self.bucket)
         return out
@@ -446,31 +439,38 @@ class PrefillStreamer:
         ys = Sorted(x_sorted, scale, torch.empty_like(x_sorted))
         return order, ys, (total - cpu_pairs, total)
 
-    def _post_cpu(self, layer, plan: LayerPlan, counts, ys: Sorted, rows) -> CPUExperts:
-        """The layer's CPU experts with their rows on the way to the host; the native kernel's
-        share starts on its pool once they are there (this thread then dispatches the parts)."""
+    def _cpu_inputs(self, ys: Sorted, rows: tuple[int, int]):
+        """The CPU rows' hidden states and routing weights, on their way to the host (queued
+        before any part, so they arrive without waiting for the copies), and their event."""
         x, scale = ys.x_sorted[rows[0] : rows[1]], ys.scale[rows[0] : rows[1]]
-        t0, experts = time.perf_counter(), cpu_order(plan.cpu, counts)
-        side = CPUExperts.on_host(self.store, self.cpu_kernel, layer, experts, counts, x, scale)
-        side.post()
-        self.totals.cpu_seconds += time.perf_counter() - t0
-        return side
+        if not self.on_cuda:
+            return x, scale, None
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, scale)]
+        pinned[0].copy_(x, non_blocking=True)
+        pinned[1].copy_(scale, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return pinned[0], pinned[1], event
 
-    def _finish_cpu(self, side: CPUExperts, ys: Sorted, rows) -> None:
-        """The CPU experts' outputs into `ys.out` (this thread waits for the pool, or runs them
-        now that the device's parts are dispatched)."""
+    def _run_cpu(self, layer, plan: LayerPlan, counts, x_cpu, ys: Sorted, rows) -> None:
+        """The CPU experts over their rows (in `cpu_order`), weighted, into `ys.out` (this
+        thread runs them once the device's parts are dispatched)."""
+        x_host, scale, ready = x_cpu
         t0 = time.perf_counter()
+        if ready is not None:
+            ready.synchronize()
+        out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
+        experts = cpu_order(plan.cpu, counts)
         with torch.inference_mode():
-            side.finish()
-        ys.out[rows[0] : rows[1]] = side.out.to(self.device, non_blocking=True)
-        self.totals.cpu_seconds += time.perf_counter() - t0
-        self.totals.cpu_pool_seconds += side.pool_seconds
-        seconds = side.pool_seconds + side.here_seconds
-        self._observe_cpu(len(side.experts), rows[1] - rows[0], seconds)
+            run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
+        seconds = time.perf_counter() - t0
+        ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
+        self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
 
     def _observe_cpu(self, num_experts: int, pairs: int, seconds: float) -> None:
         """Account the CPU side; measured runs also follow the rate at which the CPU experts
         read their weights in prefill (the time beyond their tokens' matmuls at `cpu_flops`)."""
+        self.totals.cpu_seconds += seconds
         self.totals.cpu_pairs += pairs
         if not self.adaptive or not num_experts:
             return

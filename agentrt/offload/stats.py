@@ -42,9 +42,7 @@ class PrefillTotals:
     pairs: int = 0  # every (token, expert) pair
     routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
     admitted: int = 0  # copied experts also put into free slots of the expert cache
-    # host time in the CPU experts (their inputs' arrival, the wait for the kernel's pool)
-    cpu_seconds: float = 0.0
-    cpu_pool_seconds: float = 0.0  # the pool's own time (beside this thread's dispatch)
+    cpu_seconds: float = 0.0  # host time in the CPU experts (their inputs' arrival included)
     wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
     host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
