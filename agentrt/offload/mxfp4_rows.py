@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt.env import setting
 from agentrt.errors import InvalidArgumentError
 from agentrt.models.mxfp4 import BLOCK, dequantize, quantize
 
@@ -146,18 +147,43 @@ def grouped_reference(
     return out
 
 
+# the grouped kernel's tile: tokens, output rows, code bytes per step (2x weights), warps
+GROUPED_TILE = (64, 128, 64, 8)
+
+
+def grouped_tile() -> tuple[int, int, int, int]:
+    """`GROUPED_TILE`, or `AGENTRT_MXFP4_TILE` ("M,N,B,warps", for benchmarks comparing tiles)."""
+    text = setting("MXFP4_TILE")
+    if not text:
+        return GROUPED_TILE
+    try:
+        m, n, b, warps = (int(v) for v in text.split(","))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"AGENTRT_MXFP4_TILE must be M,N,B,warps, got {text!r}"
+        ) from None
+    if min(m, n) < 16 or b < 16 or b % 16 or any(v & (v - 1) for v in (m, n, b, warps)):
+        raise InvalidArgumentError(f"AGENTRT_MXFP4_TILE {text!r}: powers of two, M, N, B >= 16")
+    return m, n, b, warps
+
+
 def grouped(
-    rows: torch.Tensor, slots: list[int], counts: list[int], part: Part, x: torch.Tensor
+    rows: torch.Tensor,
+    slots: list[int],
+    counts: list[int],
+    part: Part,
+    x: torch.Tensor,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """`grouped_reference` through the Triton kernel: one program per tile of BLOCK_M tokens of
-    one expert and BLOCK_N outputs; it decodes the expert's codes tile by tile into x's dtype
-    and multiplies with fp32 accumulation (`counts` come from the host: a prefill's plan has
-    them)."""
+    """`grouped_reference` through the Triton kernel: one program per tile of M tokens of one
+    expert and N outputs; it decodes the expert's codes B bytes at a time into x's dtype and
+    multiplies with fp32 accumulation (`counts` come from the host: a prefill's plan has them;
+    `tile`: (M, N, B, warps), default `grouped_tile()`)."""
     import triton
 
     from agentrt.offload.mxfp4_triton import grouped_kernel
 
-    block_m, block_n, block_b = 32, 64, 32
+    block_m, block_n, block_b, warps = tile or grouped_tile()
     tile_slot, tile_start, tile_end, begin = [], [], [], 0
     for slot, count in zip(slots, counts, strict=True):
         for start in range(begin, begin + count, block_m):
@@ -189,5 +215,6 @@ def grouped(
         BLOCK_B=block_b,
         # (fp32 activations: full fp32 products, not TF32 - the reference's precision)
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
     )
     return out

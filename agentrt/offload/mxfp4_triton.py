@@ -6,13 +6,22 @@ import triton.language as tl
 
 
 @triton.jit
-def fp4(code):
-    """E2M1 code (sign in bit 3) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+def fp4_twice(code):
+    """E2M1 code (sign in bit 3) -> twice its value, in integer steps (no exp2): 0, 1, 2, 3, 4,
+    6, 8, 12 for 0, 0.5, 1, 1.5, 2, 3, 4, 6, and their negatives; fp32."""
     exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    normal = (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32))
-    value = tl.where(exponent == 0, 0.5 * mantissa, normal)
-    return tl.where((code & 8) != 0, -value, value)
+    mantissa = code & 1
+    normal = (2 + mantissa) << tl.maximum(exponent - 1, 0)
+    twice = tl.where(exponent == 0, mantissa, normal)
+    return tl.where((code & 8) != 0, -twice, twice).to(tl.float32)
+
+
+@triton.jit
+def half_power(scale):
+    """An E8M0 exponent byte -> 2^(scale - 128) (half its power of two; 0 for scale 0, whose
+    2^-128 fp32 cannot hold as a normal number), built from the float's exponent bits."""
+    bits = tl.maximum(scale.to(tl.int32) - 1, 0) << 23
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -24,8 +33,37 @@ def decoded(row, codes_at, scales_at, n, b, n_rows, n_bytes, n_groups):
     scale = tl.load(
         row + scales_at + n[:, None] * n_groups + b[None, :] // 16, mask=mask, other=127
     )
-    power = tl.exp2(scale.to(tl.float32) - 127.0)
-    return fp4(code & 15) * power, fp4(code >> 4) * power
+    power = half_power(scale)
+    return fp4_twice(code & 15) * power, fp4_twice(code >> 4) * power
+
+
+@triton.jit
+def decoded_tile(
+    row,
+    codes_at,
+    scales_at,
+    n,
+    b0,
+    n_rows,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    n_bytes: tl.constexpr,
+    n_groups: tl.constexpr,
+):
+    """Output rows `n`, bytes b0 .. b0 + BLOCK_B (b0 a multiple of BLOCK_B, itself of 16) as
+    weights `[BLOCK_N, 2 * BLOCK_B]` in element order (each byte's low nibble first), fp32,
+    zero past the row's end: each exponent is decoded once per group of 32 weights."""
+    b = b0 + tl.arange(0, BLOCK_B)
+    g = b0 // 16 + tl.arange(0, BLOCK_B // 16)
+    rows_in = n[:, None] < n_rows
+    code_at = row + codes_at + n[:, None] * n_bytes + b[None, :]
+    code = tl.load(code_at, mask=rows_in & (b[None, :] < n_bytes), other=0).to(tl.int32)
+    scale_at = row + scales_at + n[:, None] * n_groups + g[None, :]
+    scale = tl.load(scale_at, mask=rows_in & (g[None, :] < n_groups), other=127)
+    weights = tl.join(fp4_twice(code & 15), fp4_twice(code >> 4))  # [N, B, 2]
+    weights = tl.reshape(weights, (BLOCK_N, BLOCK_B // 16, 32))
+    weights = weights * half_power(scale)[:, :, None]
+    return tl.reshape(weights, (BLOCK_N, 2 * BLOCK_B))
 
 
 @triton.jit
@@ -74,22 +112,25 @@ def grouped_kernel(
     BLOCK_B: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One tile of BLOCK_M tokens of one expert against BLOCK_N of its output rows: per step,
+    BLOCK_B bytes of codes (2 * BLOCK_B weights) decoded into x's dtype and one dot with the
+    tokens' contiguous inputs, fp32 accumulation."""
     t = tl.program_id(0)
     slot = tl.load(tiles_ptr + t)
     start = tl.load(tiles_ptr + n_tiles + t)
     end = tl.load(tiles_ptr + 2 * n_tiles + t)
     m = start + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, 2 * BLOCK_B)
     row = rows_ptr + slot * row_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tokens_in = m[:, None] < end
     for b0 in range(0, n_bytes, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        w_lo, w_hi = decoded(row, codes_at, scales_at, n, b, n_rows, n_bytes, n_groups)
-        x_mask = (m[:, None] < end) & (b[None, :] < n_bytes)
-        x_at = x_ptr + m[:, None] * 2 * n_bytes + 2 * b[None, :]
-        x_lo = tl.load(x_at, mask=x_mask, other=0.0)
-        x_hi = tl.load(x_at + 1, mask=x_mask, other=0.0)
-        acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), input_precision=PRECISION)
-        acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), input_precision=PRECISION)
+        w = decoded_tile(
+            row, codes_at, scales_at, n, b0, n_rows, BLOCK_N, BLOCK_B, n_bytes, n_groups
+        )
+        x_at = x_ptr + m[:, None] * 2 * n_bytes + 2 * b0 + k[None, :]
+        x = tl.load(x_at, mask=tokens_in & (2 * b0 + k[None, :] < 2 * n_bytes), other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
     out_at = out_ptr + m[:, None] * n_rows + n[None, :]
-    tl.store(out_at, acc, mask=(m[:, None] < end) & (n[None, :] < n_rows))
+    tl.store(out_at, acc, mask=tokens_in & (n[None, :] < n_rows))
