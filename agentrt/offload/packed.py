@@ -52,9 +52,11 @@ def part_ffn(
     biases, scaled) -> `[T, H]` in x's dtype (as `pairs.grouped_ffn` computes unpacked)."""
     layout = store.layout
     h = _grouped(buf, counts, layout.gate_up, x)  # [T, 2I] fp32
-    if biases is not None:
-        repeat = torch.tensor(counts, device=x.device)
-        up_bias, down_bias = (b.repeat_interleave(repeat, dim=0) for b in biases)
+    if biases is not None:  # (each row's expert from the host's counts: no device sync)
+        owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        if x.is_cuda:
+            owner = owner.pin_memory().to(x.device, non_blocking=True)
+        up_bias, down_bias = (b.index_select(0, owner) for b in biases)
         h = h + up_bias
     hidden = store.act(h.to(x.dtype)) * scale
     y = _grouped(buf, counts, layout.down, hidden)  # [T, H] fp32
