@@ -1123,6 +1123,35 @@ def test_a_synthetic_model_with_packed_experts_draws_them_packed():
 
 
 @pytest.mark.slow
+def test_expert_format_auto_keeps_mxfp4_experts_packed_where_the_model_has_them(tmp_path):
+    """`expert_format` auto (the default): packed for models whose experts come as MXFP4 (an
+    MXFP4 checkpoint, the synthetic gpt-oss shapes) when offloaded with mode auto; unpacked for
+    the others, and for every model kept resident."""
+    from agentrt.errors import InvalidArgumentError
+    from agentrt.models.registry import mxfp4_experts
+    from agentrt.models.tiny import build_tiny
+    from agentrt.session.options import packed_experts
+
+    mxfp4_dir = build_tiny(tmp_path / "mxfp4", "tiny-gpt-oss", mxfp4=True)
+    bf16_dir = build_tiny(tmp_path / "bf16", "tiny-gpt-oss")
+    assert mxfp4_experts(str(mxfp4_dir)) and not mxfp4_experts(str(bf16_dir))
+    assert mxfp4_experts("synthetic:gpt-oss-120b") and mxfp4_experts("synthetic:gpt-oss-20b@skew=1")
+    for spec in ("synthetic:qwen3.5-35b-a3b", "synthetic:tiny-gpt-oss", "tiny", str(tmp_path)):
+        assert not mxfp4_experts(spec)
+    assert packed_experts("auto", "synthetic:gpt-oss-120b", "auto")
+    assert not packed_experts("auto", "synthetic:gpt-oss-120b", "none")
+    assert not packed_experts("model", "synthetic:gpt-oss-120b", "auto")
+    assert packed_experts("mxfp4", "synthetic:tiny-gpt-oss", "auto")
+    with pytest.raises(InvalidArgumentError, match="expert format"):
+        packed_experts("fp8", "tiny", "auto")
+    rt = Runtime.open(str(mxfp4_dir), cache="off", expert_cache_slots=12)
+    assert rt.engine.offload.store.packed
+    rt = Runtime.open(str(bf16_dir), cache="off", expert_cache_slots=12)
+    assert not rt.engine.offload.store.packed
+    assert Runtime.open(str(mxfp4_dir), cache="off").engine.offload is None
+
+
+@pytest.mark.slow
 def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
     """`bench decode` and `bench prefill` with `--expert-format mxfp4`: the experts stay packed
     (the reports say so, with the packed row's bytes per expert), the baselines run too."""

@@ -63,7 +63,8 @@ def _report(report: dict, json_out: str | None) -> None:
 
 _expert_format_option = expert_format_option(
     "With --offload: offloaded experts in the model's dtype, or kept MXFP4-packed (host "
-    "store, copies, GPU slots; drawn packed for synthetic models)."
+    "store, copies, GPU slots; drawn packed for synthetic models); auto: packed for models "
+    "whose experts come as MXFP4 (gpt-oss)."
 )
 
 
@@ -173,6 +174,7 @@ def bench_prefill(
 
 def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict) -> dict:
     from agentrt.bench.prefill import offload_prefill
+    from agentrt.session.options import packed_experts
 
     if o["vram_budget"] is None and o["expert_cache_slots"] is None:
         raise click.UsageError("--offload auto needs --vram-budget or --expert-cache-slots")
@@ -195,7 +197,7 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
         cpu_kernel=o["cpu_kernel"],
         linear_attn=o["linear_attn"],
         profile=o["profile"],
-        packed=o["expert_format"] == "mxfp4",
+        packed=packed_experts(o["expert_format"], model),
     )
 
 
@@ -302,6 +304,7 @@ def bench_decode(
     if offload:
         prepare_cpu_threads(device, offload)
         from agentrt.bench import offload as bo
+        from agentrt.session.options import packed_experts
 
         runs = bo.settings(
             offload, [v == "on" for v in split], expert_policy, [v == "on" for v in prefetch]
@@ -321,7 +324,7 @@ def bench_decode(
             repeat=repeat,
             cpu_kernel=cpu_kernel,
             py_profile=py_profile,
-            packed=expert_format == "mxfp4",
+            packed=packed_experts(expert_format, model),
         )
         _report(report, json_out)
         return

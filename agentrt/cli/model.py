@@ -44,11 +44,13 @@ def model() -> None:
 )
 @expert_format_option(
     "gpt-oss: routed experts in --dtype (model) or as the published checkpoints store them "
-    "(mxfp4: `_blocks` / `_scales` pairs of random MXFP4 codes, 17/32 of a byte per weight)."
+    "(mxfp4: `_blocks` / `_scales` pairs of random MXFP4 codes, 17/32 of a byte per weight); "
+    "auto: mxfp4 for gpt-oss-20b and gpt-oss-120b, model for every other size."
 )
 @click.option("--force", is_flag=True, help="Write into a non-empty directory.")
 def model_make(arch, size, out, seed, dtype, expert_format, force) -> None:
     """Write a seeded random-weight checkpoint with exact shapes (HF format)."""
+    from agentrt.models.registry import MXFP4_SIZES
     from agentrt.models.synthetic import resolve_size, write_checkpoint
     from agentrt.models.tiny import build_tiny
 
@@ -56,7 +58,7 @@ def model_make(arch, size, out, seed, dtype, expert_format, force) -> None:
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise click.UsageError(f"{out_dir} is not empty (use --force to write into it)")
-    mxfp4 = expert_format == "mxfp4"
+    mxfp4 = expert_format == "mxfp4" or (expert_format == "auto" and name in MXFP4_SIZES)
     if mxfp4 and "gpt-oss" not in name:
         raise click.UsageError("--expert-format mxfp4 is for gpt-oss sizes")
     if name.startswith("tiny"):

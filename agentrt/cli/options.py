@@ -243,9 +243,10 @@ def cpu_kernel_option(help: str):
 
 
 def expert_format_option(help: str):
-    """--expert-format model|mxfp4 (model by default)."""
-    choices = click.Choice(["model", "mxfp4"])
-    return click.option("--expert-format", type=choices, default="model", show_default=True,
+    """--expert-format auto|model|mxfp4 (auto by default: mxfp4 where the model's experts come
+    as MXFP4)."""
+    choices = click.Choice(["auto", "model", "mxfp4"])
+    return click.option("--expert-format", type=choices, default="auto", show_default=True,
                         help=help)  # fmt: skip
 
 
@@ -301,9 +302,10 @@ def offload_options() -> list:
         expert_format_option(
             "For --offload auto: how offloaded experts are kept in host memory, copied "
             "and cached on the GPU: model (the model's dtype; MXFP4 checkpoints are "
-            "dequantized at load) or mxfp4 (packed, 17/32 of a byte per weight; MXFP4 "
+            "dequantized at load), mxfp4 (packed, 17/32 of a byte per weight; MXFP4 "
             "checkpoints load as they are, others are rounded to MXFP4; computed by Triton "
-            "kernels on CUDA; not yet measured on a GPU)."
+            "kernels on CUDA), or auto: mxfp4 for models whose experts come as MXFP4 "
+            "(gpt-oss), model for the others."
         ),
         click.option(
             "--cpu-moe-layers",

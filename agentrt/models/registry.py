@@ -6,6 +6,7 @@ loaded by the session layer. Knows nothing about engines or sessions.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,26 @@ def config_of(spec: str):
 
         return model_config(resolve_size(spec[len(SYNTHETIC_PREFIX) :]))
     return ModelConfig.from_hf(ensure_tiny() if spec == "tiny" else Path(spec).expanduser())
+
+
+MXFP4_SIZES = ("gpt-oss-20b", "gpt-oss-120b")  # synthetic shapes published with MXFP4 experts
+
+
+def mxfp4_experts(spec: str) -> bool:
+    """Whether `spec`'s routed experts come as MXFP4: a checkpoint whose config names an mxfp4
+    quantization, or a synthetic gpt-oss shape (the published checkpoints are)."""
+    if spec.startswith(SYNTHETIC_PREFIX):
+        from agentrt.models.synthetic import resolve_size
+
+        return resolve_size(spec[len(SYNTHETIC_PREFIX) :]).partition("@")[0] in MXFP4_SIZES
+    if spec == "tiny":
+        return False
+    try:
+        raw = json.loads((Path(spec).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
 def tokenizer_dir_of(spec: str) -> Path | None:

@@ -51,7 +51,8 @@ class RuntimeConfig:
     prefetch: bool = True
     cpu_kernel: str = "auto"
     prefill_plan: str = "auto"
-    expert_format: str = "model"  # model | mxfp4 (offloaded experts kept packed)
+    # auto | model | mxfp4 (offloaded experts kept packed; auto: where the checkpoint's are)
+    expert_format: str = "auto"
 
 
 def check_device(device: str) -> str:
@@ -85,9 +86,10 @@ def check_cache(cache: str) -> None:
         raise InvalidArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
 
 
-def offload_config(c: RuntimeConfig) -> OffloadConfig:
+def offload_config(c: RuntimeConfig, spec: str | None = None) -> OffloadConfig:
     """`c.offload` may be a mode name or a full `OffloadConfig`; the default is `auto` when a
-    budget or a slot count is given, else `none`."""
+    budget or a slot count is given, else `none`. `spec`: the model (for `expert_format`
+    auto)."""
     if isinstance(c.offload, OffloadConfig):
         return c.offload
     mode = offload_mode(c.offload, c.vram_budget, c.expert_cache_slots)
@@ -103,13 +105,23 @@ def offload_config(c: RuntimeConfig) -> OffloadConfig:
         prefetch=c.prefetch,
         cpu_kernel=c.cpu_kernel,
         prefill_plan=c.prefill_plan,
-        packed_mxfp4=_packed(c.expert_format),
+        packed_mxfp4=packed_experts(c.expert_format, spec, mode),
     )
 
 
-def _packed(expert_format: str) -> bool:
-    if expert_format not in ("model", "mxfp4"):
-        raise InvalidArgumentError(f"expert format must be model or mxfp4, got {expert_format!r}")
+EXPERT_FORMATS = ("auto", "model", "mxfp4")
+
+
+def packed_experts(expert_format: str, spec: str | None, mode: str = "auto") -> bool:
+    """Whether offloaded experts stay MXFP4-packed: `mxfp4`, or `auto` with offload mode auto
+    and a model whose experts come as MXFP4 (`registry.mxfp4_experts`)."""
+    if expert_format not in EXPERT_FORMATS:
+        formats = ", ".join(EXPERT_FORMATS)
+        raise InvalidArgumentError(f"expert format must be one of {formats}, got {expert_format!r}")
+    if expert_format == "auto":
+        from agentrt.models.registry import mxfp4_experts
+
+        return mode == "auto" and spec is not None and mxfp4_experts(spec)
     return expert_format == "mxfp4"
 
 

@@ -139,7 +139,7 @@ class Runtime:
 
         check_cache(c.cache)
         device = check_device(c.device)
-        placement = offload_config(c)
+        placement = offload_config(c, model)
         check_spec(model)
         config = engine_config(c, device, placement, static_prefill(model))
         today = chat_date(c.chat_date) if c.chat_date is not None else None
