@@ -10,7 +10,7 @@ source benchmarks/device_env.sh
 STEPS=",${STEPS:-tests,prefill},"
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 if has tests; then
-  timeout 200 python3 -m pytest -q -x -rs tests/test_gpu.py -k "prefill_plans or prefill_on_cuda or offloaded_decode" \
+  timeout 200 python3 -m pytest -q -x -rs tests/test_gpu.py -k "prefill_plans or prefill_on_cuda or offloaded_decode or kv_grown_ahead" \
     > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log"
 fi

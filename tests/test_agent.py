@@ -50,6 +50,11 @@ class _ScriptedModel:
 
     def __init__(self) -> None:
         self.seen: list[list[dict]] = []
+        self.prepared: list[int] = []  # turns after which the engine prepared for the next
+
+    def prepare_ahead(self) -> bool:
+        self.prepared.append(len(self.seen))
+        return True
 
     def chat(self, messages, tools=None, max_tokens=0):
         self.seen.append([dict(m) for m in messages])
@@ -92,6 +97,7 @@ def test_loop_feeds_tool_results_and_errors_back(tmp_path):
         "ERROR: unknown tool"
     )
     assert len(run.requests) == 3 and run.requests[2]["messages"][-1]["role"] == "tool"
+    assert model.prepared == [1, 2]  # while each turn's tools ran (not after the answer)
 
 
 @pytest.mark.slow

@@ -490,6 +490,41 @@ def test_offloaded_decode_on_cuda_matches_resident(name, model):
     assert (totals.prefetched > 0) == (name in ("split", "copy-only"))
 
 
+def test_kv_grown_ahead_on_cuda_captures_the_decode_graph_between_turns():
+    """Under a budget on CUDA: the decode graph captured at start-up is on the live sequence's
+    KV reservation; `prepare_ahead` after a turn that left less than a chunk of room grows the
+    KV (the expert pool shrinks) and captures the decode graph for the new buffers then, so the
+    next turn's decode replays that graph (no capture on its path) and its tokens equal the
+    resident model's."""
+    from agentrt import Runtime
+    from agentrt.engine.placement import dense_bytes, kv_bytes_per_token
+    from agentrt.offload.config import OffloadConfig
+
+    opts = dict(device="cuda", dtype="float32", cache="off", linear_attn="torch", prefill_chunk=256)
+    resident = Runtime.open("tiny", **opts)
+    probe = Runtime.open("tiny", offload=OffloadConfig(mode="auto", expert_cache_slots=40), **opts)
+    model, store = probe.engine.model, probe.engine.offload.store
+    staging = probe.engine.offload.prefill.staging_bytes
+    budget = dense_bytes(model) + 1024 * kv_bytes_per_token(model) + 40 * store.expert_bytes
+    config = OffloadConfig(
+        mode="auto", vram_budget=budget + staging, kv_reserve_tokens=1024, workspace_bytes=0,
+        copy_bandwidth=1.0, cpu_bandwidth=1.0,
+    )  # fmt: skip
+    probe.close()
+    rt = Runtime.open("tiny", offload=config, **opts)
+    graph, cache = rt.engine.decode_graph, rt.engine.offload.cache
+    assert graph.enabled and graph.current is not None  # (captured at start-up)
+    first = [(7 + 13 * i) % 500 + 10 for i in range(900)]
+    out = rt.generate(first, max_tokens=4)
+    assert rt.prepare_ahead() and cache.resizes >= 1
+    key = graph.current.key
+    second = first + out + list(range(20, 60))
+    assert rt.generate(second, max_tokens=8) == resident.generate(second, max_tokens=8)
+    assert graph.current.key == key  # (the same graph: nothing captured in that turn)
+    rt.close()
+    resident.close()
+
+
 @pytest.mark.parametrize("model", ["tiny", "synthetic:tiny-gpt-oss"])
 @pytest.mark.parametrize("split", [True, False])
 def test_packed_mxfp4_offload_on_cuda_matches_resident(model, split):

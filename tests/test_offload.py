@@ -920,6 +920,35 @@ def test_a_shorter_context_gives_the_kv_room_back_to_the_expert_cache(model_spec
     cache.check()
 
 
+def test_kv_grows_ahead_between_turns_so_the_next_turn_rebuilds_nothing(model_spec, reference):
+    """Under a budget the live sequence's KV starts at the budget's reservation (it costs the
+    expert cache nothing, and the start-up decode graph is captured on it). Between turns,
+    `prepare_ahead` grows KV left with less than one prefill chunk of room, taking it from the
+    expert cache, whose experts come back at once; the next turn of the same session, within
+    that room, then finds the same buffers and the same pool (nothing rebuilt on its path, so
+    no graph captured there) and is not given back; its tokens equal the dense model's."""
+    ids, _, _ = reference
+    grow, chunk = 1024, 256
+    config, _ = _elastic_config(model_spec, grow, 40)
+    rt = Runtime.open(model_spec, cache="off", offload=config, prefill_chunk=chunk)
+    dense = Runtime.open(model_spec, cache="off", prefill_chunk=chunk)
+    cache, state = rt.engine.offload.cache, rt._live_state()
+    assert all(c.capacity == grow for c in state.kv_caches())
+    assert not rt.prepare_ahead()  # (nothing in the live sequence yet)
+    first = (ids * (grow // len(ids) + 1))[: grow - 150]
+    out = rt.generate(first, max_tokens=4)
+    assert cache.num_slots == 40 and state.num_tokens > grow - chunk
+    assert rt.prepare_ahead()
+    assert cache.num_slots < 40 and not cache.pending
+    assert all(c.capacity >= state.num_tokens + chunk for c in state.kv_caches())
+    buffers, resizes = [c.k.data_ptr() for c in state.kv_caches()], cache.resizes
+    second = first + out + ids[:100]  # the session goes on
+    assert rt.generate(second, max_tokens=4) == dense.generate(second, max_tokens=4)
+    assert cache.resizes == resizes and [c.k.data_ptr() for c in state.kv_caches()] == buffers
+    assert not rt.prepare_ahead()  # (room left for another chunk)
+    cache.check()
+
+
 def test_packed_mxfp4_rows_hold_an_expert_in_17_32_of_a_byte_per_weight():
     """A packed expert row: gate_up's codes and exponents, then down's; 17/32 of a byte per
     weight; values on the FP4 grid (one power of two per block of 32) come back exactly, and the

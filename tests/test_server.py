@@ -396,3 +396,46 @@ def test_metrics_keep_integer_precision():
     m.add("prompt_tokens_total", 12_345_678)
     m.add("prompt_tokens_total", 1)
     assert "agentrt_prompt_tokens_total 12345679" in m.render(0)
+
+
+def test_an_idle_worker_prepares_the_engine_for_the_next_turn():
+    """After a job, with nothing queued, the engine worker calls `prepare_ahead` (KV grown and
+    graphs captured between turns); a runtime without it, or one whose preparation fails, is
+    served as before."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from agentrt.server.worker import DONE, EngineWorker, Job
+
+    class Fake:
+        def __init__(self) -> None:
+            self.prepared = 0
+
+        def chat_prepared(self, prepared, stream, should_stop, **kwargs):
+            yield SimpleNamespace(type="done")
+
+        def prepare_ahead(self) -> bool:
+            self.prepared += 1
+            return True
+
+    loop = asyncio.new_event_loop()
+    try:
+        runtime = Fake()
+        worker = EngineWorker(runtime, queue_size=4)
+        job = Job(prepared=None, kwargs={}, loop=loop)
+        worker.submit(job)
+
+        async def drain() -> list:
+            items = []
+            while not items or items[-1] is not DONE:
+                items.append(await asyncio.wait_for(job.events.get(), 10))
+            return items
+
+        assert loop.run_until_complete(drain())[0].type == "done"
+        deadline = time.time() + 10
+        while (worker.busy or not runtime.prepared) and time.time() < deadline:
+            time.sleep(0.01)
+        assert runtime.prepared == 1 and worker.depth() == 0
+        worker.stop()
+    finally:
+        loop.close()

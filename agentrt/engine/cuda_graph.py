@@ -125,11 +125,15 @@ class DecodeGraph:
                 module.recorder = None
         return _Captured(key, pieces, token, pos, logits)
 
-    def step(self, state: SequenceState, token_id: int) -> torch.Tensor | None:
-        """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off).
+    def prepare(self, state: SequenceState) -> None:
+        """Capture the step for `state`'s buffers now unless done (between requests: the
+        next decode step then replays at once); KV for position `state.num_tokens` must be
+        reserved."""
+        self._current_for(state)
 
-        KV capacity for the new position must already be reserved.
-        """
+    def _current_for(self, state: SequenceState) -> _Captured | None:
+        """The captured step for `state`'s buffers (captured now if needed), or None when
+        capture failed (graphs are then off for the engine)."""
         if not self.enabled:
             return None
         key = _buffers_key(state) + self.model.experts.buffers_key()  # (offloaded: the pool)
@@ -143,8 +147,16 @@ class DecodeGraph:
                 "decoding eagerly",
                 file=sys.stderr,
             )
+        return self.current
+
+    def step(self, state: SequenceState, token_id: int) -> torch.Tensor | None:
+        """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off).
+
+        KV capacity for the new position must already be reserved.
+        """
+        cap = self._current_for(state)
+        if cap is None:
             return None
-        cap = self.current
         cap.token.fill_(token_id)
         cap.pos.fill_(state.num_tokens)
         try:

@@ -16,6 +16,7 @@ import torch
 
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs, graph_kv_tokens
+from agentrt.engine.elastic import give_back_kv_room, grow_ahead, make_kv_room
 from agentrt.engine.placement import kv_bytes_per_token
 from agentrt.engine.reuse import NoReuse
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
@@ -112,6 +113,13 @@ class Engine:
         free, _ = torch.cuda.mem_get_info(self.device)
         return graph_kv_tokens(self.max_context, kv_bytes_per_token(self.model), free)
 
+    def live_capacity(self) -> int:
+        """KV positions to allocate the live sequence with: under a VRAM budget its KV
+        reservation (which costs the expert cache nothing), so the buffers the decode graph is
+        captured on at start-up last that long; else 0 (grown as needed)."""
+        reserved = self.offload.kv_reserved if self.offload is not None else 0
+        return min(reserved, self.max_context)
+
     def new_state(self, capacity: int = 0) -> SequenceState:
         host = frozenset(
             i for i, layer in enumerate(self.model.layers) if getattr(layer, "on_host", False)
@@ -141,57 +149,28 @@ class Engine:
             )
 
     def _make_kv_room(self, state: SequenceState, num_tokens: int) -> None:
-        """With offloaded experts under a VRAM budget: KV about to outgrow the budget's KV
-        reservation takes its room from the expert cache (elastic, docs/architecture.md §5). The
-        pool is freed, the KV grown, then a smaller pool made, between steps; the most valuable
-        cached experts that fit the smaller pool are copied back at the next decode step (after the
-        request's first token), the others come back as misses. Too little room left for even one
-        token's experts is `PromptTooLongError`, before anything changes."""
-        experts = self.offload
-        if experts is None or experts.slots_for_kv is None:
-            return
-        caches = state.kv_caches()
-        if all(cache.capacity >= num_tokens for cache in caches):
-            return
-        kv = sum(cache.bytes_at(cache.grown_capacity(num_tokens)) for cache in caches)
-        try:
-            slots = experts.slots_for_kv(kv)
-        except InvalidArgumentError as exc:
-            msg = f"{num_tokens} tokens do not fit the VRAM budget: {exc}"
-            raise PromptTooLongError(msg) from None
-        if slots >= experts.cache.num_slots:
-            return  # within the reservation
-
-        def grow() -> None:
-            for cache in caches:
-                cache.reserve(num_tokens, state.num_tokens)
-
-        experts.cache.rebuild(slots, grow)  # (its experts come back at the next decode step)
+        make_kv_room(self.offload, state, num_tokens)  # (under a budget: see `elastic`)
 
     def _give_back_kv_room(self, state: SequenceState, num_tokens: int) -> None:
-        """With offloaded experts under a VRAM budget: KV that grew past its reservation and
-        that a request of `num_tokens` tokens needs less than half of (a shorter context, a new
-        session) goes back to the expert cache. The KV shrinks to the request's size in whole
-        growth steps (the live sequence is emptied if it was longer), the pool is rebuilt
-        larger, and its experts are copied back at the next decode step."""
-        experts, caches = self.offload, state.kv_caches()
-        if experts is None or experts.slots_for_kv is None or not caches:
-            return
-        if num_tokens > caches[0].capacity // 2:
-            return  # (a session that grows on keeps its KV)
-        step = max(caches[0].grow_tokens, 1)
-        target = max(-(-num_tokens // step) * step, step)
-        slots = experts.slots_for_kv(sum(cache.bytes_at(target) for cache in caches))
-        if slots <= experts.cache.num_slots:
-            return
-        if state.num_tokens > target:
-            state.reset()  # (its KV past `target` goes; a restore or a prefill refills it)
+        give_back_kv_room(self.offload, state, num_tokens)
 
-        def shrink() -> None:
-            for cache in caches:
-                cache.shrink(target, state.num_tokens)
-
-        experts.cache.rebuild(slots, shrink)
+    def prepare_ahead(self, state: SequenceState, horizon: int | None = None) -> bool:
+        """Between requests (the server when its queue is empty, an agent loop before running
+        tools): KV with fewer than `horizon` (default: one prefill chunk) positions left past
+        `state`'s tokens grows now, under a budget taking its room from the expert cache, whose
+        experts then come back, and on CUDA the decode graph (and the prefill graphs) are
+        captured for the new buffers, so the next request, if it fits the horizon, pays for
+        none of it. True if it grew."""
+        horizon = horizon or self.config.prefill_chunk
+        need = min(state.num_tokens + horizon, self.max_context)
+        if not state.num_tokens or not grow_ahead(self.offload, state, need):
+            return False
+        if self.decode_graph is not None:
+            self.decode_graph.prepare(state)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.prepare(state)
+        self.synchronize()
+        return True
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (

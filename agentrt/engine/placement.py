@@ -141,6 +141,7 @@ def install(
             prefill_plan=config.prefill_plan,
             staging_bytes=config.staging_bytes,
             slots_for_kv=_slots_for_kv(model, store, config),
+            kv_reserved=config.kv_reserve_tokens,
         )
     else:
         cpu_layers = _cpu_expert_layers(model, store, config)

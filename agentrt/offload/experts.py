@@ -78,6 +78,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
         slots_for_kv: Callable[[int], int] | None = None,
+        kv_reserved: int = 0,
     ) -> None:
         self.store, self.cache, self.bw, self.split = store, cache, bandwidths, split
         self.cpu_layers = cpu_layers
@@ -121,11 +122,11 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         # runs keep the configured ones, so their decisions stay reproducible)
         self.adaptive = adaptive and split and not cpu_layers and self.on_cuda
         self._copy_only_decisions = 0
-        # slots the VRAM budget allows next to this many bytes of KV (set under a budget: the
-        # engine then lets growing KV take room from the cache, docs/architecture.md §5 elastic)
         # the slots the budget leaves the cache beside `kv` bytes of KV (None: no budget, the
-        # cache's size is fixed)
+        # cache's size is fixed): the engine lets growing KV take room from the cache
+        # (docs/architecture.md §5 elastic); `kv_reserved` KV positions cost it nothing
         self.slots_for_kv = slots_for_kv
+        self.kv_reserved = kv_reserved if slots_for_kv is not None else 0
         # many-token steps (prefill), layer by layer through a staging ring (`prefill.py`)
         self.prefill = PrefillStreamer(
             store,

@@ -75,6 +75,9 @@ def local_target(rt) -> Target:
             if ev.type == "done":
                 result = ev.result
         ttft = result.timings["ttft_s"]  # first sampled token, from the request's arrival
+        t0 = time.perf_counter()  # (what an idle server does between turns: not in any TTFT)
+        prepared = rt.prepare_ahead()
+        ahead_s = time.perf_counter() - t0
         return {
             "prompt_tokens": result.usage["prompt_tokens"],
             "cached_tokens": result.usage["cached_tokens"],
@@ -87,6 +90,8 @@ def local_target(rt) -> Target:
                 **result.reuse_s,  # restore_s, capture_s, ... (see engine.Timings)
                 "prefill_s": result.timings["prefill_s"],
                 "restore_source": result.restore_source,
+                # after the request: KV grown and graphs captured for the next turn (seconds)
+                "ahead_s": ahead_s if prepared else 0.0,
             },
         }
 

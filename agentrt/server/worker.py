@@ -1,6 +1,8 @@
 """The engine worker: one thread that runs chat jobs in arrival order on the `Runtime`, with a
 bounded queue (full -> the caller answers 429) and per-job cancellation (a client that goes away
-stops its generation at the next token). Events are handed to the asyncio side thread-safely."""
+stops its generation at the next token). Events are handed to the asyncio side thread-safely.
+When its queue is empty after a job, the worker prepares the engine for the next turn
+(`prepare_ahead`)."""
 
 from __future__ import annotations
 
@@ -81,6 +83,9 @@ class EngineWorker:
             self.busy, self.running = True, job
             try:
                 self._run(job)
+                if self.jobs.empty():  # idle: what the next turn would pay for, now
+                    self.running = None
+                    getattr(self.runtime, "prepare_ahead", lambda: None)()
             finally:
                 self.busy, self.running = False, None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,10 +200,17 @@ def run_agent(
         if not result.tool_calls:
             run.finished = True
             break
-        for call in result.tool_calls:
-            output = _execute(tools, call)
-            emit("tool", (call, output))
-            run.messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+        # the engine prepares for the next turn (KV, graphs) while the tools run
+        prepare = getattr(rt, "prepare_ahead", lambda: None)
+        ahead = threading.Thread(target=prepare, name="agentrt-ahead")
+        ahead.start()
+        try:
+            for call in result.tool_calls:
+                output = _execute(tools, call)
+                emit("tool", (call, output))
+                run.messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+        finally:
+            ahead.join()
     return run
 
 

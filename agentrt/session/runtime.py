@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -197,8 +198,17 @@ class Runtime:
     def _live_state(self):
         """The runtime's one live sequence (buffers and CUDA graph persist across requests)."""
         if self._state is None:
-            self._state = self.engine.new_state()
+            self._state = self.engine.new_state(self.engine.live_capacity())
         return self._state
+
+    def prepare_ahead(self) -> bool:
+        """`Engine.prepare_ahead` on the live sequence, between requests; True if it grew. A
+        failure is reported on stderr, never raised (the next request grows its KV itself)."""
+        try:
+            return self._state is not None and self.engine.prepare_ahead(self._state)
+        except Exception:  # noqa: BLE001 - preparation must never cost a turn
+            traceback.print_exc()
+            return False
 
     def _seed(self, seed: int | None) -> int:
         return self.seed if seed is None else seed

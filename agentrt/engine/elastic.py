@@ -1,0 +1,86 @@
+"""Elastic VRAM under a budget (docs/architecture.md §5): KV that outgrows the budget's KV
+reservation takes its room from the expert cache, gives it back when a shorter session comes,
+and can grow ahead of need between requests. Functions of the offloaded experts (`OffloadedExperts`,
+or None: no offload, nothing to do) and a `SequenceState`."""
+
+from __future__ import annotations
+
+from agentrt.engine.state import SequenceState
+from agentrt.errors import InvalidArgumentError, PromptTooLongError
+
+
+def _budgeted(experts) -> bool:
+    return experts is not None and experts.slots_for_kv is not None
+
+
+def make_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
+    """KV about to outgrow the budget's KV reservation takes its room from the expert cache.
+    The pool is freed, the KV grown, then a smaller pool made, between steps; the most valuable
+    cached experts that fit the smaller pool are copied back at the next decode step (after the
+    request's first token), the others come back as misses. Too little room left for even one
+    token's experts is `PromptTooLongError`, before anything changes."""
+    if not _budgeted(experts):
+        return
+    caches = state.kv_caches()
+    if all(cache.capacity >= num_tokens for cache in caches):
+        return
+    kv = sum(cache.bytes_at(cache.grown_capacity(num_tokens)) for cache in caches)
+    try:
+        slots = experts.slots_for_kv(kv)
+    except InvalidArgumentError as exc:
+        msg = f"{num_tokens} tokens do not fit the VRAM budget: {exc}"
+        raise PromptTooLongError(msg) from None
+    if slots >= experts.cache.num_slots:
+        return  # within the reservation
+
+    def grow() -> None:
+        for cache in caches:
+            cache.reserve(num_tokens, state.num_tokens)
+
+    experts.cache.rebuild(slots, grow)  # (its experts come back at the next decode step)
+
+
+def give_back_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
+    """KV that grew past its reservation goes back to the expert cache when a request of
+    `num_tokens` tokens (prompt and generation) is shorter than the live sequence (a new, shorter
+    session: a continuing one only grows) and needs less than half of the KV. The KV shrinks to
+    the request's size in whole growth steps (the live sequence is emptied if it was longer),
+    the pool is rebuilt larger, and its experts are copied back at the next decode step."""
+    caches = state.kv_caches()
+    if not _budgeted(experts) or not caches:
+        return
+    if num_tokens > caches[0].capacity // 2 or num_tokens >= state.num_tokens:
+        return  # (a session that grows on keeps its KV, and what was grown ahead for it)
+    step = max(caches[0].grow_tokens, 1)
+    target = max(-(-num_tokens // step) * step, step)
+    slots = experts.slots_for_kv(sum(cache.bytes_at(target) for cache in caches))
+    if slots <= experts.cache.num_slots:
+        return
+    if state.num_tokens > target:
+        state.reset()  # (its KV past `target` goes; a restore or a prefill refills it)
+
+    def shrink() -> None:
+        for cache in caches:
+            cache.shrink(target, state.num_tokens)
+
+    experts.cache.rebuild(slots, shrink)
+
+
+def grow_ahead(experts, state: SequenceState, num_tokens: int) -> bool:
+    """Between requests: KV buffers that cannot hold `num_tokens` positions grow now (under a
+    budget taking their room from the expert cache, whose experts come back at once), so the
+    next request that stays within them needs no new buffers (and no new decode graph for
+    them). False when they hold it already, or when the budget cannot (that request will say
+    so itself)."""
+    caches = state.kv_caches()
+    if not caches or all(cache.capacity >= num_tokens for cache in caches):
+        return False
+    try:
+        make_kv_room(experts, state, num_tokens)
+    except PromptTooLongError:
+        return False
+    for cache in caches:  # (within the reservation, or without a budget: the buffers alone)
+        cache.reserve(num_tokens, state.num_tokens)
+    if experts is not None and experts.cache.pending:
+        experts.cache.refill()
+    return True
