@@ -3,7 +3,8 @@
 # packed MXFP4 kernels and offload), then `synthetic:gpt-oss-20b` (MODEL=..., e.g.
 # synthetic:gpt-oss-120b; FORMAT=mxfp4, the default, keeps the experts packed: 10 / 61 GB of
 # pinned host memory; FORMAT=model: bf16, 42 GB for the 20b) under a 16 GiB budget: `bench decode` over the placements, `bench prefill` of 4K and
-# 8K tokens, and TTFT over the sample traces rendered in harmony. Copy
+# 8K tokens, and TTFT over the sample traces rendered in harmony (decode runs `none` too: every
+# expert resident, the bound's t_gpu; 61 GB of device memory for the 120b). Copy
 # ../shared/data/tokenizers/gpt-oss into .tok/ first (with the Qwen3 tokenizer beside it the
 # carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, decode, prefill, ttft.
 set -u
@@ -21,7 +22,7 @@ if has tests; then
 fi
 if has decode; then
   timeout "${DECODE_TIMEOUT:-400}" python3 -m agentrt.cli bench decode --model "$M" --device cuda \
-    --vram-budget 16GiB --offload "${OFFLOADS:-auto,static,layer}" --tokenizer "$TOK" --expert-format "$F" \
+    --vram-budget 16GiB --offload "${OFFLOADS:-none,auto,static,layer}" --tokenizer "$TOK" --expert-format "$F" \
     --prompt-len 256 --tokens "${TOKENS:-32}" --repeat 1 --json "$OUT/decode.json" \
     > "$OUT/decode.log" 2>&1
   grep -v '^ \|^{\|^}' "$OUT/decode.log" | tail -16
