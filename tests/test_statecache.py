@@ -21,7 +21,7 @@ from util import TOOLS, agent_requests
 
 from agentrt import Runtime
 from agentrt.statecache.config import StateCacheConfig
-from agentrt.statecache.keys import BLOCK
+from agentrt.statecache.keys import BLOCK, PrefixKeys
 from agentrt.statecache.report import verify_all
 from agentrt.statecache.store import Store
 
@@ -572,6 +572,43 @@ def test_restored_state_is_bitwise_the_captured_state(tmp_path, ram):
     _assert_bitwise_equal(fresh.export(), captured)
     sem.close()
     reader.close()
+
+
+@pytest.mark.parametrize("ram", [True, False])
+def test_windowed_layers_store_only_their_window_and_restore_exactly(tmp_path, tiny_gpt_oss, ram):
+    """gpt-oss's sliding-window layers see only the last `window` positions: their KV is kept
+    out of the chunks and each record's blob holds their window. A restore fills the chunked
+    layers' KV and those windows, bit for bit, and continues exactly as the same prefix
+    recomputed; block edges (bare chunks) never restore such a model."""
+    sem = _semantic(str(tiny_gpt_oss), tmp_path / "state")
+    cache, eng = sem.reuse.cache, sem.engine
+    layout = cache.layout
+    assert layout.windowed == (0, 2) and layout.window == 32 and not cache.block_edges
+    full = 2 * layout.num_attn * layout.kv_heads * layout.kv_row_bytes()
+    assert layout.kv_token_bytes() * 2 == full  # (half of the layers in chunks)
+    marker = sem.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = list(range(30, 700)) + [marker] + list(range(40, 80))
+    pos = 671  # (past two whole blocks and the window)
+    state = eng.new_state()
+    eng.prefill(state, prompt[:pos], capture=[pos])
+    captured = state.export(pos)
+    cache.save(prompt, pos, "message_end", state.kv_caches(), [], [])
+    cache.flush()
+    record = cache.store.get_record(PrefixKeys(cache.fp, prompt).key(pos))
+    assert record.chunk_bytes <= 2 * BLOCK * layout.kv_token_bytes() + 512  # (raw: random)
+    reader = sem if ram else _semantic(str(tiny_gpt_oss), tmp_path / "state", ram_bytes=0)
+    fresh = eng.new_state()
+    assert reader.reuse.begin(fresh, prompt) == (pos, "message_end")
+    got = fresh.export()
+    for i, ((ka, va), (kb, vb)) in enumerate(zip(got.kv, captured.kv, strict=True)):
+        first = pos - layout.window if i in layout.windowed else 0
+        assert ka[:, first:pos].equal(kb[:, first:pos]) and va[:, first:pos].equal(vb[:, first:pos])
+    want = eng.prefill(state, prompt[pos:], all_logits=True)
+    assert eng.prefill(fresh, prompt[pos:], all_logits=True).equal(want)
+    assert all(kind != "block" for _, kind in cache.candidates(prompt))
+    sem.close()
+    if reader is not sem:
+        reader.close()
 
 
 def test_pinned_ring_hands_out_regions_first_in_first_out(monkeypatch):

@@ -12,6 +12,7 @@ from agentrt.engine.config import EngineConfig
 from agentrt.errors import AgentrtError
 from agentrt.models import torch_dtype
 from agentrt.models.registry import open_model
+from agentrt.statecache.keys import BLOCK
 
 
 def statecache(
@@ -120,7 +121,8 @@ def _statecache_run(
     restored = engine.prefill(state, ids[held:])
     engine.prefill(_reset(state), ids[:held])  # the same prefix recomputed, then the same suffix
     recomputed = engine.prefill(state, ids[held:])
-    raw = cache.layout.blob_bytes(target)  # as if all of it were one record's snapshot
+    layout = cache.layout  # (the state it restores: every chunk and the record's blob)
+    raw = (target // BLOCK) * BLOCK * layout.kv_token_bytes() + layout.blob_bytes(target)
     end_ratios = sorted(e / p for e, p in zip(t_end, plain, strict=True))
     many_ratios = sorted(m / p for m, p in zip(t_many, plain, strict=True))
     return {

@@ -5,7 +5,7 @@ router logits (the router has a bias) weighted by a softmax over those 4, each e
 and the clamped SwiGLU (`moe.SwiGLU`). Weight names match `GptOssForCausalLM` (prefix `model.`);
 experts come in bf16 (`[E, in, out]`, gate and up columns interleaved) or MXFP4 (`_blocks` and
 `_scales`, dequantized by the loader). Sliding-window layers keep the whole KV (the window is a
-mask), so the state cache handles them like full layers.
+mask); the state cache stores only their last window (`statecache.codec.Layout.windowed`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from agentrt.statecache.codec import (
     row_bytes,
     unpack_into,
 )
-from agentrt.statecache.keys import BLOCK
 from agentrt.statecache.staging import PinnedRing
 from agentrt.statecache.store import Store
 
@@ -83,10 +82,10 @@ class BlobLoad:
             raise KeyError("payload missing")  # deleted (evicted) since the part table was read
 
     def tensors(self, layout: Layout, pos: int) -> list[torch.Tensor]:
-        """Views of the buffer: tail KV (k, v per attention layer), conv states, then recurrent
-        states, as the RAM tier holds a blob."""
-        tail_kv, conv, rec = blob_tensors(self.buffer, layout, pos % BLOCK)
-        return [t for pair in tail_kv for t in pair] + conv + rec
+        """Views of the buffer: tail KV (k, v per chunked attention layer), the window's KV (per
+        windowed one), conv states, then recurrent states."""
+        tail_kv, window, conv, rec = blob_tensors(self.buffer, layout, pos)
+        return [t for pair in tail_kv + window for t in pair] + conv + rec
 
     def release(self, device: torch.device) -> None:
         """Give the pinned region back, after the copies queued from it are done (a wait that

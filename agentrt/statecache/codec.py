@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import zstandard
 
-from agentrt.statecache.keys import FORMAT_VERSION
+from agentrt.statecache.keys import BLOCK, FORMAT_VERSION
 
 MAGIC = b"ART1"
 RAW_MAGIC = b"ARW1"  # stored uncompressed (see the module docstring)
@@ -49,7 +49,9 @@ class CorruptPayload(Exception):
 
 
 class Layout(msgspec.Struct, frozen=True):
-    """Shapes of one model's state (enough to decode any payload of it)."""
+    """Shapes of one model's state (enough to decode any payload of it). `windowed`: the
+    attention layers (indices among them) that see only the last `window` positions: their KV
+    is never in chunks, each record's blob holds their window instead."""
 
     num_attn: int
     kv_heads: int
@@ -59,19 +61,37 @@ class Layout(msgspec.Struct, frozen=True):
     conv_shape: tuple[int, int]
     conv_dtype: str
     rec_shape: tuple[int, int, int]
+    window: int = 0
+    windowed: tuple[int, ...] = ()
 
     def kv_row_bytes(self) -> int:
         """Bytes of one token's keys (or values) in one kv head."""
         return self.head_dim * _DTYPES[self.kv_dtype].itemsize
 
-    def kv_token_bytes(self) -> int:
-        return 2 * self.num_attn * self.kv_heads * self.kv_row_bytes()
+    @property
+    def chunked(self) -> tuple[int, ...]:
+        """The attention layers whose KV is stored in chunks (all but the windowed ones)."""
+        return tuple(i for i in range(self.num_attn) if i not in self.windowed)
 
-    def blob_bytes(self, tail: int) -> int:
-        """Raw size of a record blob whose partial block holds `tail` tokens."""
+    def kv_token_bytes(self) -> int:
+        """Bytes of one token's KV in a chunk (the chunked layers')."""
+        return 2 * len(self.chunked) * self.kv_heads * self.kv_row_bytes()
+
+    def window_tokens(self, pos: int) -> int:
+        """Positions of the windowed layers' KV a record after `pos` tokens holds."""
+        return min(self.window, pos) if self.windowed else 0
+
+    def blob_bytes(self, pos: int) -> int:
+        """Raw size of the blob of a record after `pos` tokens: the chunked layers' KV past the
+        last whole block, the windowed layers' window, the linear layers' states."""
         conv = self.conv_shape[0] * self.conv_shape[1] * _DTYPES[self.conv_dtype].itemsize
         rec = self.rec_shape[0] * self.rec_shape[1] * self.rec_shape[2] * 4
-        return tail * self.kv_token_bytes() + self.num_linear * (conv + rec)
+        window = 2 * len(self.windowed) * self.kv_heads * self.kv_row_bytes()
+        return (
+            (pos % BLOCK) * self.kv_token_bytes()
+            + self.window_tokens(pos) * window
+            + self.num_linear * (conv + rec)
+        )
 
 
 class Record(msgspec.Struct):
@@ -335,20 +355,22 @@ def _take(
     return piece.view(dt).view(*shape), offset + size
 
 
-def _kv(raw: torch.Tensor, offset: int, layout: Layout, tokens: int):
+def _kv(raw: torch.Tensor, offset: int, layout: Layout, tokens: int, layers: int):
     shape = (layout.kv_heads, tokens, layout.head_dim)
     out = []
-    for _ in range(layout.num_attn):
+    for _ in range(layers):
         k, offset = _take(raw, offset, shape, layout.kv_dtype)
         v, offset = _take(raw, offset, shape, layout.kv_dtype)
         out.append((k, v))
     return out, offset
 
 
-def blob_tensors(view: torch.Tensor, layout: Layout, tail: int):
-    """A record blob's raw bytes in a 1-D uint8 tensor -> views of them: (tail KV per attention
-    layer, conv and recurrent per linear layer)."""
-    kv, offset = _kv(view, 0, layout, tail)
+def blob_tensors(view: torch.Tensor, layout: Layout, pos: int):
+    """The raw bytes of a record's blob after `pos` tokens in a 1-D uint8 tensor -> views of
+    them: (KV past the last whole block per chunked attention layer, the window's KV per
+    windowed one, conv and recurrent per linear layer)."""
+    kv, offset = _kv(view, 0, layout, pos % BLOCK, len(layout.chunked))
+    window, offset = _kv(view, offset, layout, layout.window_tokens(pos), len(layout.windowed))
     conv, rec = [], []
     for _ in range(layout.num_linear):
         c, offset = _take(view, offset, layout.conv_shape, layout.conv_dtype)
@@ -358,4 +380,4 @@ def blob_tensors(view: torch.Tensor, layout: Layout, tail: int):
         rec.append(r)
     if offset != len(view):
         raise CorruptPayload("payload longer than its layout")
-    return kv, conv, rec
+    return kv, window, conv, rec

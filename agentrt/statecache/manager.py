@@ -37,6 +37,7 @@ from agentrt.statecache.codec import (
 )
 from agentrt.statecache.config import StateCacheConfig, restore_threads
 from agentrt.statecache.keys import BLOCK, PrefixKeys
+from agentrt.statecache.keys import fingerprint as model_fingerprint
 from agentrt.statecache.ram import RamTier
 from agentrt.statecache.restore import Restorer
 from agentrt.statecache.staging import PinnedRing
@@ -50,6 +51,8 @@ def layout_for(cfg: ModelConfig, dtype: torch.dtype) -> Layout:
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     conv_dim = 2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     rec = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    sliding = set(cfg.sliding_layers) if cfg.sliding_window else set()
+    windowed = tuple(i for i, layer in enumerate(cfg.attention_layers) if layer in sliding)
     return Layout(
         num_attn=len(cfg.attention_layers),
         kv_heads=cfg.num_kv_heads,
@@ -59,6 +62,8 @@ def layout_for(cfg: ModelConfig, dtype: torch.dtype) -> Layout:
         conv_shape=(conv_dim, cfg.linear_conv_kernel_dim - 1),
         conv_dtype=DTYPE_NAMES[dtype],
         rec_shape=rec,
+        window=cfg.sliding_window if windowed else 0,
+        windowed=windowed,
     )
 
 
@@ -77,10 +82,14 @@ class StateCache(Writer, Restorer):
     ) -> None:
         self.config = config
         self.fp = fingerprint
+        if layout.windowed:  # (records of the same model stored before windows: not theirs)
+            windows = {"model": fingerprint.hex(), "kv_window": [layout.window, *layout.windowed]}
+            self.fp = model_fingerprint(windows)
         self.label = label
         self.layout = layout
         self.boundaries = boundaries
-        self.block_edges = block_edges
+        # (bare chunks cannot restore windowed layers: their KV is only in records' blobs)
+        self.block_edges = block_edges and not layout.windowed
         self.device = device
         self.store = Store(config.state_dir, config.max_bytes)
         self.ram = RamTier(config.ram_bytes)

@@ -225,7 +225,7 @@ class Restorer:
         try:
             with self.store.parallel_reads():
                 if needs_blob:
-                    load = BlobLoad(read, self._ring, self.layout.blob_bytes(pos % BLOCK))
+                    load = BlobLoad(read, self._ring, self.layout.blob_bytes(pos))
                 # (one list of futures, which `_raise_first` clears: see there)
                 jobs = [self._pool.submit(fill, i, ck) for i, ck in enumerate(chunk_keys)]
                 jobs += [self._pool.submit(job) for job in (load.jobs() if load else [])]
@@ -279,21 +279,24 @@ class Restorer:
             data = scratch[: host.numel()]
             data.copy_(host, non_blocking=host.is_pinned())
         layout = self.layout
-        shape = (count, layout.num_attn * 2, layout.kv_heads, BLOCK, layout.head_dim)
+        shape = (count, len(layout.chunked) * 2, layout.kv_heads, BLOCK, layout.head_dim)
         chunks = data.view(kv_caches[0].k.dtype).view(shape).transpose(0, 2).unbind(1)
         lo, hi = first * BLOCK, (first + count) * BLOCK
         rows = (layout.kv_heads, count, BLOCK, layout.head_dim)
-        targets = [t[:, lo:hi].view(rows) for cache in kv_caches for t in (cache.k, cache.v)]
+        caches = [kv_caches[i] for i in layout.chunked]
+        targets = [t[:, lo:hi].view(rows) for cache in caches for t in (cache.k, cache.v)]
         torch._foreach_copy_(targets, list(chunks))
 
     def _fill_blob(self, kv_caches, linear, pos: int, blob: list[torch.Tensor], load) -> None:
         """Blob tensors into the caches; asynchronous copies when `load` holds them pinned (its
         `release` waits for them)."""
-        non_blocking = load.pinned
-        tail = pos % BLOCK
-        for i, cache in enumerate(kv_caches):
-            cache.k[:, pos - tail : pos].copy_(blob[2 * i], non_blocking=non_blocking)
-            cache.v[:, pos - tail : pos].copy_(blob[2 * i + 1], non_blocking=non_blocking)
+        non_blocking, layout = load.pinned, self.layout
+        spans = {i: pos % BLOCK for i in layout.chunked}  # (past the last whole block)
+        spans.update((i, layout.window_tokens(pos)) for i in layout.windowed)
+        for i, (index, span) in enumerate(spans.items()):  # (the blob's order)
+            cache = kv_caches[index]
+            cache.k[:, pos - span : pos].copy_(blob[2 * i], non_blocking=non_blocking)
+            cache.v[:, pos - span : pos].copy_(blob[2 * i + 1], non_blocking=non_blocking)
         states = blob[2 * len(kv_caches) :]
         for j, cache in enumerate(linear):
             cache.conv.copy_(states[j], non_blocking=non_blocking)

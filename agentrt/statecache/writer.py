@@ -29,7 +29,8 @@ class _Job:
     kind: str
     chunk_keys: list[bytes]
     lo: int  # first token held in `kv`
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # host copies of tokens [lo, pos)
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # host copies of tokens [lo, pos), chunked layers
+    window: list[tuple[torch.Tensor, torch.Tensor]]  # the windowed layers' last window's KV
     # host copies of the conv and recurrent states stacked over the layers ([] without any)
     stacked: list[torch.Tensor]
     event: torch.cuda.Event | None
@@ -111,7 +112,13 @@ class Writer:
             # the linear layers' states stacked on the device first: two copies to the host
             # instead of two per layer (each costs the request thread ~10 us to queue)
             stacked = [torch.stack(list(group)) for group in (conv, rec) if len(group)]
-            sources = [t for c in kv_caches for t in (c.k[:, lo:pos], c.v[:, lo:pos])] + stacked
+            layout, kv_caches = self.layout, list(kv_caches)
+            chunked = [kv_caches[i] for i in layout.chunked]
+            windowed = [kv_caches[i] for i in layout.windowed]
+            first = pos - layout.window_tokens(pos)
+            sources = [t for c in chunked for t in (c.k[:, lo:pos], c.v[:, lo:pos])]
+            sources += [t for c in windowed for t in (c.k[:, first:pos], c.v[:, first:pos])]
+            sources += stacked
             span = PinnedRing.span(sources)
             region = self._ring.alloc(span) if self._ring is not None else None
             if region is None:
@@ -126,9 +133,10 @@ class Writer:
             if region is not None:  # on the stream the copies were queued on (this device's)
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
-        n_kv = 2 * len(kv_caches)
+        n_kv, n_all = 2 * len(chunked), 2 * len(kv_caches)
         kv = list(zip(hosts[0:n_kv:2], hosts[1:n_kv:2], strict=True))
-        return _Job(key, pos, kind, chunk_keys, lo, kv, hosts[n_kv:], event, region)
+        window = list(zip(hosts[n_kv:n_all:2], hosts[n_kv + 1 : n_all : 2], strict=True))
+        return _Job(key, pos, kind, chunk_keys, lo, kv, window, hosts[n_all:], event, region)
 
     # ------------------------------------------------------------------ writer thread
 
@@ -165,6 +173,7 @@ class Writer:
             if job.region is not None:  # keep staged data only as long as needed
                 job.event.synchronize()
                 job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
+                job.window = [(k.clone(), v.clone()) for k, v in job.window]
                 # two copies, not two per layer (fewer GIL-held steps beside a request)
                 job.stacked = [t.clone() for t in job.stacked]
         finally:
@@ -177,7 +186,7 @@ class Writer:
         restore reads them as it reads LMDB's), then store them."""
         tail = job.pos % BLOCK
         tail_kv = [t[:, t.shape[1] - tail :] for pair in job.kv for t in pair]
-        blob = tail_kv + job.linear()
+        blob = tail_kv + [t for pair in job.window for t in pair] + job.linear()
         chunks, payloads = {}, {}
         for ck in self.store.missing_chunks(job.chunk_keys):
             tensors = self._chunk_from_job(job, job.chunk_keys.index(ck))
