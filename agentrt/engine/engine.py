@@ -154,6 +154,7 @@ class Engine:
     def _give_back_kv_room(self, state: SequenceState, num_tokens: int) -> None:
         give_back_kv_room(self.offload, state, num_tokens)
 
+    @torch.inference_mode()  # (as a request's steps: the same kind of tensors and graphs)
     def prepare_ahead(self, state: SequenceState, horizon: int | None = None) -> bool:
         """Between requests (the server when its queue is empty, an agent loop before running
         tools): KV with fewer than `horizon` (default: one prefill chunk) positions left past
@@ -167,8 +168,7 @@ class Engine:
             return False
         if self.decode_graph is not None:
             self.decode_graph.prepare(state)
-        if self.prefill_graphs is not None:
-            self.prefill_graphs.prepare(state)
+        self.prepare_prefill_graphs(state)
         self.synchronize()
         return True
 
