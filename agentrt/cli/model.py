@@ -50,15 +50,16 @@ def model() -> None:
 @click.option("--force", is_flag=True, help="Write into a non-empty directory.")
 def model_make(arch, size, out, seed, dtype, expert_format, force) -> None:
     """Write a seeded random-weight checkpoint with exact shapes (HF format)."""
-    from agentrt.models.registry import MXFP4_SIZES
+    from agentrt.models.registry import SYNTHETIC_PREFIX
     from agentrt.models.synthetic import resolve_size, write_checkpoint
     from agentrt.models.tiny import build_tiny
+    from agentrt.session.options import packed_experts
 
     name = resolve_size(size, arch)
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise click.UsageError(f"{out_dir} is not empty (use --force to write into it)")
-    mxfp4 = expert_format == "mxfp4" or (expert_format == "auto" and name in MXFP4_SIZES)
+    mxfp4 = packed_experts(expert_format, SYNTHETIC_PREFIX + name)  # (auto: as published)
     if mxfp4 and "gpt-oss" not in name:
         raise click.UsageError("--expert-format mxfp4 is for gpt-oss sizes")
     if name.startswith("tiny"):

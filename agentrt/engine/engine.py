@@ -148,12 +148,6 @@ class Engine:
                 f"{self.max_context} tokens"
             )
 
-    def _make_kv_room(self, state: SequenceState, num_tokens: int) -> None:
-        make_kv_room(self.offload, state, num_tokens)  # (under a budget: see `elastic`)
-
-    def _give_back_kv_room(self, state: SequenceState, num_tokens: int) -> None:
-        give_back_kv_room(self.offload, state, num_tokens)
-
     @torch.inference_mode()  # (as a request's steps: the same kind of tensors and graphs)
     def prepare_ahead(self, state: SequenceState, horizon: int | None = None) -> bool:
         """Between requests (the server when its queue is empty, an agent loop before running
@@ -224,7 +218,7 @@ class Engine:
             if done == len(token_ids):
                 return logits
             token_ids, start = token_ids[done:], state.num_tokens  # the rest runs eagerly
-        self._make_kv_room(state, start + len(token_ids))
+        make_kv_room(self.offload, state, start + len(token_ids))
         ids = self._tensor(token_ids)
         chunk, outputs = self.config.prefill_chunk, []
         for offset in range(0, len(token_ids), chunk):
@@ -365,7 +359,7 @@ class Engine:
         """Feed one token; return the next-token fp32 logits `[V]`."""
         self.check_fits(state.num_tokens + 1)
         self._check_ids([token_id])
-        self._make_kv_room(state, state.num_tokens + 1)
+        make_kv_room(self.offload, state, state.num_tokens + 1)
         if self.offload is not None and self.offload.cache.pending:
             self.offload.cache.refill()  # the experts a KV growth made room from, back in
         logits = None
@@ -398,8 +392,8 @@ class Engine:
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
         # (a much shorter context: sized for the prompt and every token it may generate)
-        self._give_back_kv_room(state, gen.prompt_tokens + params.max_tokens)
-        self._make_kv_room(state, gen.prompt_tokens)  # before a restore grows the KV
+        give_back_kv_room(self.offload, state, gen.prompt_tokens + params.max_tokens)
+        make_kv_room(self.offload, state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0
         start, gen.checkpoint = reuse.begin(state, prompt_ids)
