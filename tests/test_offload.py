@@ -713,13 +713,15 @@ for hidden, inter, n in ((200, 72, 3), (64, 32, 1), (130, 7, 5)):
     k.run(gu, dn, w, x, want)
     twice = want.clone()
     k.run(gu, dn, w, x, twice, accumulate=True)
-    for _ in range(20):
+    for call in range(21):
+        k.schedule((16, 1, 0)[call % 3])  # claimed chunks of 16 or 1 items, fixed shares
         out.fill_(float("nan"))
         k.start(gu, dn, w, x, out)
         assert k.finish() > 0 and torch.equal(out, want)
         k.start(gu, dn, w, x, out, accumulate=True)
         k.finish()
         assert torch.equal(out, twice)
+    k.schedule(16)
     print("ok")
 from agentrt.offload import calibrate as cal
 from agentrt.offload.store import ExpertStore
@@ -739,9 +741,10 @@ print("ok")
 @pytest.mark.slow
 def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     """The kernel's thread pool (graph decode's host steps: `start`, then `finish`) computes
-    what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads, fresh
-    and accumulated, call after call (in a subprocess: the first call fixes the pool's size);
-    calibration then measures the overlapped bandwidths through the pool."""
+    what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads (items
+    claimed in chunks of 16 or 1, or fixed shares), fresh and accumulated, call after call (in a
+    subprocess: the first call fixes the pool's size); calibration then measures the overlapped
+    bandwidths through the pool."""
     import subprocess
     import sys
 

@@ -69,6 +69,8 @@ class NativeExperts:
         self._rows.restype = None
         self._wait = lib.experts_wait
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
+        self._schedule = lib.experts_schedule
+        self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
         lib.experts_fast_path.restype = ctypes.c_int
         self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 compiled in
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -138,6 +140,13 @@ class NativeExperts:
             self._lock.release()
             raise
         self._posted(code)
+
+    def schedule(self, chunk: int) -> None:
+        """How the pool's threads divide later calls: claims of `chunk` items from a shared
+        counter (the default, 16), or fixed equal shares (0: a preempted thread then holds up
+        the rest; benchmarks compare the two)."""
+        with self._lock:
+            self._schedule(chunk)
 
     def _posted(self, code: int) -> None:
         """After a post: raise (releasing the call) where the pool could not take it."""

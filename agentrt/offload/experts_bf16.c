@@ -40,7 +40,7 @@ void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* 
     {
         for (int e = 0; e < n; e++) {
             const uint16_t* gu = gate_up[e];
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(dynamic, 16)
             for (int j = 0; j < 2 * inter; j++) h[j] = dot(gu + (int64_t)j * hidden, x, hidden);
             #pragma omp for schedule(static)
             for (int i = 0; i < inter; i++) {
@@ -48,7 +48,7 @@ void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* 
                 act[(int64_t)e * inter + i] = f2bf(g / (1.f + expf(-g)) * u);
             }
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 16)
         for (int r = 0; r < hidden; r++) {
             float s = accumulate ? out[r] : 0.f;
             for (int e = 0; e < n; e++) {
@@ -147,9 +147,11 @@ void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const in
    process would take libgomp over the core count, and then it cuts every team's spinning
    short): experts_start posts a call and returns, experts_wait waits for it and returns its
    seconds. The caller works meanwhile (the pool is one thread smaller than its cores). Each
-   thread computes its share of the (expert, row) activations (gate and up rows together, so no
-   scratch and one barrier), then its share of the output rows: the same arithmetic, in the same
-   order, as experts_bf16. Waits spin briefly (a host step is shorter than a sleep and wake-up),
+   thread claims chunks of the (expert, row) activations (gate and up rows together, so no
+   scratch and one barrier) from a shared counter, then chunks of the output rows: the same
+   arithmetic, in the same order, as experts_bf16, whichever thread computes an item. Claiming
+   (not fixed shares) keeps a thread that the OS preempts (the state-cache writer, other
+   processes) from holding up the barrier for the rest of its share. Waits spin briefly (a host step is shorter than a sleep and wake-up),
    then sleep on a condition variable. One call at a time (experts_start returns -2 otherwise). */
 typedef struct {
     const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
@@ -201,9 +203,21 @@ static void barrier(unsigned* sense, unsigned size) {
         await_value(&bar_sense, mine, 1);
     }
 }
-static void share(long total, int t, int size, long* lo, long* hi) {
-    *lo = total * t / size; *hi = total * (t + 1) / size;
+static long claimed[2];  /* atomic: items of each phase handed out so far */
+static int claim_chunk = 16;  /* items per claim; 0: fixed equal shares (the older split) */
+/* the next range [lo, hi) of a phase's `total` items for thread t, or 0 when none is left */
+static int claim(int phase, long total, int t, int size, int* turn, long* lo, long* hi) {
+    if (claim_chunk <= 0) {
+        if ((*turn)++) return 0;
+        *lo = total * t / size; *hi = total * (t + 1) / size;
+        return 1;
+    }
+    *lo = __atomic_fetch_add(&claimed[phase], claim_chunk, __ATOMIC_RELAXED);
+    *hi = *lo + claim_chunk < total ? *lo + claim_chunk : total;
+    return *lo < total;
 }
+/* items per claim of the pool's later calls (0: fixed shares; benchmarks compare the two) */
+void experts_schedule(int chunk) { claim_chunk = chunk; }
 static void* pool_thread(void* arg) {
     int t = (int)(intptr_t)arg;
     unsigned seen = 0, sense = 0;
@@ -213,24 +227,26 @@ static void* pool_thread(void* arg) {
         job_t j = job;
         int size = pool_size;
         long lo, hi;
-        share((long)j.n * j.inter, t, size, &lo, &hi);
-        for (long p = lo; p < hi; p++) {
-            int e = (int)(p / j.inter), i = (int)(p % j.inter);
-            const uint16_t* gu = j.gate_up[e];
-            float g = dot(gu + (int64_t)i * j.hidden, j.x, j.hidden);
-            float u = dot(gu + (int64_t)(j.inter + i) * j.hidden, j.x, j.hidden);
-            j.act[(int64_t)e * j.inter + i] = f2bf(g / (1.f + expf(-g)) * u);
-        }
-        barrier(&sense, size);
-        share(j.hidden, t, size, &lo, &hi);
-        for (long r = lo; r < hi; r++) {
-            float s = j.accumulate ? j.out[r] : 0.f;
-            for (int e = 0; e < j.n; e++) {
-                const uint16_t* row = j.down[e] + (int64_t)r * j.inter;
-                s += j.weights[e] * dot(row, j.act + (int64_t)e * j.inter, j.inter);
+        int turn = 0;
+        while (claim(0, (long)j.n * j.inter, t, size, &turn, &lo, &hi))
+            for (long p = lo; p < hi; p++) {
+                int e = (int)(p / j.inter), i = (int)(p % j.inter);
+                const uint16_t* gu = j.gate_up[e];
+                float g = dot(gu + (int64_t)i * j.hidden, j.x, j.hidden);
+                float u = dot(gu + (int64_t)(j.inter + i) * j.hidden, j.x, j.hidden);
+                j.act[(int64_t)e * j.inter + i] = f2bf(g / (1.f + expf(-g)) * u);
             }
-            j.out[r] = s;
-        }
+        barrier(&sense, size);
+        turn = 0;
+        while (claim(1, j.hidden, t, size, &turn, &lo, &hi))
+            for (long r = lo; r < hi; r++) {
+                float s = j.accumulate ? j.out[r] : 0.f;
+                for (int e = 0; e < j.n; e++) {
+                    const uint16_t* row = j.down[e] + (int64_t)r * j.inter;
+                    s += j.weights[e] * dot(row, j.act + (int64_t)e * j.inter, j.inter);
+                }
+                j.out[r] = s;
+            }
         if (__atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL) == 0) {
             seconds = now() - started_at;
             publish(&finished, seen);
@@ -266,6 +282,8 @@ int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* 
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
     job = j;
     started_at = now();
+    __atomic_store_n(&claimed[0], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&claimed[1], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&pending, pool_size, __ATOMIC_RELAXED);
     publish(&generation, generation + 1);
     return 0;

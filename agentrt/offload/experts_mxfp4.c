@@ -89,7 +89,7 @@ void experts_mxfp4(const uint8_t** rows, const float* weights, int n, const floa
     split_pairs(x, hidden, xe, xo);
     for (int e = 0; e < n; e++) {
         const uint8_t* row = rows[e];
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(dynamic, 16)
         for (int j = 0; j < 2 * inter; j++)
             h[j] = row_dot(row + (int64_t)j * hidden / 2, row + gu_codes + (int64_t)j * hg, xe,
                            xo, hg) + (gu_bias ? gu_bias[e][j] : 0.f);
@@ -105,7 +105,7 @@ void experts_mxfp4(const uint8_t** rows, const float* weights, int n, const floa
         }
         split_pairs(act, inter, ae + (int64_t)e * inter, ae + (int64_t)e * inter + inter / 2);
     }
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(dynamic, 16)
     for (int r = 0; r < hidden; r++) {
         float s = accumulate ? out[r] : 0.f;
         for (int e = 0; e < n; e++) {
