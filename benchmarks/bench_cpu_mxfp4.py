@@ -3,7 +3,8 @@ intermediate 2880, biases, clamped SwiGLU; 12.6 MiB per expert): agentrt's nativ
 (`agentrt/offload/cpu_mxfp4.py`) against dequantize-then-torch (what runs without it), cycling
 through 16 experts (202 MiB: beyond the caches), and prefill's rows call for 1, 4 and 16 rows of
 one expert. Prints JSON: ms per expert and GB/s of packed rows read per path, with the thread
-count (`OMP_NUM_THREADS` sets the native kernel's).
+count (`OMP_NUM_THREADS` sets the native kernel's), and the native kernel's largest difference
+from fp32 math on the dequantized weights (relative to the output's largest value).
 
     python benchmarks/bench_cpu_mxfp4.py
 """
@@ -65,6 +66,13 @@ def main() -> None:
         e = i % EXPERTS
         expert_ffn(x[None], gate_up[e], down[e], *store.expert_biases(0, e, "cpu"), act=store.act)
 
+    if kernel is not None:  # against fp32 math on the dequantized weights, relative to its max
+        want = expert_ffn(
+            x.float()[None], gate_up[1].float(), down[1].float(),
+            *(b.float() for b in store.expert_biases(0, 1, "cpu")), act=store.act,
+        )[0]  # fmt: skip
+        kernel.run_experts(0, [1], [1.0], x, out)
+        report["native_error"] = float(f"{((out - want).abs().max() / want.abs().max()):.2e}")
     s = _time(torch_path, 4)
     report["dequantize_then_torch"] = {
         "ms": round(s * 1e3, 2),

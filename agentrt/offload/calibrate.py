@@ -27,7 +27,9 @@ from agentrt.offload.store import ExpertStore
 # KMP_BLOCKTIME as the CLI sets them: `cputhreads`); on the same cores they would slow the
 # native kernel's pool down (on the H200 host, 4 GB/s instead of 50-70)
 SPIN_SETTLE_S = 0.25
-PROFILE_VERSION = 2  # 2: the overlapped pair measured as decode runs (the pool)
+# 2: the overlapped pair measured as decode runs (the pool); 3: the native kernels' work items
+# claimed, MXFP4 dot products in integers (profiles of older kernels understate the CPU)
+PROFILE_VERSION = 3
 
 
 @dataclass
