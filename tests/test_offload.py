@@ -1112,6 +1112,107 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     torch.testing.assert_close(out, exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, monkeypatch):
+    """A graph host step over packed MXFP4 experts: the token's experts that found no slot run
+    on packed rows' kernel (on its thread pool with `pooled`, while the host step prefetches
+    and fills the inputs), and the pinned buffer gets their weighted sum."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
+
+    routed, store = _packed_store(True)
+    kernel = mxfp4_kernel(store)
+    if kernel is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    monkeypatch.setattr(kernel, "pooled", pooled)
+    cache = ExpertCache(store, 3, "cpu", "lru")
+    routers = {layer: torch.randn(6, 64) for layer in store.layers}
+    experts = OffloadedExperts(
+        store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel, routers=routers
+    )
+    io = LayerIO(top_k=4, hidden=64, dtype=torch.float32, device="cpu")
+    rng = random.Random(0)
+    for step in range(12):
+        layer, ids = step % 2, rng.sample(range(6), 4)
+        w, x = torch.rand(4), torch.randn(64)
+        io.pred_h.copy_(torch.tensor(rng.sample(range(6), 4)))
+        io.ids_h.copy_(torch.tensor(ids))
+        io.w_h.copy_(w)
+        io.x_h.copy_(x)
+        experts._host_step(layer, io)
+        on_cpu = [j for j in range(4) if io.gw_h[j] == 0]
+        want = sum(
+            w[j] * expert_ffn(
+                x[None], routed.gate_up[layer][ids[j]], routed.down[layer][ids[j]],
+                *store.expert_biases(layer, ids[j], "cpu"), act=store.act,
+            )[0]
+            for j in on_cpu
+        )  # fmt: skip
+        if not on_cpu:
+            assert torch.count_nonzero(io.cpu_h) == 0
+            continue
+        scale = want.abs().max().item()
+        torch.testing.assert_close(io.cpu_h, want, rtol=1e-3, atol=1e-3 * scale)
+    assert experts.totals.cpu > 0 and not kernel.posted
+
+
+PACKED_POOL_CHECK = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])  # (the tests' folder)
+from test_offload import _packed_store
+from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+for biased in (False, True):
+    routed, store = _packed_store(biased)
+    k = mxfp4_kernel(store)
+    k.pool_threads = 3  # (the pool's size, fixed by its first call; may exceed the cores here)
+    for call in range(12):
+        k.schedule((16, 1, 0)[call % 3])  # claimed chunks of 16 or 1 items, fixed shares
+        ids = [(call + j) % 6 for j in range(1 + call % 4)]
+        w, x = [0.5, 0.3, 0.2, 0.7][: len(ids)], torch.randn(64)
+        want, out = torch.full((64,), 2.0), torch.full((64,), float("nan"))
+        k.run_experts(1, ids, w, x, want, accumulate=True)
+        k.start_experts(1, ids, w, x, out)
+        assert k.posted and k.finish() > 0 and not k.posted
+        k.start_experts(1, ids, w, x, out.fill_(2.0), accumulate=True)
+        k.finish()
+        assert torch.equal(out, want), (biased, call)
+from agentrt.offload import calibrate as cal
+k.pooled = True  # calibration overlaps copies with the pool, as graph decode's host steps do
+posts, start = [], k.start_experts
+k.start_experts = lambda *args: posts.append(1) or start(*args)
+p = cal.calibrate(store, torch.device("cpu"), count=8, kernel=k)
+assert p.copy_overlapped > 0 and p.cpu_overlapped > 0 and p.cpu > 0
+assert len(posts) == 4 + 8 + 8  # warm-up, B_H and B_H' all on the pool
+assert cal.profile_kernel(k) == "native-pool" and not k.posted
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_packed_mxfp4_kernel_pool_computes_the_same_bits_as_its_openmp_path():
+    """Packed rows' kernel on its thread pool (`start_experts`, then `finish`: graph decode's
+    host steps) computes what its OpenMP path (`run_experts`) does, bit for bit: 1-4 experts,
+    with and without biases, items claimed in chunks of 16 or 1, or fixed shares, accumulated
+    (in a subprocess: the first call fixes the pool's size); calibration then measures the
+    overlapped bandwidths through the pool."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+
+    if mxfp4_kernel(_packed_store(False)[1]) is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    proc = subprocess.run(
+        [sys.executable, "-c", PACKED_POOL_CHECK, str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok"]
+
+
 @pytest.mark.parametrize("name", ["split", "copy-only"])
 def test_packed_mxfp4_experts_offloaded_equal_dense(model_spec, name):
     """`packed_mxfp4`: the experts stay MXFP4 in the host store, the slots and the staging;

@@ -110,6 +110,19 @@ def _on_pool(kernel, gate_up, down, x, out) -> None:
             kernel.finish()
 
 
+def _packed_expert(kernel, layer: int, expert: int, x, out, post: bool = False) -> None:
+    """One expert through packed rows' kernel: on its pool where decode uses that (`pooled`;
+    with `post`, left running for the caller to `finish`), else on this thread."""
+    if not kernel.pooled:
+        kernel.run_experts(layer, [expert], [1.0], x, out)
+        return
+    try:
+        kernel.start_experts(layer, [expert], [1.0], x, out)
+    finally:
+        if kernel.posted and not post:
+            kernel.finish()
+
+
 def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
     """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`: on its thread pool
     where decode uses that, `pooled`) or torch's."""
@@ -118,7 +131,7 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
         out = torch.empty(store.hidden, dtype=torch.float32)
         t0 = time.perf_counter()
         for i in range(count):
-            kernel.run_experts(layer, [i % store.num_experts], [1.0], x[0], out)
+            _packed_expert(kernel, layer, i % store.num_experts, x[0], out)
         return count * store.expert_bytes / (time.perf_counter() - t0)
     _, gate_up, down = store.expert_views(layer)  # (packed: dequantized per expert)
     if kernel is not None:
@@ -172,7 +185,10 @@ def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kerne
         for i in range(count):
             e = i % n
             try:
-                kernel.start([gate_up[e]], [down[e]], [1.0], x, out)
+                if hasattr(kernel, "run_experts"):  # (packed rows' kernel)
+                    _packed_expert(kernel, layer, e, x, out, post=True)
+                else:
+                    kernel.start([gate_up[e]], [down[e]], [1.0], x, out)
                 t0 = time.perf_counter()
                 if on_cuda:
                     marks.append(_event_pair())

@@ -11,8 +11,9 @@ accumulation; a plain loop without that instruction set), SiLU(gate) * up in fp3
 bf16, then each output row's weighted sum over the experts of `down @ act`, added into the fp32
 output. It is more precise than torch's path, which rounds each product to bf16. Graph decode's
 host steps post the same computation to a pool of the library's own threads instead (`start`,
-`finish`: the host step works meanwhile), which gives the same bits; it is no second OpenMP
-team, which would take libgomp over the core count and cut every team's spinning short.
+`finish`: the host step works meanwhile; `threadpool.c`), which gives the same bits; it is no
+second OpenMP team, which would take libgomp over the core count and cut every team's spinning
+short.
 
 `native_experts()` returns None (callers keep torch's path) where there is no C compiler, the
 build fails or the library cannot load; it builds once per source and compiler flags into
@@ -45,12 +46,81 @@ from agentrt.host.cputhreads import usable_cores
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.offload.config import CPU_KERNELS
 
-SOURCE = (Path(__file__).parent / "experts_bf16.c").read_text()  # (package data)
+# (package data) the thread pool's source in front of the kernel's, which uses it
+POOL_SOURCE = (Path(__file__).parent / "threadpool.c").read_text()
+SOURCE = POOL_SOURCE + (Path(__file__).parent / "experts_bf16.c").read_text()
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 _P = ctypes.c_void_p
 
 
-class NativeExperts:
+class PoolCalls:
+    """Calls posted to a native kernel's thread pool (`threadpool.c`), shared by the kernels:
+    `_post` posts one under the kernel's lock and keeps its arguments alive, `finish` waits
+    for it and releases them. `pooled`: whether graph decode's host steps use the pool (4 or
+    more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`: one fewer than torch's (a core
+    for the caller)."""
+
+    def _init_pool(self, lib: ctypes.CDLL, prefix: str) -> None:
+        """Bind `{prefix}_wait` and `{prefix}_schedule` (the kernel binds its own start)."""
+        self._wait = getattr(lib, f"{prefix}_wait")
+        self._wait.argtypes, self._wait.restype = [], ctypes.c_double
+        self._schedule = getattr(lib, f"{prefix}_schedule")
+        self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
+        self._lock = threading.Lock()
+        self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
+        threads = min(torch.get_num_threads(), usable_cores())
+        self.pool_threads = max(1, threads - 1)  # (a core for the caller)
+        self.pooled = threads >= 4 and not switched_off("CPU_POOL")
+        os.register_at_fork(after_in_child=self._forget_calls)
+
+    def _post(self, start, make) -> None:
+        """Under the lock, `make()` -> (C arguments, what must stay alive), then
+        `start(*arguments, pool_threads)`; `finish` must follow. Raises OSError (and turns
+        `pooled` off) where the pool's threads cannot be made."""
+        self._lock.acquire()
+        try:
+            args, alive = make()
+            self._args = (args, alive, threading.get_ident())
+            code = start(*args, self.pool_threads)
+        except BaseException:  # (an interrupt may land once the call is posted)
+            self._wait()  # (returns at once when nothing was posted)
+            self._args = None
+            self._lock.release()
+            raise
+        if code != 0:
+            self._args = None
+            self._lock.release()
+            self.pooled = False
+            print("agentrt: the CPU kernel's threads could not start", file=sys.stderr)
+            raise OSError(f"native CPU expert kernel: no thread pool (code {code})")
+
+    def schedule(self, chunk: int) -> None:
+        """How the pool's threads divide later calls: claims of `chunk` items from a shared
+        counter (the default, 16), or fixed equal shares (0: a preempted thread then holds up
+        the rest; benchmarks compare the two)."""
+        with self._lock:
+            self._schedule(chunk)
+
+    @property
+    def posted(self) -> bool:
+        """Whether this thread has a call posted that `finish` has not waited for."""
+        return self._args is not None and self._args[-1] == threading.get_ident()
+
+    def finish(self) -> float:
+        """Wait for the posted call; returns its seconds (the pool's own clock)."""
+        try:
+            return self._wait()
+        finally:
+            self._args = None
+            self._lock.release()
+
+    def _forget_calls(self) -> None:
+        """In a forked child: no call of the parent's is running here."""
+        self._lock = threading.Lock()
+        self._args = None
+
+
+class NativeExperts(PoolCalls):
     """The built kernel, with scratch buffers per expert shape (shared by every caller of the
     process, so calls take turns). `run` computes in an OpenMP region on the calling thread
     (torch's team: prefill, CPU layers, calibration); `start` posts the same call to the
@@ -67,19 +137,10 @@ class NativeExperts:
         self._rows = lib.experts_rows_bf16
         self._rows.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int, _P]
         self._rows.restype = None
-        self._wait = lib.experts_wait
-        self._wait.argtypes, self._wait.restype = [], ctypes.c_double
-        self._schedule = lib.experts_schedule
-        self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
         lib.experts_fast_path.restype = ctypes.c_int
         self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 compiled in
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
-        threads = min(torch.get_num_threads(), usable_cores())
-        self.pool_threads = max(1, threads - 1)  # (a core for the caller)
-        self.pooled = threads >= 4 and not switched_off("CPU_POOL")
-        os.register_at_fork(after_in_child=self._forget_calls)
+        self._init_pool(lib, "experts")
 
     def run(
         self,
@@ -129,51 +190,12 @@ class NativeExperts:
         """Post the call `run` makes to the thread pool and return at once; `finish` must
         follow (until then the tensors must stay unchanged, and other callers wait). Raises
         OSError (and turns `pooled` off) where the pool's threads cannot be made."""
-        self._lock.acquire()
-        try:
+
+        def make() -> tuple[tuple, tuple]:
             args = self._args_of(gate_up, down, weights, x, out, accumulate)
-            self._args = (args, gate_up, down, x, out, threading.get_ident())
-            code = self._start(*args, self.pool_threads)
-        except BaseException:  # (an interrupt may land once the call is posted)
-            self._wait()  # (returns at once when nothing was posted)
-            self._args = None
-            self._lock.release()
-            raise
-        self._posted(code)
+            return args, (gate_up, down, x, out)
 
-    def schedule(self, chunk: int) -> None:
-        """How the pool's threads divide later calls: claims of `chunk` items from a shared
-        counter (the default, 16), or fixed equal shares (0: a preempted thread then holds up
-        the rest; benchmarks compare the two)."""
-        with self._lock:
-            self._schedule(chunk)
-
-    def _posted(self, code: int) -> None:
-        """After a post: raise (releasing the call) where the pool could not take it."""
-        if code != 0:
-            self._args = None
-            self._lock.release()
-            self.pooled = False
-            print("agentrt: the CPU kernel's threads could not start", file=sys.stderr)
-            raise OSError(f"native CPU expert kernel: no thread pool (code {code})")
-
-    @property
-    def posted(self) -> bool:
-        """Whether this thread has a call posted that `finish` has not waited for."""
-        return self._args is not None and self._args[-1] == threading.get_ident()
-
-    def finish(self) -> float:
-        """Wait for the posted call; returns its seconds (the pool's own clock)."""
-        try:
-            return self._wait()
-        finally:
-            self._args = None
-            self._lock.release()
-
-    def _forget_calls(self) -> None:
-        """In a forked child: no call of the parent's is running here."""
-        self._lock = threading.Lock()
-        self._args = None
+        self._post(self._start, make)
 
     def _args_of(self, gate_up, down, weights, x, out, accumulate: bool) -> tuple:
         """The C call's arguments up to the activations' scratch (of this shape)."""

@@ -11,31 +11,33 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from agentrt.models.moe import PLAIN
-from agentrt.offload.cpu_kernel import build_library, kernel_for
+from agentrt.offload.cpu_kernel import POOL_SOURCE, PoolCalls, build_library, kernel_for
 from agentrt.offload.store import ExpertStore
 
-SOURCE = (Path(__file__).parent / "experts_mxfp4.c").read_text()  # (package data)
+SOURCE = POOL_SOURCE + (Path(__file__).parent / "experts_mxfp4.c").read_text()  # (package data)
 _P = ctypes.c_void_p
 
 
-class PackedCPUExperts:
-    """The built kernel bound to one packed store (shapes, biases, activation). Calls run in
-    an OpenMP region on the calling thread and take turns (one scratch buffer)."""
-
-    pooled = False  # (no thread pool of its own: graph decode runs it on the host step's thread)
+class PackedCPUExperts(PoolCalls):
+    """The built kernel bound to one packed store (shapes, biases, activation). `run_experts`
+    and `run_rows` run in an OpenMP region on the calling thread; `start_experts` posts
+    `run_experts`'s call to the library's thread pool (graph decode's host steps, where
+    `pooled`) and `finish` waits for it, with the same bits. Calls take turns (one scratch
+    buffer)."""
 
     def __init__(self, lib: ctypes.CDLL, store: ExpertStore) -> None:
         self._fn = lib.experts_mxfp4
         self._fn.argtypes = [_P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, _P, _P]
         self._fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, _P]
         self._fn.restype = None
+        self._start = lib.experts_mxfp4_start
+        self._start.argtypes, self._start.restype = [*self._fn.argtypes, ctypes.c_int], ctypes.c_int
         self._rows = lib.experts_mxfp4_rows
         self._rows.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
         self._rows.argtypes += [_P, _P, ctypes.c_float, ctypes.c_float, _P]
@@ -44,7 +46,7 @@ class PackedCPUExperts:
         self._need.argtypes = [ctypes.c_int] * 4
         self._need.restype = ctypes.c_long
         self.store = store
-        self._lock = threading.Lock()
+        self._init_pool(lib, "experts_mxfp4")
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 copies per layer
 
@@ -52,16 +54,31 @@ class PackedCPUExperts:
                     accumulate: bool = False) -> None:  # fmt: skip
         """`out` (fp32 `[H]`, contiguous) = sum over `experts` of `layer` of weights[i] times
         the expert's output for `x` (`[H]`), plus `out` if `accumulate`."""
+        with self._lock:
+            args, alive = self._experts_args(layer, experts, weights, x, out, accumulate)
+            self._fn(*args)
+        del alive  # (the C arrays and the input the call read)
+
+    def start_experts(self, layer: int, experts, weights, x: torch.Tensor, out: torch.Tensor,
+                      accumulate: bool = False) -> None:  # fmt: skip
+        """Post `run_experts`'s call to the thread pool and return at once; `finish` must
+        follow (until then `out` must stay unchanged, and other callers wait). Raises OSError
+        (and turns `pooled` off) where the pool's threads cannot be made."""
+        self._post(
+            self._start, lambda: self._experts_args(layer, experts, weights, x, out, accumulate)
+        )
+
+    def _experts_args(self, layer, experts, weights, x, out, accumulate) -> tuple[tuple, tuple]:
+        """A decode call's C arguments (under the lock: the scratch is shared), and what must
+        stay alive while it runs."""
         s, n = self.store, len(experts)
         row_ptrs, gu, dn = self._pointers(layer, experts)
         x32 = x.reshape(-1).float().contiguous()
-        with self._lock:
-            scratch = self._scratch_for(self._need(n, s.hidden, s.inter, 0))
-            self._fn(
-                row_ptrs, (ctypes.c_float * n)(*weights), n, x32.data_ptr(), out.data_ptr(),
-                s.hidden, s.inter, gu, dn, s.act.limit, s.act.alpha, int(accumulate),
-                scratch.data_ptr(),
-            )  # fmt: skip
+        w = (ctypes.c_float * n)(*weights)
+        scratch = self._scratch_for(self._need(n, s.hidden, s.inter, 0))
+        args = (row_ptrs, w, n, x32.data_ptr(), out.data_ptr(), s.hidden, s.inter, gu, dn)
+        args += (s.act.limit, s.act.alpha, int(accumulate), scratch.data_ptr())
+        return args, (row_ptrs, gu, dn, x32, w, out, scratch)
 
     def run_rows(self, layer: int, experts, counts, x: torch.Tensor, scale, out) -> None:
         """Prefill's CPU experts: `x [R, H]` holds `counts[e]` consecutive rows for each of

@@ -1,10 +1,9 @@
-/* The native CPU expert kernel (see cpu_kernel.py, which builds and loads it). */
+/* The native CPU expert kernel for bf16 experts (see cpu_kernel.py, which builds and loads it
+   with threadpool.c in front). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
 #include <immintrin.h>
-#include <pthread.h>
-#include <time.h>
 
 static inline float bf2f(uint16_t v) {
     uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
@@ -143,151 +142,48 @@ void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const in
     }
 }
 
-/* The same on a pool of the library's own threads (not OpenMP: a second OpenMP team in the
-   process would take libgomp over the core count, and then it cuts every team's spinning
-   short): experts_start posts a call and returns, experts_wait waits for it and returns its
-   seconds. The caller works meanwhile (the pool is one thread smaller than its cores). Each
-   thread claims chunks of the (expert, row) activations (gate and up rows together, so no
-   scratch and one barrier) from a shared counter, then chunks of the output rows: the same
-   arithmetic, in the same order, as experts_bf16, whichever thread computes an item. Claiming
-   (not fixed shares) keeps a thread that the OS preempts (the state-cache writer, other
-   processes) from holding up the barrier for the rest of its share. Waits spin briefly (a host step is shorter than a sleep and wake-up),
-   then sleep on a condition variable. One call at a time (experts_start returns -2 otherwise). */
+/* The same on the pool of threadpool.c (built in front of this file): experts_start posts a
+   call and returns, experts_wait waits for it and returns its seconds. Phase 0: the (expert,
+   row) activations (gate and up rows together, so no scratch); phase 1: the output rows. The
+   same arithmetic, in the same order, as experts_bf16, whichever thread computes an item. */
 typedef struct {
     const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
     const uint16_t* x; float* out; int hidden, inter, accumulate; uint16_t* act;
 } job_t;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static job_t job;
-static int pool_size = 0;
-static unsigned generation = 0;  /* atomic: one more per posted call */
-static int pending = 0;     /* atomic: pool threads yet to finish the posted call */
-static unsigned finished = 0;  /* atomic: the generation of the last call done (`seconds`) */
-static int broken = 0;  /* the pool could not be made */
-static unsigned bar_count = 0, bar_sense = 0;  /* atomic: the barrier between the phases */
-static double started_at = 0.0, seconds = 0.0;
-
-static double now(void) {
-    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-static int holds(unsigned* addr, unsigned value, int equal) {
-    return (__atomic_load_n(addr, __ATOMIC_ACQUIRE) == value) == equal;
-}
-/* wait until (*addr == value) == equal: spin up to 2 ms, then sleep */
-static void await_value(unsigned* addr, unsigned value, int equal) {
-    double t0 = now();
-    for (int i = 1; !holds(addr, value, equal); i++) {
-        _mm_pause();
-        if ((i & 1023) == 0 && now() - t0 > 0.002) {
-            pthread_mutex_lock(&mu);
-            while (!holds(addr, value, equal)) pthread_cond_wait(&cv, &mu);
-            pthread_mutex_unlock(&mu);
-            return;
+static void job_items(const void* arg, int phase, long lo, long hi) {
+    const job_t* j = (const job_t*)arg;
+    if (phase == 0) {
+        for (long p = lo; p < hi; p++) {
+            int e = (int)(p / j->inter), i = (int)(p % j->inter);
+            const uint16_t* gu = j->gate_up[e];
+            float g = dot(gu + (int64_t)i * j->hidden, j->x, j->hidden);
+            float u = dot(gu + (int64_t)(j->inter + i) * j->hidden, j->x, j->hidden);
+            j->act[(int64_t)e * j->inter + i] = f2bf(g / (1.f + expf(-g)) * u);
         }
+        return;
     }
-}
-static void publish(unsigned* addr, unsigned value) {
-    __atomic_store_n(addr, value, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&mu);
-    pthread_cond_broadcast(&cv);
-    pthread_mutex_unlock(&mu);
-}
-static void barrier(unsigned* sense, unsigned size) {
-    unsigned mine = !*sense;
-    *sense = mine;
-    if (__atomic_add_fetch(&bar_count, 1, __ATOMIC_ACQ_REL) == size) {
-        __atomic_store_n(&bar_count, 0, __ATOMIC_RELAXED);
-        publish(&bar_sense, mine);
-    } else {
-        await_value(&bar_sense, mine, 1);
-    }
-}
-static long claimed[2];  /* atomic: items of each phase handed out so far */
-static int claim_chunk = 16;  /* items per claim; 0: fixed equal shares (the older split) */
-/* the next range [lo, hi) of a phase's `total` items for thread t, or 0 when none is left */
-static int claim(int phase, long total, int t, int size, int* turn, long* lo, long* hi) {
-    if (claim_chunk <= 0) {
-        if ((*turn)++) return 0;
-        *lo = total * t / size; *hi = total * (t + 1) / size;
-        return 1;
-    }
-    *lo = __atomic_fetch_add(&claimed[phase], claim_chunk, __ATOMIC_RELAXED);
-    *hi = *lo + claim_chunk < total ? *lo + claim_chunk : total;
-    return *lo < total;
-}
-/* items per claim of the pool's later calls (0: fixed shares; benchmarks compare the two) */
-void experts_schedule(int chunk) { claim_chunk = chunk; }
-static void* pool_thread(void* arg) {
-    int t = (int)(intptr_t)arg;
-    unsigned seen = 0, sense = 0;
-    for (;;) {
-        await_value(&generation, seen, 0);
-        seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
-        job_t j = job;
-        int size = pool_size;
-        long lo, hi;
-        int turn = 0;
-        while (claim(0, (long)j.n * j.inter, t, size, &turn, &lo, &hi))
-            for (long p = lo; p < hi; p++) {
-                int e = (int)(p / j.inter), i = (int)(p % j.inter);
-                const uint16_t* gu = j.gate_up[e];
-                float g = dot(gu + (int64_t)i * j.hidden, j.x, j.hidden);
-                float u = dot(gu + (int64_t)(j.inter + i) * j.hidden, j.x, j.hidden);
-                j.act[(int64_t)e * j.inter + i] = f2bf(g / (1.f + expf(-g)) * u);
-            }
-        barrier(&sense, size);
-        turn = 0;
-        while (claim(1, j.hidden, t, size, &turn, &lo, &hi))
-            for (long r = lo; r < hi; r++) {
-                float s = j.accumulate ? j.out[r] : 0.f;
-                for (int e = 0; e < j.n; e++) {
-                    const uint16_t* row = j.down[e] + (int64_t)r * j.inter;
-                    s += j.weights[e] * dot(row, j.act + (int64_t)e * j.inter, j.inter);
-                }
-                j.out[r] = s;
-            }
-        if (__atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL) == 0) {
-            seconds = now() - started_at;
-            publish(&finished, seen);
+    for (long r = lo; r < hi; r++) {
+        float s = j->accumulate ? j->out[r] : 0.f;
+        for (int e = 0; e < j->n; e++) {
+            const uint16_t* row = j->down[e] + (int64_t)r * j->inter;
+            s += j->weights[e] * dot(row, j->act + (int64_t)e * j->inter, j->inter);
         }
+        j->out[r] = s;
     }
-    return NULL;
-}
-static void forked_child(void) {  /* the pool does not survive a fork */
-    pool_size = 0; generation = 0; pending = 0; finished = 0; bar_count = 0; bar_sense = 0;
-    broken = 0;
-    pthread_mutex_init(&mu, NULL); pthread_cond_init(&cv, NULL);
-}
-static int start_pool(int threads) {
-    static int registered = 0;
-    if (!registered) { pthread_atfork(NULL, NULL, forked_child); registered = 1; }
-    pool_size = threads > 0 ? threads : 1;
-    for (int t = 0; t < pool_size; t++) {
-        pthread_t thread;
-        if (pthread_create(&thread, NULL, pool_thread, (void*)(intptr_t)t) != 0) {
-            pool_size = t;  /* the threads made so far wait for a call that never comes */
-            return -1;
-        }
-        pthread_detach(thread);
-    }
-    return 0;
 }
 /* threads: the pool's size, at its first call (later calls keep it) */
 int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
                   const uint16_t* x, float* out, int hidden, int inter, int accumulate,
                   uint16_t* act, int threads) {
-    if (!holds(&finished, generation, 1)) return -2;
-    if (broken || (pool_size == 0 && start_pool(threads) != 0)) { broken = 1; return -1; }
+    if (!pool_idle()) return -2;
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
     job = j;
-    started_at = now();
-    __atomic_store_n(&claimed[0], 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&claimed[1], 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&pending, pool_size, __ATOMIC_RELAXED);
-    publish(&generation, generation + 1);
-    return 0;
+    pool_task task = {job_items, &job, 2, {(long)n * inter, hidden}};
+    return pool_start(task, threads);
 }
+/* items per claim of the pool's later calls (0: fixed equal shares; benchmarks compare them) */
+void experts_schedule(int chunk) { pool_chunk = chunk; }
 /* whether the build has the AVX512-BF16 dot products (else a plain loop, slower than torch's) */
 int experts_fast_path(void) {
 #if defined(__AVX512BF16__)
@@ -297,7 +193,4 @@ int experts_fast_path(void) {
 #endif
 }
 /* returns at once when no call is posted */
-double experts_wait(void) {
-    await_value(&finished, generation, 1);
-    return seconds;
-}
+double experts_wait(void) { return pool_wait(); }

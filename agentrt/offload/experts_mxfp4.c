@@ -1,5 +1,5 @@
-/* The native CPU kernel for packed MXFP4 experts (see cpu_mxfp4.py, which builds and loads it;
-   row layout: mxfp4_rows.py). One expert row: gate_up's codes [2I, H/2] and exponents
+/* The native CPU kernel for packed MXFP4 experts (see cpu_mxfp4.py, which builds and loads it
+   with threadpool.c in front; row layout: mxfp4_rows.py). One expert row: gate_up's codes [2I, H/2] and exponents
    [2I, H/32], then down's codes [H, I/2] and exponents [H, I/32]; a code byte holds two E2M1
    values (low nibble first), each block of 32 values shares a power-of-two exponent (bias 127).
    Integer dot products: an input is quantized once per call to int16 per block of 32 (a scale
@@ -134,52 +134,106 @@ long experts_mxfp4_scratch(int n, int hidden, int inter, int rows) {
     return (long)rows * (h / 2 + h / 32 + i + i / 2 + i / 32);
 }
 
-/* out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * (down_e @ act_e + dn_bias[e]),
-   act_e = swiglu(gate_up_e @ x + gu_bias[e]): silu(g) * u, or with limit > 0 gpt-oss's
-   (u + 1) * g * sigmoid(alpha * g), g clamped above at limit and u to +-limit. Biases may be
-   NULL. scratch: experts_mxfp4_scratch(n, hidden, inter, 0) floats. One parallel region: every
-   expert's gate and up rows, their activations and quantization, then the output rows. */
+/* A decode call: out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * (down_e @ act_e +
+   dn_bias[e]), act_e = swiglu(gate_up_e @ x + gu_bias[e]): silu(g) * u, or with limit > 0
+   gpt-oss's (u + 1) * g * sigmoid(alpha * g), g clamped above at limit and u to +-limit.
+   Biases may be NULL. Its items in three phases: every expert's gate and up rows, then blocks
+   of 32 activations (computed and quantized), then the output rows; the OpenMP path
+   (experts_mxfp4) and the pool (experts_mxfp4_start) compute the same items alike. */
+typedef struct {
+    const uint8_t** rows; const float* weights; int n; float* out; int hidden, inter;
+    const float** gu_bias; const float** dn_bias; float limit, alpha; int accumulate;
+    float *xd, *h, *act, *ad; int16_t *xq, *aq;
+} decode_t;
+static decode_t posted;
+
+/* lay out scratch (experts_mxfp4_scratch(n, hidden, inter, 0) floats) and quantize x */
+static decode_t decode_job(const uint8_t** rows, const float* weights, int n, const float* x,
+                           float* out, int hidden, int inter, const float** gu_bias,
+                           const float** dn_bias, float limit, float alpha, int accumulate,
+                           float* scratch) {
+    tables();
+    decode_t j = {rows, weights, n, out, hidden, inter, gu_bias, dn_bias, limit, alpha,
+                  accumulate};
+    j.xd = scratch;
+    j.h = j.xd + hidden / 32;
+    j.act = j.h + (long)n * 2 * inter;
+    j.ad = j.act + (long)n * inter;
+    j.xq = (int16_t*)(j.ad + (long)n * (inter / 32));
+    j.aq = j.xq + hidden;
+    quantize(x, hidden / 32, j.xq, j.xd);
+    return j;
+}
+static void decode_items(const void* arg, int phase, long lo, long hi) {
+    const decode_t* j = (const decode_t*)arg;
+    int hidden = j->hidden, inter = j->inter, hg = hidden / 32, ig = inter / 32;
+    int64_t gu_codes = (int64_t)2 * inter * hidden / 2, gu_bytes = gu_codes + 2 * inter * hg;
+    int64_t dn_codes = (int64_t)hidden * inter / 2;
+    for (long p = lo; p < hi; p++) {
+        if (phase == 0) {  /* item: (expert, gate/up row) */
+            int e = (int)(p / (2 * inter)), r = (int)(p % (2 * inter));
+            const uint8_t* row = j->rows[e];
+            j->h[p] = row_dot(row + (int64_t)r * hidden / 2, row + gu_codes + (int64_t)r * hg,
+                              j->xq, j->xd, hg) + (j->gu_bias ? j->gu_bias[e][r] : 0.f);
+        } else if (phase == 1) {  /* item: (expert, block of 32 activations) */
+            long e = p / ig, i0 = (p % ig) * 32;
+            const float* h = j->h + e * 2 * inter;
+            float* a = j->act + e * inter + i0;
+            for (int k = 0; k < 32; k++)
+                a[k] = swiglu(h[i0 + k], h[inter + i0 + k], j->limit, j->alpha);
+            quantize(a, 1, j->aq + e * inter + i0, j->ad + p);
+        } else {  /* item: output row */
+            float s = j->accumulate ? j->out[p] : 0.f;
+            for (int e = 0; e < j->n; e++) {
+                const uint8_t* down = j->rows[e] + gu_bytes;
+                float y = row_dot(down + (int64_t)p * inter / 2, down + dn_codes + (int64_t)p * ig,
+                                  j->aq + (int64_t)e * inter, j->ad + (int64_t)e * ig, ig);
+                s += j->weights[e] * (y + (j->dn_bias ? j->dn_bias[e][p] : 0.f));
+            }
+            j->out[p] = s;
+        }
+    }
+}
+static void decode_counts(const decode_t* j, long* items) {
+    items[0] = (long)j->n * 2 * j->inter;
+    items[1] = (long)j->n * (j->inter / 32);
+    items[2] = j->hidden;
+}
+
+/* the decode call on the calling thread's OpenMP team */
 void experts_mxfp4(const uint8_t** rows, const float* weights, int n, const float* x,
                    float* out, int hidden, int inter, const float** gu_bias,
                    const float** dn_bias, float limit, float alpha, int accumulate,
                    float* scratch) {
-    tables();
-    int hg = hidden / 32, ig = inter / 32;
-    float *xd = scratch, *h = xd + hg, *act = h + (long)n * 2 * inter, *ad = act + (long)n * inter;
-    int16_t *xq = (int16_t*)(ad + (long)n * ig), *aq = xq + hidden;
-    int64_t gu_codes = (int64_t)2 * inter * hidden / 2, gu_bytes = gu_codes + 2 * inter * hg;
-    int64_t dn_codes = (int64_t)hidden * inter / 2;
-    long gate_rows = (long)n * 2 * inter, acts = (long)n * inter, blocks = (long)n * ig;
-    quantize(x, hg, xq, xd);
+    decode_t j = decode_job(rows, weights, n, x, out, hidden, inter, gu_bias, dn_bias, limit,
+                            alpha, accumulate, scratch);
+    long items[3];
+    decode_counts(&j, items);
     #pragma omp parallel
-    {
+    for (int phase = 0; phase < 3; phase++) {
         #pragma omp for schedule(dynamic, 16)
-        for (long p = 0; p < gate_rows; p++) {
-            int e = (int)(p / (2 * inter)), j = (int)(p % (2 * inter));
-            const uint8_t* row = rows[e];
-            h[p] = row_dot(row + (int64_t)j * hidden / 2, row + gu_codes + (int64_t)j * hg, xq,
-                           xd, hg) + (gu_bias ? gu_bias[e][j] : 0.f);
-        }
-        #pragma omp for schedule(static)
-        for (long p = 0; p < acts; p++) {
-            long e = p / inter, i = p % inter;
-            act[p] = swiglu(h[e * 2 * inter + i], h[e * 2 * inter + inter + i], limit, alpha);
-        }
-        #pragma omp for schedule(static)
-        for (long b = 0; b < blocks; b++) quantize(act + 32 * b, 1, aq + 32 * b, ad + b);
-        #pragma omp for schedule(dynamic, 16)
-        for (int r = 0; r < hidden; r++) {
-            float s = accumulate ? out[r] : 0.f;
-            for (int e = 0; e < n; e++) {
-                const uint8_t* down = rows[e] + gu_bytes;
-                float y = row_dot(down + (int64_t)r * inter / 2, down + dn_codes + (int64_t)r * ig,
-                                  aq + (int64_t)e * inter, ad + (int64_t)e * ig, ig);
-                s += weights[e] * (y + (dn_bias ? dn_bias[e][r] : 0.f));
-            }
-            out[r] = s;
-        }
+        for (long p = 0; p < items[phase]; p++) decode_items(&j, phase, p, p + 1);
     }
 }
+
+/* the same call posted to the pool of threadpool.c (built in front of this file); the arrays
+   and buffers must stay unchanged until experts_mxfp4_wait. threads: the pool's size, at its
+   first call. Returns 0, or -2 while a call runs, -1 where the pool cannot be made. */
+int experts_mxfp4_start(const uint8_t** rows, const float* weights, int n, const float* x,
+                        float* out, int hidden, int inter, const float** gu_bias,
+                        const float** dn_bias, float limit, float alpha, int accumulate,
+                        float* scratch, int threads) {
+    if (!pool_idle()) return -2;
+    posted = decode_job(rows, weights, n, x, out, hidden, inter, gu_bias, dn_bias, limit, alpha,
+                        accumulate, scratch);
+    pool_task task = {decode_items, &posted, 3, {0}};
+    decode_counts(&posted, task.items);
+    return pool_start(task, threads);
+}
+/* waits for the posted call (at once when none is) and returns its seconds */
+double experts_mxfp4_wait(void) { return pool_wait(); }
+/* items per claim of the pool's later calls (0: fixed equal shares) */
+void experts_mxfp4_schedule(int chunk) { pool_chunk = chunk; }
 
 /* Prefill: rows grouped by expert (rows starts[e] .. starts[e + 1] - 1 of x [R, hidden], fp32,
    for expert e), out[r] = w[r] * (expert_e(x[r]) + its down bias), fp32 [R, hidden]. Work

@@ -80,8 +80,9 @@ class CapturedDecode:
         w = io.w_np.tolist()
         prefetch = self.routers is not None and layer in self.next_layer
         running = False  # the native kernel's pool computes while this thread works on
+        kernel = self.cpu_kernel or self.packed_cpu
         try:
-            if cpu and self.cpu_kernel is not None and self.cpu_kernel.pooled:
+            if cpu and kernel is not None and kernel.pooled:
                 running = self._start_native(layer, io, ids, w, cpu)
             if prefetch:
                 own = self.cache.stats[layer].copied - copied_before
@@ -92,7 +93,6 @@ class CapturedDecode:
             self.totals.plan_seconds += time.perf_counter() - t_begin
         finally:  # (the kernel writes the buffer until it is waited for; an interrupt may
             # land between the post and `running`)
-            kernel = self.cpu_kernel
             seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
         self.totals.cpu += len(cpu)
         if running:
@@ -113,7 +113,12 @@ class CapturedDecode:
         into the pinned fp32 buffer); False where the pool could not start (then the kernel
         runs on this thread)."""
         try:
-            self.cpu_kernel.start(*self._native_args(layer, ids, w, cpu), io.x_h, io.cpu_h)
+            if self.packed_cpu is not None:
+                weight = dict(zip(ids, w, strict=True))
+                weights = [weight[e] for e in cpu]
+                self.packed_cpu.start_experts(layer, cpu, weights, io.x_h, io.cpu_h)
+            else:
+                self.cpu_kernel.start(*self._native_args(layer, ids, w, cpu), io.x_h, io.cpu_h)
         except OSError:
             return False
         return True

@@ -1,0 +1,142 @@
+/* A pool of the library's own threads for a decode token's CPU experts (built in front of each
+   native kernel's source: cpu_kernel.py, cpu_mxfp4.py). Not OpenMP: a second OpenMP team in
+   the process would take libgomp over the core count, and then it cuts every team's spinning
+   short. pool_start posts a task and returns, pool_wait waits for it and returns its seconds;
+   the caller works meanwhile (the pool is one thread smaller than its cores). A task is a
+   function over item ranges in up to 4 phases: the threads claim chunks of a phase's items
+   from a shared counter (a thread that the OS preempts, e.g. for the state-cache writer, holds
+   up no one for the rest of a fixed share), and wait for each other between phases. Waits spin
+   briefly (a host step is shorter than a sleep and wake-up), then sleep on a condition
+   variable. One task at a time (pool_start returns -2 otherwise, -1 where the threads cannot
+   be made). */
+#include <stdint.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <time.h>
+
+typedef void (*pool_fn)(const void* job, int phase, long lo, long hi);
+#define POOL_PHASES 4
+typedef struct {
+    pool_fn fn; const void* job; int phases; long items[POOL_PHASES];
+} pool_task;
+
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static pool_task pool_posted;
+static int pool_size = 0;
+static unsigned pool_generation = 0;  /* atomic: one more per posted task */
+static int pool_pending = 0;     /* atomic: pool threads yet to finish the posted task */
+static unsigned pool_finished = 0;  /* atomic: the generation of the last task done */
+static int pool_broken = 0;  /* the pool could not be made */
+static unsigned pool_bar_count = 0, pool_bar_sense = 0;  /* atomic: the barrier between phases */
+static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed out so far */
+static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
+static double pool_started_at = 0.0, pool_seconds = 0.0;
+
+static double pool_now(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+static int pool_holds(unsigned* addr, unsigned value, int equal) {
+    return (__atomic_load_n(addr, __ATOMIC_ACQUIRE) == value) == equal;
+}
+/* wait until (*addr == value) == equal: spin up to 2 ms, then sleep */
+static void pool_await(unsigned* addr, unsigned value, int equal) {
+    double t0 = pool_now();
+    for (int i = 1; !pool_holds(addr, value, equal); i++) {
+        _mm_pause();
+        if ((i & 1023) == 0 && pool_now() - t0 > 0.002) {
+            pthread_mutex_lock(&pool_mu);
+            while (!pool_holds(addr, value, equal)) pthread_cond_wait(&pool_cv, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+            return;
+        }
+    }
+}
+static void pool_publish(unsigned* addr, unsigned value) {
+    __atomic_store_n(addr, value, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool_mu);
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+}
+static void pool_barrier(unsigned* sense, unsigned size) {
+    unsigned mine = !*sense;
+    *sense = mine;
+    if (__atomic_add_fetch(&pool_bar_count, 1, __ATOMIC_ACQ_REL) == size) {
+        __atomic_store_n(&pool_bar_count, 0, __ATOMIC_RELAXED);
+        pool_publish(&pool_bar_sense, mine);
+    } else {
+        pool_await(&pool_bar_sense, mine, 1);
+    }
+}
+/* the next range [lo, hi) of a phase's `total` items for thread t, or 0 when none is left */
+static int pool_claim(int phase, long total, int t, int size, int* turn, long* lo, long* hi) {
+    if (pool_chunk <= 0) {
+        if ((*turn)++) return 0;
+        *lo = total * t / size; *hi = total * (t + 1) / size;
+        return 1;
+    }
+    *lo = __atomic_fetch_add(&pool_claimed[phase], pool_chunk, __ATOMIC_RELAXED);
+    *hi = *lo + pool_chunk < total ? *lo + pool_chunk : total;
+    return *lo < total;
+}
+static void* pool_thread(void* arg) {
+    int t = (int)(intptr_t)arg;
+    unsigned seen = 0, sense = 0;
+    for (;;) {
+        pool_await(&pool_generation, seen, 0);
+        seen = __atomic_load_n(&pool_generation, __ATOMIC_ACQUIRE);
+        pool_task task = pool_posted;
+        int size = pool_size;
+        for (int phase = 0; phase < task.phases; phase++) {
+            if (phase) pool_barrier(&sense, size);
+            long lo, hi;
+            int turn = 0;
+            while (pool_claim(phase, task.items[phase], t, size, &turn, &lo, &hi))
+                task.fn(task.job, phase, lo, hi);
+        }
+        if (__atomic_sub_fetch(&pool_pending, 1, __ATOMIC_ACQ_REL) == 0) {
+            pool_seconds = pool_now() - pool_started_at;
+            pool_publish(&pool_finished, seen);
+        }
+    }
+    return NULL;
+}
+static void pool_forked_child(void) {  /* the pool does not survive a fork */
+    pool_size = 0; pool_generation = 0; pool_pending = 0; pool_finished = 0;
+    pool_bar_count = 0; pool_bar_sense = 0; pool_broken = 0;
+    pthread_mutex_init(&pool_mu, NULL); pthread_cond_init(&pool_cv, NULL);
+}
+static int pool_make(int threads) {
+    static int registered = 0;
+    if (!registered) { pthread_atfork(NULL, NULL, pool_forked_child); registered = 1; }
+    pool_size = threads > 0 ? threads : 1;
+    for (int t = 0; t < pool_size; t++) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, pool_thread, (void*)(intptr_t)t) != 0) {
+            pool_size = t;  /* the threads made so far wait for a task that never comes */
+            return -1;
+        }
+        pthread_detach(thread);
+    }
+    return 0;
+}
+/* whether a task may be posted (none is running) */
+static int pool_idle(void) { return pool_holds(&pool_finished, pool_generation, 1); }
+/* post `task` (its job must stay unchanged until pool_wait); threads: the pool's size at its
+   first task (later tasks keep it) */
+static int pool_start(pool_task task, int threads) {
+    if (!pool_idle()) return -2;
+    if (pool_broken || (pool_size == 0 && pool_make(threads) != 0)) { pool_broken = 1; return -1; }
+    pool_posted = task;
+    pool_started_at = pool_now();
+    for (int phase = 0; phase < POOL_PHASES; phase++)
+        __atomic_store_n(&pool_claimed[phase], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool_pending, pool_size, __ATOMIC_RELAXED);
+    pool_publish(&pool_generation, pool_generation + 1);
+    return 0;
+}
+/* returns at once when no task is posted */
+static double pool_wait(void) {
+    pool_await(&pool_finished, pool_generation, 1);
+    return pool_seconds;
+}
