@@ -6,19 +6,24 @@
 # 8K tokens, and TTFT over the sample traces rendered in harmony (decode runs `none` too: every
 # expert resident, the bound's t_gpu; 61 GB of device memory for the 120b). Copy
 # ../shared/data/tokenizers/gpt-oss into .tok/ first (with the Qwen3 tokenizer beside it the
-# carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, decode, prefill, ttft.
+# carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, kernel (the packed CPU
+# kernel on its own: bench_cpu_mxfp4.py), decode, prefill, ttft.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
 M=${MODEL:-synthetic:gpt-oss-20b}
 F=${FORMAT:-mxfp4}
 TOK=.tok/gpt-oss
-STEPS=",${STEPS:-tests,decode,prefill,ttft},"
+STEPS=",${STEPS:-tests,kernel,decode,prefill,ttft},"
 has() { [[ "$STEPS" == *",$1,"* ]]; }
 if has tests; then
   timeout 300 python3 -m pytest -q -rs tests/test_gpu.py -k "gpt_oss or flash_sink or mxfp4" \
     > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log"
+fi
+if has kernel; then
+  timeout 120 python3 benchmarks/bench_cpu_mxfp4.py > "$OUT/cpu_mxfp4.json" 2>&1
+  tr -d ' \n' < "$OUT/cpu_mxfp4.json"; echo
 fi
 if has decode; then
   timeout "${DECODE_TIMEOUT:-400}" python3 -m agentrt.cli bench decode --model "$M" --device cuda \
