@@ -3,8 +3,9 @@ intermediate 2880, biases, clamped SwiGLU; 12.6 MiB per expert): agentrt's nativ
 (`agentrt/offload/cpu_mxfp4.py`) against dequantize-then-torch (what runs without it), cycling
 through 16 experts (202 MiB: beyond the caches), and prefill's rows call for 1, 4 and 16 rows of
 one expert. Prints JSON: ms per expert and GB/s of packed rows read per path, with the thread
-count (`OMP_NUM_THREADS` sets the native kernel's; its pool, graph decode's, has one fewer), and the native kernel's largest difference
-from fp32 math on the dequantized weights (relative to the output's largest value).
+count (`OMP_NUM_THREADS` sets the native kernel's; its pool, graph decode's, has one fewer),
+and the native kernel's largest difference from fp32 math on the dequantized weights (relative
+to the output's largest value).
 
     python benchmarks/bench_cpu_mxfp4.py
 """
@@ -58,6 +59,7 @@ def main() -> None:
     if kernel is not None:
         s = _time(lambda i: kernel.run_experts(0, [i % EXPERTS], [1.0], x, out), CALLS)
         report["native"] = {"ms": round(s * 1e3, 2), "gb_s": round(store.expert_bytes / s / 1e9, 2)}
+
         def pooled(i: int) -> None:
             kernel.start_experts(0, [i % EXPERTS], [1.0], x, out)
             kernel.finish()

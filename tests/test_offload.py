@@ -765,15 +765,15 @@ def test_offload_config_checks_the_cpu_kernel():
         OffloadConfig(mode="auto", cpu_kernel="fast")
 
 
-def test_the_cpu_kernel_auto_picks_native_where_the_cpu_has_bf16_dot_products():
-    """auto = native only with AVX512-BF16 (elsewhere the kernel's plain loop loses to torch);
-    torch, and any experts that are not bfloat16, use torch's kernels."""
-    from agentrt.offload.cpu_kernel import has_bf16_dot, kernel_for, kernel_name, native_experts
+def test_the_cpu_kernel_auto_picks_native_where_the_cpu_has_vector_dot_products():
+    """auto = native only with AVX512-BF16 or AVX2 with FMA (elsewhere the kernel's plain loop
+    loses to torch); torch, and any experts that are not bfloat16, use torch's kernels."""
+    from agentrt.offload.cpu_kernel import has_fast_dot, kernel_for, kernel_name, native_experts
 
     assert kernel_for("torch") is None and kernel_for("native", torch.float32) is None
     assert kernel_for("auto", torch.float32) is None
-    want = native_experts() if has_bf16_dot() else None
-    if want is not None and not want.fast_path:  # (a compiler without AVX512-BF16)
+    want = native_experts() if has_fast_dot() else None
+    if want is not None and not want.fast_path:  # (a compiler without those instructions)
         want = None
     assert kernel_for("auto") is want
     with pytest.raises(ValueError, match="cpu kernel"):

@@ -258,7 +258,8 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
 )
 @cpu_kernel_option(
     "With --offload: the CPU expert kernel of every setting, static's included (torch's, "
-    "agentrt's bf16 kernel built at first use, or auto: native where the CPU has AVX512-BF16)."
+    "agentrt's bf16 kernel built at first use, or auto: native where the CPU has AVX512-BF16 "
+    "or AVX2 with FMA)."
 )
 @_expert_format_option
 @click.option(

@@ -284,7 +284,8 @@ def offload_options() -> list:
         cpu_kernel_option(
             "A decode token's CPU experts: torch's kernels, agentrt's bf16 kernel (native, built "
             "with the system C compiler at first use; torch's without one), or auto: native "
-            "where the CPU has AVX512-BF16."
+            "where the CPU has AVX512-BF16 or AVX2 with FMA (nearly every x86-64 CPU since "
+            "2013)."
         ),
         click.option(
             "--prefill-plan",

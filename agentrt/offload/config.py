@@ -67,7 +67,7 @@ class OffloadConfig:
     prefetch: bool = True
     # a decode token's CPU experts: torch's kernels, the native bf16 kernel built at first use
     # (offload/cpu_kernel.py; falls back to torch's without a C compiler), or auto: native where
-    # the CPU has AVX512-BF16
+    # the CPU has AVX512-BF16 or AVX2 with FMA
     cpu_kernel: str = "auto"
     expert_cache_slots: int | None = None
     vram_budget: int | None = None  # bytes

@@ -4,23 +4,24 @@ compiler at first use and called through ctypes.
 
 torch's bf16 `F.linear` on one row reads the expert weights well below the memory bandwidth
 (`agentrt bench bw` on the H200 machine: 26-41 GB/s against a DRAM read of 88-94 GB/s; on the
-2-core dev machine 16-18 GB/s where this kernel reads 41-53 GB/s), and a decode token's experts
-are two matrix-vector products each. The kernel computes every CPU expert of a layer in one
-OpenMP region: rows of `gate_up @ x` with AVX512-BF16 dot products (`vdpbf16ps`, fp32
-accumulation; a plain loop without that instruction set), SiLU(gate) * up in fp32 rounded to
-bf16, then each output row's weighted sum over the experts of `down @ act`, added into the fp32
-output. It is more precise than torch's path, which rounds each product to bf16. Graph decode's
-host steps post the same computation to a pool of the library's own threads instead (`start`,
-`finish`: the host step works meanwhile; `threadpool.c`), which gives the same bits; it is no
-second OpenMP team, which would take libgomp over the core count and cut every team's spinning
-short.
+2-core AVX2 dev machine 15-17 GB/s where this kernel reads 23-25 GB/s), and a decode token's
+experts are two matrix-vector products each. The kernel computes every CPU expert of a layer in
+one OpenMP region: rows of `gate_up @ x` with AVX512-BF16 dot products (`vdpbf16ps`, fp32
+accumulation), or with AVX2 FMAs on the bf16 values widened to fp32 (each 32-bit lane's two
+halves by a shift and a mask), or a plain loop without either; SiLU(gate) * up in fp32 rounded
+to bf16, then each output row's weighted sum over the experts of `down @ act`, added into the
+fp32 output. It is more precise than torch's path, which rounds each product to bf16. Graph
+decode's host steps post the same computation to a pool of the library's own threads instead
+(`start`, `finish`: the host step works meanwhile; `threadpool.c`), which gives the same bits;
+it is no second OpenMP team, which would take libgomp over the core count and cut every team's
+spinning short.
 
 `native_experts()` returns None (callers keep torch's path) where there is no C compiler, the
 build fails or the library cannot load; it builds once per source and compiler flags into
 `home_dir()/kernels`. `kernel_for(name)` picks by `OffloadConfig.cpu_kernel`: "native", "torch",
-or "auto" (the default): native where the CPU has AVX512-BF16, torch's elsewhere (without that
-instruction set the kernel's plain loop is slower than torch's vectorised one). On the H200
-machine the kernel read expert weights at 55-75 GB/s against torch's 22-35 (16 cores).
+or "auto" (the default): native where the CPU has AVX512-BF16 or AVX2 with FMA, torch's
+elsewhere (the plain loop is slower than torch's vectorised one). On the H200 machine the
+kernel read expert weights at 55-75 GB/s against torch's 22-35 (16 cores).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class NativeExperts(PoolCalls):
         self._rows.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int, _P]
         self._rows.restype = None
         lib.experts_fast_path.restype = ctypes.c_int
-        self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 compiled in
+        self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 or AVX2 dots compiled in
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._init_pool(lib, "experts")
 
@@ -257,14 +258,15 @@ def build_library(name: str, source: str) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def has_bf16_dot() -> bool:
-    """Whether this CPU has AVX512-BF16 (`vdpbf16ps`, the kernel's fast path)."""
+def has_fast_dot() -> bool:
+    """Whether this CPU has the kernel's vector dot products: AVX512-BF16 (`vdpbf16ps`), or
+    AVX2 with FMA."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return False
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return "avx512_bf16" in flags.split()
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
 def kernel_for(
@@ -274,14 +276,14 @@ def kernel_for(
     `dtype`: the native kernel (built on first use), or None for torch's kernels (also where
     the kernel cannot be built, or for experts that are not bfloat16; with `strict`, an
     explicit "native" raises there instead). auto takes the native kernel only where both the
-    CPU and the build have AVX512-BF16."""
+    CPU and the build have its vector dot products (`has_fast_dot`, `fast_path`)."""
     if name not in CPU_KERNELS:
         raise ValueError(f"cpu kernel must be one of {', '.join(CPU_KERNELS)}, got {name!r}")
     if strict and name == "native" and dtype != torch.bfloat16:
         raise AgentrtError("the native CPU expert kernel takes bfloat16 experts")
     if name == "torch" or dtype != torch.bfloat16:
         return None
-    if name == "auto" and not has_bf16_dot():
+    if name == "auto" and not has_fast_dot():
         return None
     kernel = native_experts()
     if strict and kernel is None:

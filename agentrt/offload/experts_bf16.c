@@ -12,6 +12,25 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even */
     uint32_t u; memcpy(&u, &f, 4); u += 0x7FFF + ((u >> 16) & 1); return (uint16_t)(u >> 16);
 }
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#define AVX2_DOT 1
+/* acc += the products of 16 bf16 weights and inputs (8 lanes; each 32-bit lane holds two
+   bf16 values: the low one becomes fp32 by a shift, the high one by a mask, no shuffles) */
+static inline __m256 fma16(const uint16_t* w, const uint16_t* x, __m256 acc) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i wv = _mm256_loadu_si256((const __m256i*)w), xv = _mm256_loadu_si256((const __m256i*)x);
+    acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), acc);
+    return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wv, high)),
+                           _mm256_castsi256_ps(_mm256_and_si256(xv, high)), acc);
+}
+static inline float sum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_hadd_ps(r, r);
+    return _mm_cvtss_f32(_mm_hadd_ps(r, r));
+}
+#endif
+
 static float dot(const uint16_t* w, const uint16_t* x, int n) {
     float s = 0.f;
     int k = 0;
@@ -24,6 +43,13 @@ static float dot(const uint16_t* w, const uint16_t* x, int n) {
                                 (__m512bh)_mm512_loadu_si512(x + k + 32));
     }
     s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(AVX2_DOT)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; k + 32 <= n; k += 32) {
+        acc0 = fma16(w + k, x + k, acc0);
+        acc1 = fma16(w + k + 16, x + k + 16, acc1);
+    }
+    s = sum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; k < n; k++) s += bf2f(w[k]) * bf2f(x[k]);
     return s;
@@ -78,6 +104,15 @@ static inline __attribute__((always_inline)) void dot_m(const uint16_t* w, const
         }
     }
     for (int q = 0; q < M; q++) t[q] = _mm512_reduce_add_ps(_mm512_add_ps(a[q][0], a[q][1]));
+#elif defined(AVX2_DOT)
+    __m256 a[4][2];
+    for (int q = 0; q < M; q++) { a[q][0] = _mm256_setzero_ps(); a[q][1] = _mm256_setzero_ps(); }
+    for (; k + 32 <= n; k += 32)
+        for (int q = 0; q < M; q++) {
+            a[q][0] = fma16(w + k, x + q * ld + k, a[q][0]);
+            a[q][1] = fma16(w + k + 16, x + q * ld + k + 16, a[q][1]);
+        }
+    for (int q = 0; q < M; q++) t[q] = sum8(_mm256_add_ps(a[q][0], a[q][1]));
 #endif
     for (int q = 0; q < M; q++) {
         float v = t[q];
@@ -184,9 +219,10 @@ int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* 
 }
 /* items per claim of the pool's later calls (0: fixed equal shares; benchmarks compare them) */
 void experts_schedule(int chunk) { pool_chunk = chunk; }
-/* whether the build has the AVX512-BF16 dot products (else a plain loop, slower than torch's) */
+/* whether the build has vector dot products (AVX512-BF16, or AVX2 with FMA), else a plain
+   loop, slower than torch's */
 int experts_fast_path(void) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(AVX2_DOT)
     return 1;
 #else
     return 0;
