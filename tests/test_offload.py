@@ -655,14 +655,42 @@ def test_native_cpu_kernel_matches_the_fp32_experts():
     assert torch.equal(again, out)
 
 
+def _graph_host_steps(store, kernel, prefetch: bool):
+    """`OffloadedExperts` over `store` with 3 CPU slots and `kernel`, its cache, and twelve graph
+    host steps of 4 random experts a token, alternating layers (prefetching with routers), each
+    yielding (layer, ids, weights, x, its LayerIO) once run."""
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
+
+    n, hidden = store.num_experts, store.hidden
+    cache = ExpertCache(store, 3, "cpu", "lru")
+    routers = {layer: torch.randn(n, hidden) for layer in store.layers} if prefetch else None
+    experts = OffloadedExperts(
+        store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel, routers=routers
+    )
+    io = LayerIO(top_k=4, hidden=hidden, dtype=store.dtype, device="cpu")
+
+    def steps():
+        rng = random.Random(0)
+        for step in range(12):
+            layer, ids = step % 2, rng.sample(range(n), 4)
+            w, x = torch.rand(4), torch.randn(hidden).to(store.dtype)
+            io.pred_h.copy_(torch.tensor(rng.sample(range(n), 4)))
+            io.ids_h.copy_(torch.tensor(ids))
+            io.w_h.copy_(w)
+            io.x_h.copy_(x)
+            experts._host_step(layer, io)
+            yield layer, ids, w, x, io
+
+    return experts, cache, steps()
+
+
 @pytest.mark.parametrize("prefetch,pooled", [(False, False), (True, False), (True, True)])
 def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled, monkeypatch):
     """A graph host step whose CPU experts go through the native kernel (bf16 store): device
     slots plus the kernel's sum give the token's weighted expert sum. `pooled`: the kernel runs
     on its thread pool while the host step prefetches into other slots and fills the inputs."""
     from agentrt.models.moe import expert_ffn
-    from agentrt.offload.experts import Bandwidths, OffloadedExperts
-    from agentrt.offload.host_step import LayerIO
 
     kernel = _native_or_skip()
     monkeypatch.setattr(kernel, "pooled", pooled)
@@ -670,21 +698,9 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled,
     store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
     for layer in store.layers:
         store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
-    cache = ExpertCache(store, 3, "cpu", "lru")
-    routers = {layer: torch.randn(8, 64) for layer in store.layers} if prefetch else None
-    experts = OffloadedExperts(
-        store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel, routers=routers
-    )
-    io = LayerIO(top_k=4, hidden=64, dtype=torch.bfloat16, device="cpu")
-    rng = random.Random(0)
-    for step in range(12):
-        layer, ids = step % 2, rng.sample(range(8), 4)
-        w, x = torch.rand(4), torch.randn(1, 64).to(torch.bfloat16)
-        io.pred_h.copy_(torch.tensor(rng.sample(range(8), 4)))
-        io.ids_h.copy_(torch.tensor(ids))
-        io.w_h.copy_(w)
-        io.x_h.copy_(x[0])
-        experts._host_step(layer, io)
+    experts, cache, steps = _graph_host_steps(store, kernel, prefetch)
+    for layer, ids, w, x, io in steps:
+        x = x[None]
         slots = io.slot_h.tolist()
         on_device = sum(
             io.gw_h[j] * expert_ffn(x.float(), cache.gate_up(s).float(), cache.down(s).float())[0]
@@ -723,13 +739,17 @@ for hidden, inter, n in ((200, 72, 3), (64, 32, 1), (130, 7, 5)):
         assert torch.equal(out, twice)
     k.schedule(16)
     print("ok")
-from agentrt.offload import calibrate as cal
 from agentrt.offload.store import ExpertStore
 store = ExpertStore(range(1), 4, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
+POST = "start"
+"""
+# (after a pool check: `k` a kernel, `store` its experts, POST the name of its posting method)
+POOL_CALIBRATION = """
+from agentrt.offload import calibrate as cal
 k.pooled = True  # calibration overlaps copies with the pool, as graph decode's host steps do
 cal._time_threaded_overlap = None  # (the helper-thread arrangement must not run)
-posts, start = [], k.start
-k.start = lambda *args: posts.append(1) or start(*args)
+posts, start = [], getattr(k, POST)
+setattr(k, POST, lambda *args: posts.append(1) or start(*args))
 p = cal.calibrate(store, torch.device("cpu"), count=8, kernel=k)
 assert p.copy_overlapped > 0 and p.cpu_overlapped > 0 and p.cpu > 0
 assert len(posts) == 4 + 8 + 8  # warm-up, B_H and B_H' all on the pool
@@ -750,8 +770,9 @@ def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
 
     _native_or_skip()
     proc = subprocess.run(
-        [sys.executable, "-c", POOL_CHECK], capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", POOL_CHECK + POOL_CALIBRATION],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["ok"] * 4
 
@@ -1119,29 +1140,14 @@ def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, monkeypatch):
     and fills the inputs), and the pinned buffer gets their weighted sum."""
     from agentrt.models.moe import expert_ffn
     from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
-    from agentrt.offload.experts import Bandwidths, OffloadedExperts
-    from agentrt.offload.host_step import LayerIO
 
     routed, store = _packed_store(True)
     kernel = mxfp4_kernel(store)
     if kernel is None:
         pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
     monkeypatch.setattr(kernel, "pooled", pooled)
-    cache = ExpertCache(store, 3, "cpu", "lru")
-    routers = {layer: torch.randn(6, 64) for layer in store.layers}
-    experts = OffloadedExperts(
-        store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel, routers=routers
-    )
-    io = LayerIO(top_k=4, hidden=64, dtype=torch.float32, device="cpu")
-    rng = random.Random(0)
-    for step in range(12):
-        layer, ids = step % 2, rng.sample(range(6), 4)
-        w, x = torch.rand(4), torch.randn(64)
-        io.pred_h.copy_(torch.tensor(rng.sample(range(6), 4)))
-        io.ids_h.copy_(torch.tensor(ids))
-        io.w_h.copy_(w)
-        io.x_h.copy_(x)
-        experts._host_step(layer, io)
+    experts, _, steps = _graph_host_steps(store, kernel, True)
+    for layer, ids, w, x, io in steps:
         on_cpu = [j for j in range(4) if io.gw_h[j] == 0]
         want = sum(
             w[j] * expert_ffn(
@@ -1178,15 +1184,8 @@ for biased in (False, True):
         k.start_experts(1, ids, w, x, out.fill_(2.0), accumulate=True)
         k.finish()
         assert torch.equal(out, want), (biased, call)
-from agentrt.offload import calibrate as cal
-k.pooled = True  # calibration overlaps copies with the pool, as graph decode's host steps do
-posts, start = [], k.start_experts
-k.start_experts = lambda *args: posts.append(1) or start(*args)
-p = cal.calibrate(store, torch.device("cpu"), count=8, kernel=k)
-assert p.copy_overlapped > 0 and p.cpu_overlapped > 0 and p.cpu > 0
-assert len(posts) == 4 + 8 + 8  # warm-up, B_H and B_H' all on the pool
-assert cal.profile_kernel(k) == "native-pool" and not k.posted
 print("ok")
+POST = "start_experts"
 """
 
 
@@ -1206,11 +1205,11 @@ def test_packed_mxfp4_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     if mxfp4_kernel(_packed_store(False)[1]) is None:
         pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
     proc = subprocess.run(
-        [sys.executable, "-c", PACKED_POOL_CHECK, str(Path(__file__).parent)],
+        [sys.executable, "-c", PACKED_POOL_CHECK + POOL_CALIBRATION, str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["ok"]
+    assert proc.stdout.split() == ["ok"] * 2
 
 
 @pytest.mark.parametrize("name", ["split", "copy-only"])
