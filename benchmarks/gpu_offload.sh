@@ -8,7 +8,8 @@
 # .tok/), then run with carry .whl .tok. Writes into $OUT: summary.log (tests, costs, bw, the
 # tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 / NOSPIN=0 skip the
 # calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
-# PROBES=0 skips host_step_costs.py, bench_cpu_kernel.py and bench_pool_contention.py; MODEL and TOK pick another model
+# PROBES=0 skips host_step_costs.py, bench_cpu_kernel.py, bench_pool_contention.py and
+# writer_load.py; MODEL and TOK pick another model
 # and tokenizer directory (e.g. MODEL=synthetic:gpt-oss-20b TOK=.tok/gpt-oss, after
 # `cp -r ../shared/data/tokenizers/gpt-oss .tok/`);
 # OFFLOADS, POLICIES, PREFETCH (comma lists), TOKENS, REPEAT (rounds) shape the decode benchmark, and
@@ -29,6 +30,7 @@ if [ "${PROBES:-1}" = 1 ]; then
   python3 benchmarks/host_step_costs.py 2>&1 | tee -a "$LOG"
   python3 benchmarks/bench_cpu_kernel.py 2>&1 | tee -a "$LOG"
   python3 benchmarks/bench_pool_contention.py 2>&1 | tee -a "$LOG"
+  python3 benchmarks/writer_load.py 8192 1,2,4 3 2>&1 | tee -a "$LOG"
 fi
 for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
   echo "=== cpu kernel $K ($(left) s left)" | tee -a "$LOG"
