@@ -1081,7 +1081,7 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     experts (with biases and the clamped SwiGLU, and accumulating) equals its plain-torch
     reference (torch's experts on the dequantized weights, inputs and activations quantized as
     the kernel does), and the unquantized experts within the int16 quantization's error; so
-    does prefill's rows call."""
+    does prefill's rows call. Non-finite inputs give NaN outputs."""
     from agentrt.models.moe import expert_ffn
     from agentrt.offload.cpu_mxfp4 import mxfp4_kernel, reference_ffn
 
@@ -1131,6 +1131,13 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
     exact = looped_ffn(xs, gate_up, down, [3, 1, 5], scale, biases, store.act)
     torch.testing.assert_close(out, exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
+    # a NaN or an infinity in a row's input makes that row's output NaN, as fp32 math would,
+    # never finite values (the integer quantization must not swallow it)
+    xs[4, 7], xs[0, 3] = float("nan"), float("inf")
+    kernel.run_rows(1, experts, [counts.get(e, 0) for e in range(6)], xs, scale, out)
+    assert out[[0, 4]].isnan().all() and not out[[1, 2, 3, 5, 6, 7, 8]].isnan().any()
+    kernel.run_experts(1, ids, w, xs[4], out[0])
+    assert out[0].isnan().all()
 
 
 @pytest.mark.parametrize("pooled", [False, True])

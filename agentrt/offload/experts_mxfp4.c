@@ -24,14 +24,21 @@ static void tables(void) {
 static const int8_t FP4X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* x [32 * groups] -> q (per block: 16 even positions, then 16 odd ones) and d (the block's
-   scale: q * d ~ x); an all-zero block gets scale 0 */
+   scale: q * d ~ x); an all-zero block gets scale 0, a block with a NaN or an infinity scale
+   NaN (q 0), so the outputs it reaches are NaN as in fp32 math */
+static const float ZERO32[32];
 static void quantize(const float* x, int groups, int16_t* q, float* d) {
     for (int g = 0; g < groups; g++) {
         const float* b = x + 32 * g;
         float amax = 0.f;
-        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(b[k]));
+        int finite = 1;
+        for (int k = 0; k < 32; k++) {
+            amax = fmaxf(amax, fabsf(b[k]));
+            finite &= isfinite(b[k]) != 0;
+        }
         float scale = amax / 32767.f, inv = scale > 0.f ? 1.f / scale : 0.f;
-        d[g] = scale;
+        d[g] = finite ? scale : NAN;
+        if (!finite) inv = 0.f, b = ZERO32;  /* (a NaN must not reach the integer conversion) */
         for (int k = 0; k < 16; k++) {
             q[32 * g + k] = (int16_t)rintf(b[2 * k] * inv);
             q[32 * g + 16 + k] = (int16_t)rintf(b[2 * k + 1] * inv);
@@ -119,9 +126,9 @@ static void dot_rows(const uint8_t* codes, const uint8_t* scales, const int16_t*
 }
 
 static float swiglu(float g, float u, float limit, float alpha) {
-    if (limit > 0.f) {
-        g = fminf(g, limit);
-        u = fmaxf(fminf(u, limit), -limit);
+    if (limit > 0.f) {  /* (comparisons, not fminf / fmaxf: a NaN stays NaN, as in torch) */
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
         return (u + 1.f) * g / (1.f + expf(-alpha * g));
     }
     return g / (1.f + expf(-g)) * u;
