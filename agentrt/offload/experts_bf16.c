@@ -8,8 +8,10 @@
 static inline float bf2f(uint16_t v) {
     uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f;
 }
-static inline uint16_t f2bf(float f) {  /* round to nearest even */
-    uint32_t u; memcpy(&u, &f, 4); u += 0x7FFF + ((u >> 16) & 1); return (uint16_t)(u >> 16);
+static inline uint16_t f2bf(float f) {  /* round to nearest even; a NaN stays a (quiet) NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFF + ((u >> 16) & 1); return (uint16_t)(u >> 16);
 }
 
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
