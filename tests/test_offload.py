@@ -1138,6 +1138,13 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     assert out[[0, 4]].isnan().all() and not out[[1, 2, 3, 5, 6, 7, 8]].isnan().any()
     kernel.run_experts(1, ids, w, xs[4], out[0])
     assert out[0].isnan().all()
+    # a block too small for its scale (below ~3.9e-34) counts as zero, here as in the reference
+    x = torch.randn(64)
+    x[:32] *= 1e-36
+    kernel.run_experts(1, ids, w, x, out[0])
+    torch.testing.assert_close(out[0], summed(reference_ffn, x, ids, w), **tol)
+    # every kernel bound to this library (one pool, one posted call in C) takes turns by one lock
+    assert mxfp4_kernel(_packed_store(False)[1])._lock is kernel._lock
 
 
 @pytest.mark.parametrize("pooled", [False, True])

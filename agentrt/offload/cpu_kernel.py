@@ -54,43 +54,68 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 _P = ctypes.c_void_p
 
 
+class _Guard:
+    """One per native library (one pool and one posted call in C, whatever number of Python
+    objects bind it): the lock its calls take turns by and the posted call's arguments, both
+    reset in a forked child (where no call of the parent's runs)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.args: tuple | None = None  # what a posted call reads (kept alive until finish)
+        os.register_at_fork(after_in_child=self._forget_calls)
+
+    def _forget_calls(self) -> None:
+        self.lock = threading.Lock()
+        self.args = None
+
+
+_GUARDS: dict[int, _Guard] = {}  # library handle -> its guard
+_GUARDS_LOCK = threading.Lock()
+
+
 class PoolCalls:
     """Calls posted to a native kernel's thread pool (`threadpool.c`), shared by the kernels:
-    `_post` posts one under the kernel's lock and keeps its arguments alive, `finish` waits
+    `_post` posts one under the library's lock and keeps its arguments alive, `finish` waits
     for it and releases them. `pooled`: whether graph decode's host steps use the pool (4 or
     more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`: one fewer than torch's (a core
     for the caller)."""
 
     def _init_pool(self, lib: ctypes.CDLL, prefix: str) -> None:
-        """Bind `{prefix}_wait` and `{prefix}_schedule` (the kernel binds its own start)."""
+        """Bind `{prefix}_wait` and `{prefix}_schedule` (the kernel binds its own start) and
+        the library's guard."""
         self._wait = getattr(lib, f"{prefix}_wait")
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
         self._schedule = getattr(lib, f"{prefix}_schedule")
         self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
-        self._lock = threading.Lock()
-        self._args: tuple | None = None  # what a posted call reads (kept alive until finish)
+        with _GUARDS_LOCK:
+            self._guard = _GUARDS.setdefault(lib._handle, _Guard())
         threads = min(torch.get_num_threads(), usable_cores())
         self.pool_threads = max(1, threads - 1)  # (a core for the caller)
         self.pooled = threads >= 4 and not switched_off("CPU_POOL")
-        os.register_at_fork(after_in_child=self._forget_calls)
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """The library's lock: every call of every object bound to it takes turns."""
+        return self._guard.lock
 
     def _post(self, start, make) -> None:
         """Under the lock, `make()` -> (C arguments, what must stay alive), then
         `start(*arguments, pool_threads)`; `finish` must follow. Raises OSError (and turns
         `pooled` off) where the pool's threads cannot be made."""
-        self._lock.acquire()
+        guard = self._guard
+        guard.lock.acquire()
         try:
             args, alive = make()
-            self._args = (args, alive, threading.get_ident())
+            guard.args = (args, alive, threading.get_ident())
             code = start(*args, self.pool_threads)
         except BaseException:  # (an interrupt may land once the call is posted)
             self._wait()  # (returns at once when nothing was posted)
-            self._args = None
-            self._lock.release()
+            guard.args = None
+            guard.lock.release()
             raise
         if code != 0:
-            self._args = None
-            self._lock.release()
+            guard.args = None
+            guard.lock.release()
             self.pooled = False
             print("agentrt: the CPU kernel's threads could not start", file=sys.stderr)
             raise OSError(f"native CPU expert kernel: no thread pool (code {code})")
@@ -105,20 +130,16 @@ class PoolCalls:
     @property
     def posted(self) -> bool:
         """Whether this thread has a call posted that `finish` has not waited for."""
-        return self._args is not None and self._args[-1] == threading.get_ident()
+        args = self._guard.args
+        return args is not None and args[-1] == threading.get_ident()
 
     def finish(self) -> float:
         """Wait for the posted call; returns its seconds (the pool's own clock)."""
         try:
             return self._wait()
         finally:
-            self._args = None
-            self._lock.release()
-
-    def _forget_calls(self) -> None:
-        """In a forked child: no call of the parent's is running here."""
-        self._lock = threading.Lock()
-        self._args = None
+            self._guard.args = None
+            self._guard.lock.release()
 
 
 class NativeExperts(PoolCalls):

@@ -126,10 +126,11 @@ class PackedCPUExperts(PoolCalls):
 def quantized_blocks(x: torch.Tensor) -> torch.Tensor:
     """`x [..., K]` (K a multiple of 32) as the native kernel sees it: each block of 32 values
     int16-quantized against its largest magnitude (scale amax / 32767, fp32 arithmetic as the
-    kernel's, rounding half to even) and scaled back; fp32. (The plain-torch reference of the
-    kernel's inputs.)"""
+    kernel's, rounding half to even; a subnormal scale counts as zero) and scaled back; fp32.
+    (The plain-torch reference of the kernel's inputs.)"""
     blocks = x.float().reshape(*x.shape[:-1], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 32767.0
+    scale = torch.where(scale < torch.finfo(torch.float32).tiny, 0.0, scale)  # (as the kernel)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     return (torch.round(blocks * inv) * scale).reshape(x.shape)
 

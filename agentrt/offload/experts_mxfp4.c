@@ -6,26 +6,31 @@
    of the block's largest magnitude / 32767, so each value within 1/65534 of it), laid out per
    block as its 16 even positions then its 16 odd ones, so each code byte's two values meet
    their inputs without shuffles; the codes decode (by a byte shuffle) to twice their E2M1
-   values, small integers, and a block's 32 products sum exactly in int32 before its two scales
-   (weights' exponent, input's) apply in fp32. */
+   values, small integers, whose products with the inputs sum exactly in int32 (four to a
+   lane) before the block's two scales (weights' exponent, input's) apply in fp32. */
 #include <stdint.h>
+#include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <immintrin.h>
 
 static float SCALE[256];  /* 2^(e - 128): a block exponent, halved for the doubled codes */
 
+static void fill_tables(void) {
+    for (int e = 0; e < 255; e++) SCALE[e] = ldexpf(1.f, e - 128);
+    SCALE[255] = NAN;  /* (the format's NaN exponent) */
+}
 static void tables(void) {
-    static int done = 0;
-    if (done) return;
-    for (int e = 0; e < 256; e++) SCALE[e] = ldexpf(1.f, e - 128);
-    done = 1;
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, fill_tables);
 }
 
 static const int8_t FP4X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* x [32 * groups] -> q (per block: 16 even positions, then 16 odd ones) and d (the block's
-   scale: q * d ~ x); an all-zero block gets scale 0, a block with a NaN or an infinity scale
-   NaN (q 0), so the outputs it reaches are NaN as in fp32 math */
+   scale: q * d ~ x); a block whose scale would be subnormal (all its values below ~3.9e-34)
+   counts as zero (scale 0), a block with a NaN or an infinity gets scale NaN (q 0), so the
+   outputs it reaches are NaN as in fp32 math */
 static const float ZERO32[32];
 static void quantize(const float* x, int groups, int16_t* q, float* d) {
     for (int g = 0; g < groups; g++) {
@@ -36,7 +41,9 @@ static void quantize(const float* x, int groups, int16_t* q, float* d) {
             amax = fmaxf(amax, fabsf(b[k]));
             finite &= isfinite(b[k]) != 0;
         }
-        float scale = amax / 32767.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        float scale = amax / 32767.f;
+        if (scale < FLT_MIN) scale = 0.f;  /* (1 / scale would overflow) */
+        float inv = scale > 0.f ? 1.f / scale : 0.f;
         d[g] = finite ? scale : NAN;
         if (!finite) inv = 0.f, b = ZERO32;  /* (a NaN must not reach the integer conversion) */
         for (int k = 0; k < 16; k++) {

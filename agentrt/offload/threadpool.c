@@ -32,6 +32,7 @@ static unsigned pool_bar_count = 0, pool_bar_sense = 0;  /* atomic: the barrier 
 static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed out so far */
 static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
 static double pool_started_at = 0.0, pool_seconds = 0.0;
+static unsigned pool_made_at = 0;  /* the generation when the threads were made */
 
 static double pool_now(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
@@ -81,7 +82,7 @@ static int pool_claim(int phase, long total, int t, int size, int* turn, long* l
 }
 static void* pool_thread(void* arg) {
     int t = (int)(intptr_t)arg;
-    unsigned seen = 0, sense = 0;
+    unsigned seen = pool_made_at, sense = 0;  /* (the first task is the next generation) */
     for (;;) {
         pool_await(&pool_generation, seen, 0);
         seen = __atomic_load_n(&pool_generation, __ATOMIC_ACQUIRE);
@@ -110,6 +111,7 @@ static int pool_make(int threads) {
     static int registered = 0;
     if (!registered) { pthread_atfork(NULL, NULL, pool_forked_child); registered = 1; }
     pool_size = threads > 0 ? threads : 1;
+    pool_made_at = pool_generation;
     for (int t = 0; t < pool_size; t++) {
         pthread_t thread;
         if (pthread_create(&thread, NULL, pool_thread, (void*)(intptr_t)t) != 0) {
