@@ -1178,6 +1178,56 @@ def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, monkeypatch):
     assert experts.totals.cpu > 0 and not kernel.posted
 
 
+@pytest.mark.parametrize("hidden,inter,biased", [(96, 64, True), (320, 160, False)])
+def test_native_mxfp4_kernel_on_random_packed_rows(hidden, inter, biased):
+    """Random packed rows (any code byte, exponents over 2^-9..2^2, odd numbers of blocks) on
+    other shapes: 1 to 5 experts of a token, and prefill rows of 1 to 7 per expert, equal the
+    plain-torch reference on the rows' dequantized weights."""
+    from agentrt.models.moe import PLAIN, SwiGLU
+    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel, reference_ffn
+
+    act = SwiGLU(7.0, 1.702) if biased else PLAIN
+    store = ExpertStore(range(1), 8, hidden, inter, torch.float32, pin=False, bias=biased,
+                        act=act, packed=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(hidden)
+    rows = store.flat[0]
+    rows.random_(0, 256, generator=gen)
+    for part in (store.layout.gate_up, store.layout.down):
+        scales = rows[:, part.scales : part.scales + part.rows * part.groups]
+        scales.random_(118, 130, generator=gen)
+    if biased:
+        for b in store.biases(0, "cpu"):
+            b.copy_(torch.randn(b.shape, generator=gen))
+    kernel = mxfp4_kernel(store)
+    if kernel is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    _, gate_up, down = store.expert_views(0)
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        bias = store.expert_biases(0, e, "cpu")
+        return reference_ffn(x, gate_up[e].float(), down[e].float(), *bias, act=act)
+
+    for n in range(1, 6):
+        ids = torch.randperm(8, generator=gen)[:n].tolist()
+        w, x = torch.rand(n, generator=gen).tolist(), torch.randn(hidden, generator=gen)
+        out = torch.empty(hidden)
+        kernel.run_experts(0, ids, w, x, out)
+        want = sum(wi * expert(e, x[None])[0] for wi, e in zip(w, ids, strict=True))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    counts = [int(c) for c in torch.randint(0, 8, (8,), generator=gen)]
+    experts = [e for e in range(8) if counts[e]]
+    xs = torch.randn(sum(counts), hidden, generator=gen)
+    scale = torch.rand(sum(counts), generator=gen)
+    out = torch.empty(sum(counts), hidden)
+    kernel.run_rows(0, experts, counts, xs, scale, out)
+    want, begin = torch.empty_like(out), 0
+    for e in experts:
+        rows_e = slice(begin, begin + counts[e])
+        want[rows_e] = expert(e, xs[rows_e]) * scale[rows_e, None]
+        begin += counts[e]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
 PACKED_POOL_CHECK = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])  # (the tests' folder)
