@@ -2,9 +2,11 @@
 competing for the cores, as the state-cache writer's compression threads do while a turn's
 response decodes: one decode token's CPU experts per call (qwen3.5-35b-a3b shapes by default,
 4 experts, cycling through 32), with 0 to `BUSY` threads compressing 4 MiB payloads with zstd
-(level 1, the writer's), each load with the pool's items claimed in chunks (the default) and
-with fixed equal shares (a preempted thread holds up the barrier for the rest of its share).
-Prints JSON: per load and division, mean, p90 and p99 milliseconds per call.
+(level 1, the writer's; on a `HelperPool`, as the writer's), each load with the pool's items
+in fixed equal shares on every thread (`shares`: a preempted thread holds up the barrier for
+the rest of its share), claimed in chunks on every thread (`claimed`), and claimed on one
+thread fewer per busy helper (`yielding`, the default). Prints JSON: per load and mode, mean,
+p90 and p99 milliseconds per call.
 
     python benchmarks/bench_pool_contention.py [--threads N] [--busy 4] [--hidden 2048]
 """
@@ -21,7 +23,7 @@ import time
 import torch
 import zstandard
 
-from agentrt.host.cputhreads import single_threaded, usable_cores
+from agentrt.host.cputhreads import HelperPool, single_threaded, usable_cores
 from agentrt.offload.cpu_kernel import native_experts
 
 EXPERTS, PER_CALL = 32, 4
@@ -33,6 +35,9 @@ def compress_until(stop: threading.Event) -> None:
     compressor, data = zstandard.ZstdCompressor(level=1), os.urandom(4 << 20)
     while not stop.is_set():
         compressor.compress(data)
+
+
+MODES = {"shares": (0, False), "claimed": (16, False), "yielding": (16, True)}
 
 
 def call_times(kernel, gate_up, down, x, out, calls: int) -> dict[str, float]:
@@ -66,20 +71,23 @@ def main() -> None:
     down = list((torch.randn(EXPERTS, args.hidden, args.inter) * 0.02).bfloat16())
     x, out = torch.randn(args.hidden).bfloat16(), torch.zeros(args.hidden)
     report: dict = {"pool_threads": kernel.pool_threads, "cores": usable_cores()}
+    default_active = kernel.active_threads
+    every = kernel.pool_threads
     for busy in sorted({0, 1, args.busy}):
         stop = threading.Event()
-        helpers = [threading.Thread(target=compress_until, args=(stop,)) for _ in range(busy)]
-        for helper in helpers:
-            helper.start()
-        for name, chunk in (("shares", 0), ("claimed", 16)):
-            kernel.schedule(chunk)
-            call_times(kernel, gate_up, down, x, out, args.calls // 4)  # (warm-up)
-            row = call_times(kernel, gate_up, down, x, out, args.calls)
-            report[f"busy{busy}_{name}"] = {k: round(v, 3) for k, v in row.items()}
-        stop.set()
-        for helper in helpers:
-            helper.join()
+        with HelperPool(max_workers=max(busy, 1)) as helpers:
+            running = [helpers.submit(compress_until, stop) for _ in range(busy)]
+            for name, (chunk, yielding) in MODES.items():
+                kernel.schedule(chunk)
+                kernel.active_threads = (lambda: every) if not yielding else default_active
+                call_times(kernel, gate_up, down, x, out, args.calls // 4)  # (warm-up)
+                row = call_times(kernel, gate_up, down, x, out, args.calls)
+                report[f"busy{busy}_{name}"] = {k: round(v, 3) for k, v in row.items()}
+            stop.set()
+            for future in running:
+                future.result()
     kernel.schedule(16)
+    kernel.active_threads = default_active
     print(json.dumps(report))
 
 

@@ -90,3 +90,32 @@ def test_loaded_libraries_lists_what_this_process_mapped():
     found = loaded_libraries("libtorch")
     assert found and all("libtorch" in path for path in found) and found == sorted(found)
     assert loaded_libraries("no-such-library-name") == []
+
+
+def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to_them():
+    """`HelperPool` tasks (the state-cache writer's compression) count as busy helpers while
+    they run, and the native kernels' pool then takes one thread fewer per busy helper."""
+    import threading
+
+    from agentrt.host.cputhreads import HelperPool, busy_helpers
+    from agentrt.offload.cpu_kernel import PoolCalls
+
+    calls = PoolCalls()
+    calls.pool_threads = 5
+    started, release = threading.Barrier(3), threading.Event()
+
+    def work() -> None:
+        started.wait()
+        release.wait()
+
+    with HelperPool(max_workers=2) as pool:
+        before = busy_helpers()
+        futures = [pool.submit(work) for _ in range(2)]
+        started.wait()
+        assert busy_helpers() == before + 2 and calls.active_threads() == max(1, 3 - before)
+        release.set()
+        for future in futures:
+            future.result()
+    assert busy_helpers() == before
+    calls.pool_threads = 1
+    assert calls.active_threads() == 1

@@ -731,6 +731,7 @@ for hidden, inter, n in ((200, 72, 3), (64, 32, 1), (130, 7, 5)):
     k.run(gu, dn, w, x, twice, accumulate=True)
     for call in range(21):
         k.schedule((16, 1, 0)[call % 3])  # claimed chunks of 16 or 1 items, fixed shares
+        k.active_threads = lambda: 1 + call % 4  # (all 3, or fewer: helpers busy)
         out.fill_(float("nan"))
         k.start(gu, dn, w, x, out)
         assert k.finish() > 0 and torch.equal(out, want)
@@ -739,6 +740,16 @@ for hidden, inter, n in ((200, 72, 3), (64, 32, 1), (130, 7, 5)):
         assert torch.equal(out, twice)
     k.schedule(16)
     print("ok")
+# many short calls on 1-3 threads: a thread that sat calls out must rejoin their barriers
+import random
+rng, gu, dn = random.Random(0), gu[:2], dn[:2]
+want = torch.zeros(hidden)
+k.run(gu, dn, [0.5, 0.3], x, want)
+for call in range(400):
+    k.active_threads = lambda: rng.randint(1, 3)
+    k.start(gu, dn, [0.5, 0.3], x, out)
+    k.finish()
+    assert torch.equal(out, want), call
 from agentrt.offload.store import ExpertStore
 store = ExpertStore(range(1), 4, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
 POST = "start"
@@ -761,8 +772,9 @@ print("ok")
 @pytest.mark.slow
 def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     """The kernel's thread pool (graph decode's host steps: `start`, then `finish`) computes
-    what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads (items
-    claimed in chunks of 16 or 1, or fixed shares), fresh and accumulated, call after call (in a
+    what its OpenMP path (`run`) does, bit for bit: shapes split unevenly over 3 threads or
+    fewer of them (items claimed in chunks of 16 or 1, or fixed shares), fresh and accumulated,
+    call after call (in a
     subprocess: the first call fixes the pool's size); calibration then measures the overlapped
     bandwidths through the pool."""
     import subprocess
@@ -1239,6 +1251,7 @@ for biased in (False, True):
     k.pool_threads = 3  # (the pool's size, fixed by its first call; may exceed the cores here)
     for call in range(12):
         k.schedule((16, 1, 0)[call % 3])  # claimed chunks of 16 or 1 items, fixed shares
+        k.active_threads = lambda: 3 - call % 3  # (all 3, or fewer: helpers busy)
         ids = [(call + j) % 6 for j in range(1 + call % 4)]
         w, x = [0.5, 0.3, 0.2, 0.7][: len(ids)], torch.randn(64)
         want, out = torch.full((64,), 2.0), torch.full((64,), float("nan"))
@@ -1247,6 +1260,14 @@ for biased in (False, True):
         assert k.posted and k.finish() > 0 and not k.posted
         k.start_experts(1, ids, w, x, out.fill_(2.0), accumulate=True)
         k.finish()
+        assert torch.equal(out, want), (biased, call)
+    import random  # many short calls on 1-3 threads: those that sat calls out must rejoin
+    rng = random.Random(0)
+    for call in range(400):
+        k.active_threads = lambda: rng.randint(1, 3)
+        k.start_experts(1, ids, w, x, out)
+        k.finish()
+        k.run_experts(1, ids, w, x, want)
         assert torch.equal(out, want), (biased, call)
 print("ok")
 POST = "start_experts"
@@ -1257,7 +1278,8 @@ POST = "start_experts"
 def test_packed_mxfp4_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     """Packed rows' kernel on its thread pool (`start_experts`, then `finish`: graph decode's
     host steps) computes what its OpenMP path (`run_experts`) does, bit for bit: 1-4 experts,
-    with and without biases, items claimed in chunks of 16 or 1, or fixed shares, accumulated
+    with and without biases, on 1-3 threads, items claimed in chunks of 16 or 1, or fixed
+    shares, accumulated
     (in a subprocess: the first call fixes the pool's size); calibration then measures the
     overlapped bandwidths through the pool."""
     import subprocess

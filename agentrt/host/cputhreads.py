@@ -1,8 +1,8 @@
 """Keeps torch's CPU parallelism to one OpenMP team per process: helper threads (the state-cache
 writer and restore workers) run their tensor copies on themselves alone. Also chooses, before torch
 loads, how that team's idle workers wait (`spin_between_steps`), and keeps helper threads' freed
-buffers in the C heap (`keep_freed_buffers`), and counts the cores this process may use
-(`usable_cores`).
+buffers in the C heap (`keep_freed_buffers`), counts the cores this process may use
+(`usable_cores`) and the helper threads busy with CPU work (`busy_helpers`).
 
 Every thread that runs a parallel torch CPU kernel gets an OpenMP team of its own, of
 `torch.get_num_threads()` threads. Sixteen restore workers copying at once would run sixteen
@@ -17,7 +17,9 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from agentrt.env import set_all, switched_off, variable
 from agentrt.host.libs import loaded_libraries
@@ -44,6 +46,33 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (no affinity call on this platform)
         return os.cpu_count() or 1
+
+
+_busy_helpers = [0]  # helper threads in CPU-heavy work now (`HelperPool` tasks)
+_busy_lock = threading.Lock()
+
+
+def busy_helpers() -> int:
+    """How many helper threads do CPU-heavy work right now (the state-cache writer's
+    compression): the CPU kernels' thread pool leaves them their cores meanwhile."""
+    return _busy_helpers[0]
+
+
+def _counted(fn: Callable, *args, **kwargs):
+    with _busy_lock:
+        _busy_helpers[0] += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        with _busy_lock:
+            _busy_helpers[0] -= 1
+
+
+class HelperPool(ThreadPoolExecutor):
+    """A thread pool for background CPU work whose running tasks `busy_helpers` counts."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_counted, fn, *args, **kwargs)
 
 
 def single_threaded() -> None:

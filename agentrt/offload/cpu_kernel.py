@@ -43,7 +43,7 @@ import torch
 
 from agentrt.env import home_dir, switched_off, variable
 from agentrt.errors import AgentrtError
-from agentrt.host.cputhreads import usable_cores
+from agentrt.host.cputhreads import busy_helpers, usable_cores
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.offload.config import CPU_KERNELS
 
@@ -75,10 +75,10 @@ _GUARDS_LOCK = threading.Lock()
 
 class PoolCalls:
     """Calls posted to a native kernel's thread pool (`threadpool.c`), shared by the kernels:
-    `_post` posts one under the library's lock and keeps its arguments alive, `finish` waits
-    for it and releases them. `pooled`: whether graph decode's host steps use the pool (4 or
-    more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`: one fewer than torch's (a core
-    for the caller)."""
+    `_post` posts one under the library's lock (on `active_threads` of the pool) and keeps its
+    arguments alive, `finish` waits for it and releases them. `pooled`: whether graph decode's
+    host steps use the pool (4 or more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`:
+    one fewer than torch's (a core for the caller)."""
 
     def _init_pool(self, lib: ctypes.CDLL, prefix: str) -> None:
         """Bind `{prefix}_wait` and `{prefix}_schedule` (the kernel binds its own start) and
@@ -107,7 +107,7 @@ class PoolCalls:
         try:
             args, alive = make()
             guard.args = (args, alive, threading.get_ident())
-            code = start(*args, self.pool_threads)
+            code = start(*args, self.pool_threads, self.active_threads())
         except BaseException:  # (an interrupt may land once the call is posted)
             self._wait()  # (returns at once when nothing was posted)
             guard.args = None
@@ -119,6 +119,12 @@ class PoolCalls:
             self.pooled = False
             print("agentrt: the CPU kernel's threads could not start", file=sys.stderr)
             raise OSError(f"native CPU expert kernel: no thread pool (code {code})")
+
+    def active_threads(self) -> int:
+        """The pool's threads a call takes now: all but one per helper thread busy with CPU
+        work (the state-cache writer compressing a checkpoint), at least one: a pool thread
+        that the OS preempts for a helper holds the rest up at the next barrier."""
+        return max(1, self.pool_threads - busy_helpers())
 
     def schedule(self, chunk: int) -> None:
         """How the pool's threads divide later calls: claims of `chunk` items from a shared
@@ -155,7 +161,8 @@ class NativeExperts(PoolCalls):
         self._fn = lib.experts_bf16
         self._fn.argtypes, self._fn.restype = [*args, _P, _P], None
         self._start = lib.experts_start
-        self._start.argtypes, self._start.restype = [*args, _P, ctypes.c_int], ctypes.c_int
+        self._start.argtypes = [*args, _P, ctypes.c_int, ctypes.c_int]
+        self._start.restype = ctypes.c_int
         self._rows = lib.experts_rows_bf16
         self._rows.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int, _P]
         self._rows.restype = None

@@ -37,7 +37,8 @@ class PackedCPUExperts(PoolCalls):
         self._fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, _P]
         self._fn.restype = None
         self._start = lib.experts_mxfp4_start
-        self._start.argtypes, self._start.restype = [*self._fn.argtypes, ctypes.c_int], ctypes.c_int
+        self._start.argtypes = [*self._fn.argtypes, ctypes.c_int, ctypes.c_int]
+        self._start.restype = ctypes.c_int
         self._rows = lib.experts_mxfp4_rows
         self._rows.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
         self._rows.argtypes += [_P, _P, ctypes.c_float, ctypes.c_float, _P]

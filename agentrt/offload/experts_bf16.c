@@ -209,15 +209,16 @@ static void job_items(const void* arg, int phase, long lo, long hi) {
         j->out[r] = s;
     }
 }
-/* threads: the pool's size, at its first call (later calls keep it) */
+/* threads: the pool's size, at its first call (later calls keep it); active: the threads
+   that take part in this call */
 int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
                   const uint16_t* x, float* out, int hidden, int inter, int accumulate,
-                  uint16_t* act, int threads) {
+                  uint16_t* act, int threads, int active) {
     if (!pool_idle()) return -2;
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
     job = j;
     pool_task task = {job_items, &job, 2, {(long)n * inter, hidden}};
-    return pool_start(task, threads);
+    return pool_start(task, threads, active);
 }
 /* items per claim of the pool's later calls (0: fixed equal shares; benchmarks compare them) */
 void experts_schedule(int chunk) { pool_chunk = chunk; }

@@ -232,17 +232,18 @@ void experts_mxfp4(const uint8_t** rows, const float* weights, int n, const floa
 
 /* the same call posted to the pool of threadpool.c (built in front of this file); the arrays
    and buffers must stay unchanged until experts_mxfp4_wait. threads: the pool's size, at its
-   first call. Returns 0, or -2 while a call runs, -1 where the pool cannot be made. */
+   first call; active: the threads that take part in this one. Returns 0, or -2 while a call
+   runs, -1 where the pool cannot be made. */
 int experts_mxfp4_start(const uint8_t** rows, const float* weights, int n, const float* x,
                         float* out, int hidden, int inter, const float** gu_bias,
                         const float** dn_bias, float limit, float alpha, int accumulate,
-                        float* scratch, int threads) {
+                        float* scratch, int threads, int active) {
     if (!pool_idle()) return -2;
     posted = decode_job(rows, weights, n, x, out, hidden, inter, gu_bias, dn_bias, limit, alpha,
                         accumulate, scratch);
     pool_task task = {decode_items, &posted, 3, {0}};
     decode_counts(&posted, task.items);
-    return pool_start(task, threads);
+    return pool_start(task, threads, active);
 }
 /* waits for the posted call (at once when none is) and returns its seconds */
 double experts_mxfp4_wait(void) { return pool_wait(); }

@@ -5,7 +5,8 @@
    the caller works meanwhile (the pool is one thread smaller than its cores). A task is a
    function over item ranges in up to 4 phases: the threads claim chunks of a phase's items
    from a shared counter (a thread that the OS preempts, e.g. for the state-cache writer, holds
-   up no one for the rest of a fixed share), and wait for each other between phases. Waits spin
+   up no one for the rest of a fixed share), and wait for each other between phases; a task
+   may take fewer threads than the pool has (the caller leaves cores to other busy threads). Waits spin
    briefly (a host step is shorter than a sleep and wake-up), then sleep on a condition
    variable. One task at a time (pool_start returns -2 otherwise, -1 where the threads cannot
    be made). */
@@ -18,6 +19,7 @@ typedef void (*pool_fn)(const void* job, int phase, long lo, long hi);
 #define POOL_PHASES 4
 typedef struct {
     pool_fn fn; const void* job; int phases; long items[POOL_PHASES];
+    int active;  /* threads that take part (the others sit this task out; set by pool_start) */
 } pool_task;
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -28,7 +30,7 @@ static unsigned pool_generation = 0;  /* atomic: one more per posted task */
 static int pool_pending = 0;     /* atomic: pool threads yet to finish the posted task */
 static unsigned pool_finished = 0;  /* atomic: the generation of the last task done */
 static int pool_broken = 0;  /* the pool could not be made */
-static unsigned pool_bar_count = 0, pool_bar_sense = 0;  /* atomic: the barrier between phases */
+static unsigned pool_bar_count = 0, pool_bar_phase = 0;  /* atomic: the barrier between phases */
 static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed out so far */
 static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
 static double pool_started_at = 0.0, pool_seconds = 0.0;
@@ -59,14 +61,15 @@ static void pool_publish(unsigned* addr, unsigned value) {
     pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
 }
-static void pool_barrier(unsigned* sense, unsigned size) {
-    unsigned mine = !*sense;
-    *sense = mine;
+/* wait until `size` threads arrived (counted by barriers passed, not by a sense each thread
+   keeps: a thread that sat a task out has passed none of its barriers) */
+static void pool_barrier(unsigned size) {
+    unsigned phase = __atomic_load_n(&pool_bar_phase, __ATOMIC_ACQUIRE);
     if (__atomic_add_fetch(&pool_bar_count, 1, __ATOMIC_ACQ_REL) == size) {
         __atomic_store_n(&pool_bar_count, 0, __ATOMIC_RELAXED);
-        pool_publish(&pool_bar_sense, mine);
+        pool_publish(&pool_bar_phase, phase + 1);  /* (no one moves on before all arrived) */
     } else {
-        pool_await(&pool_bar_sense, mine, 1);
+        pool_await(&pool_bar_phase, phase, 0);
     }
 }
 /* the next range [lo, hi) of a phase's `total` items for thread t, or 0 when none is left */
@@ -82,14 +85,15 @@ static int pool_claim(int phase, long total, int t, int size, int* turn, long* l
 }
 static void* pool_thread(void* arg) {
     int t = (int)(intptr_t)arg;
-    unsigned seen = pool_made_at, sense = 0;  /* (the first task is the next generation) */
+    unsigned seen = pool_made_at;  /* (the first task is the next generation) */
     for (;;) {
         pool_await(&pool_generation, seen, 0);
         seen = __atomic_load_n(&pool_generation, __ATOMIC_ACQUIRE);
         pool_task task = pool_posted;
-        int size = pool_size;
+        int size = task.active;
+        if (t >= size) continue;  /* (not counted in pending nor at the barriers) */
         for (int phase = 0; phase < task.phases; phase++) {
-            if (phase) pool_barrier(&sense, size);
+            if (phase) pool_barrier(size);
             long lo, hi;
             int turn = 0;
             while (pool_claim(phase, task.items[phase], t, size, &turn, &lo, &hi))
@@ -104,7 +108,7 @@ static void* pool_thread(void* arg) {
 }
 static void pool_forked_child(void) {  /* the pool does not survive a fork */
     pool_size = 0; pool_generation = 0; pool_pending = 0; pool_finished = 0;
-    pool_bar_count = 0; pool_bar_sense = 0; pool_broken = 0;
+    pool_bar_count = 0; pool_bar_phase = 0; pool_broken = 0;
     pthread_mutex_init(&pool_mu, NULL); pthread_cond_init(&pool_cv, NULL);
 }
 static int pool_make(int threads) {
@@ -125,15 +129,17 @@ static int pool_make(int threads) {
 /* whether a task may be posted (none is running) */
 static int pool_idle(void) { return pool_holds(&pool_finished, pool_generation, 1); }
 /* post `task` (its job must stay unchanged until pool_wait); threads: the pool's size at its
-   first task (later tasks keep it) */
-static int pool_start(pool_task task, int threads) {
+   first task (later tasks keep it); active: how many of them take part in this one (1 to the
+   pool's size: fewer leave cores to other busy threads of the process) */
+static int pool_start(pool_task task, int threads, int active) {
     if (!pool_idle()) return -2;
     if (pool_broken || (pool_size == 0 && pool_make(threads) != 0)) { pool_broken = 1; return -1; }
+    task.active = active < 1 ? 1 : (active > pool_size ? pool_size : active);
     pool_posted = task;
     pool_started_at = pool_now();
     for (int phase = 0; phase < POOL_PHASES; phase++)
         __atomic_store_n(&pool_claimed[phase], 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool_pending, pool_size, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool_pending, task.active, __ATOMIC_RELAXED);
     pool_publish(&pool_generation, pool_generation + 1);
     return 0;
 }

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agentrt.host.cputhreads import keep_freed_buffers, single_threaded
+from agentrt.host.cputhreads import HelperPool, keep_freed_buffers, single_threaded
 from agentrt.models.config import ModelConfig
 from agentrt.models.kv import KVCache
 from agentrt.statecache.boundaries import Boundaries
@@ -113,7 +113,7 @@ class StateCache(Writer, Restorer):
         # the writer compresses a checkpoint's payloads (5 MiB KV chunks, ~4 MiB blob parts) on
         # these threads at once: one zstd stream runs at ~250-340 MiB/s, and zstd's own threads
         # barely split inputs that small
-        self._compress = ThreadPoolExecutor(
+        self._compress = HelperPool(  # (counted: the CPU kernels' pool yields them cores)
             max_workers=config.workers,
             thread_name_prefix="agentrt-compress",
             initializer=single_threaded,
