@@ -20,6 +20,7 @@ typedef void (*pool_fn)(const void* job, int phase, long lo, long hi);
 typedef struct {
     pool_fn fn; const void* job; int phases; long items[POOL_PHASES];
     int active;  /* threads that take part (the others sit this task out; set by pool_start) */
+    unsigned generation;  /* which post this is (set by pool_start) */
 } pool_task;
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -35,6 +36,9 @@ static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed ou
 static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
 static double pool_started_at = 0.0, pool_seconds = 0.0;
 static unsigned pool_made_at = 0;  /* the generation when the threads were made */
+/* atomic: odd while pool_posted is being written (a seqlock): a thread that sits a task out
+   is not waited for, so the next task may be posted while it still reads the last one */
+static unsigned pool_seq = 0;
 
 static double pool_now(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
@@ -83,15 +87,42 @@ static int pool_claim(int phase, long total, int t, int size, int* turn, long* l
     *hi = *lo + pool_chunk < total ? *lo + pool_chunk : total;
     return *lo < total;
 }
+/* the posted task as words, each copied atomically (the seqlock's data) */
+typedef union { pool_task task; uint64_t words[sizeof(pool_task) / 8]; } pool_words;
+_Static_assert(sizeof(pool_task) % 8 == 0, "pool_task must be whole words");
+/* a consistent copy of the latest posted task: any word of a newer post read here makes the
+   sequence number read after it differ (acquire loads, release stores) */
+static pool_task pool_read_task(void) {
+    pool_words* from = (pool_words*)&pool_posted;
+    for (;;) {
+        unsigned before = __atomic_load_n(&pool_seq, __ATOMIC_ACQUIRE);
+        if (before & 1) { _mm_pause(); continue; }
+        pool_words copy;
+        for (size_t w = 0; w < sizeof(copy.words) / 8; w++)
+            copy.words[w] = __atomic_load_n(&from->words[w], __ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&pool_seq, __ATOMIC_RELAXED) == before) return copy.task;
+    }
+}
+static void pool_write_task(pool_task task) {
+    pool_words* to = (pool_words*)&pool_posted;
+    pool_words copy = {task};
+    unsigned seq = __atomic_load_n(&pool_seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool_seq, seq + 1, __ATOMIC_RELAXED);
+    for (size_t w = 0; w < sizeof(copy.words) / 8; w++)
+        __atomic_store_n(&to->words[w], copy.words[w], __ATOMIC_RELEASE);
+    __atomic_store_n(&pool_seq, seq + 2, __ATOMIC_RELEASE);
+}
 static void* pool_thread(void* arg) {
     int t = (int)(intptr_t)arg;
     unsigned seen = pool_made_at;  /* (the first task is the next generation) */
     for (;;) {
         pool_await(&pool_generation, seen, 0);
-        seen = __atomic_load_n(&pool_generation, __ATOMIC_ACQUIRE);
-        pool_task task = pool_posted;
+        pool_task task = pool_read_task();  /* (that generation's, or a later one's) */
+        seen = task.generation;
         int size = task.active;
-        if (t >= size) continue;  /* (not counted in pending nor at the barriers) */
+        /* sit out: not counted in pending nor at the barriers (a task this thread takes part
+           in cannot be followed by another before the thread is done with it) */
+        if (t >= size) continue;
         for (int phase = 0; phase < task.phases; phase++) {
             if (phase) pool_barrier(size);
             long lo, hi;
@@ -108,7 +139,7 @@ static void* pool_thread(void* arg) {
 }
 static void pool_forked_child(void) {  /* the pool does not survive a fork */
     pool_size = 0; pool_generation = 0; pool_pending = 0; pool_finished = 0;
-    pool_bar_count = 0; pool_bar_phase = 0; pool_broken = 0;
+    pool_bar_count = 0; pool_bar_phase = 0; pool_broken = 0; pool_seq = 0;
     pthread_mutex_init(&pool_mu, NULL); pthread_cond_init(&pool_cv, NULL);
 }
 static int pool_make(int threads) {
@@ -135,7 +166,8 @@ static int pool_start(pool_task task, int threads, int active) {
     if (!pool_idle()) return -2;
     if (pool_broken || (pool_size == 0 && pool_make(threads) != 0)) { pool_broken = 1; return -1; }
     task.active = active < 1 ? 1 : (active > pool_size ? pool_size : active);
-    pool_posted = task;
+    task.generation = pool_generation + 1;
+    pool_write_task(task);
     pool_started_at = pool_now();
     for (int phase = 0; phase < POOL_PHASES; phase++)
         __atomic_store_n(&pool_claimed[phase], 0, __ATOMIC_RELAXED);
