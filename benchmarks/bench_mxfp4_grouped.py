@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from agentrt.models.moe import _grouped_mm_fn
-from agentrt.offload.mxfp4_rows import (
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_moe import gpu_ms  # noqa: E402
+
+from agentrt.models.moe import _grouped_mm_fn  # noqa: E402
+from agentrt.offload.mxfp4_rows import (  # noqa: E402
     GROUPED_TILE,
     RowLayout,
     grouped,
@@ -33,18 +38,6 @@ def _rows(layout: RowLayout, gen: torch.Generator) -> torch.Tensor:
     for part in (layout.gate_up, layout.down):
         rows[:, part.scales : part.scales + part.rows * part.groups] = 120
     return rows.cuda()
-
-
-def _timed(fn, calls: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def main() -> None:
@@ -68,7 +61,7 @@ def main() -> None:
         want = grouped_reference(rows, slots, counts, part, x)
         dense = unpack(rows, part, torch.bfloat16)  # [E, rows, cols]
         try:
-            ms = _timed(lambda: _grouped_mm_fn()(x, dense.transpose(1, 2), offs=offs))  # noqa: B023
+            ms = gpu_ms(lambda: _grouped_mm_fn()(x, dense.transpose(1, 2), offs=offs), 10)  # noqa: B023
             report["bf16"][name] = {"ms": ms, "tflop_s": flops / ms / 1e9}
         except (RuntimeError, TypeError) as exc:  # (no grouped GEMM for this build or GPU)
             report["bf16"][name] = {"error": str(exc)[:200]}
@@ -76,7 +69,7 @@ def main() -> None:
             tile = tuple(int(v) for v in text.split(","))
             got = grouped(rows, slots, counts, part, x, tile)
             error = ((got - want).norm() / want.norm()).item()
-            ms = _timed(lambda: grouped(rows, slots, counts, part, x, tile))  # noqa: B023
+            ms = gpu_ms(lambda: grouped(rows, slots, counts, part, x, tile), 10)  # noqa: B023
             entry = report["tiles"].setdefault(text, {})
             entry[name] = {"ms": ms, "tflop_s": flops / ms / 1e9, "rel_error": error}
     exact = {
