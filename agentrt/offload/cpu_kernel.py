@@ -80,12 +80,12 @@ class PoolCalls:
     host steps use the pool (4 or more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`:
     one fewer than torch's (a core for the caller)."""
 
-    def _init_pool(self, lib: ctypes.CDLL, prefix: str) -> None:
-        """Bind `{prefix}_wait` and `{prefix}_schedule` (the kernel binds its own start) and
-        the library's guard."""
-        self._wait = getattr(lib, f"{prefix}_wait")
+    def _init_pool(self, lib: ctypes.CDLL) -> None:
+        """Bind the library's pool (`agentrt_pool_wait`, `agentrt_pool_schedule`; the kernel
+        binds its own start) and its guard."""
+        self._wait = lib.agentrt_pool_wait
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
-        self._schedule = getattr(lib, f"{prefix}_schedule")
+        self._schedule = lib.agentrt_pool_schedule
         self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
         with _GUARDS_LOCK:
             self._guard = _GUARDS.setdefault(lib._handle, _Guard())
@@ -159,7 +159,7 @@ class NativeExperts(PoolCalls):
     def __init__(self, lib: ctypes.CDLL) -> None:
         args = [_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._fn = lib.experts_bf16
-        self._fn.argtypes, self._fn.restype = [*args, _P, _P], None
+        self._fn.argtypes, self._fn.restype = [*args, _P], None
         self._start = lib.experts_start
         self._start.argtypes = [*args, _P, ctypes.c_int, ctypes.c_int]
         self._start.restype = ctypes.c_int
@@ -168,8 +168,8 @@ class NativeExperts(PoolCalls):
         self._rows.restype = None
         lib.experts_fast_path.restype = ctypes.c_int
         self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 or AVX2 dots compiled in
-        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._init_pool(lib, "experts")
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}  # activations per shape
+        self._init_pool(lib)
 
     def run(
         self,
@@ -183,9 +183,7 @@ class NativeExperts(PoolCalls):
         """`out` (fp32 `[H]`) = sum_e weights[e] * expert_e(x) (plus `out` if `accumulate`), for
         contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`."""
         with self._lock:
-            h, _ = self._buffers(*down[0].shape, len(gate_up))
-            args = self._args_of(gate_up, down, weights, x, out, accumulate)
-            self._fn(*args, h.data_ptr())
+            self._fn(*self._args_of(gate_up, down, weights, x, out, accumulate))
 
     def run_rows(
         self,
@@ -227,10 +225,10 @@ class NativeExperts(PoolCalls):
         self._post(self._start, make)
 
     def _args_of(self, gate_up, down, weights, x, out, accumulate: bool) -> tuple:
-        """The C call's arguments up to the activations' scratch (of this shape)."""
+        """The C call's arguments, the activations' scratch (of this shape) last."""
         n = len(gate_up)
         hidden, inter = down[0].shape
-        _, act = self._buffers(hidden, inter, n)
+        act = self._act_buffer(hidden, inter, n)
         return (
             *_pointers(gate_up, down),
             (ctypes.c_float * n)(*weights),
@@ -243,13 +241,13 @@ class NativeExperts(PoolCalls):
             act.data_ptr(),
         )
 
-    def _buffers(self, hidden: int, inter: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        h, act = self._scratch.get((hidden, inter), (None, None))
-        if h is None or act.numel() < n * inter:
-            h = torch.empty(2 * inter, dtype=torch.float32)
+    def _act_buffer(self, hidden: int, inter: int, n: int) -> torch.Tensor:
+        """The bf16 activations' scratch for `n` experts of this shape (kept, grown as needed)."""
+        act = self._scratch.get((hidden, inter))
+        if act is None or act.numel() < n * inter:
             act = torch.empty(max(n, 8) * inter, dtype=torch.bfloat16)
-            self._scratch[(hidden, inter)] = (h, act)
-        return h, act
+            self._scratch[(hidden, inter)] = act
+        return act
 
 
 def _pointers(*groups: list[torch.Tensor]) -> list:

@@ -47,7 +47,7 @@ class PackedCPUExperts(PoolCalls):
         self._need.argtypes = [ctypes.c_int] * 4
         self._need.restype = ctypes.c_long
         self.store = store
-        self._init_pool(lib, "experts_mxfp4")
+        self._init_pool(lib)
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 copies per layer
 

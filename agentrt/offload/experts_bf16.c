@@ -57,36 +57,6 @@ static float dot(const uint16_t* w, const uint16_t* x, int n) {
     return s;
 }
 
-/* out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * down_e @ act_e,
-   act_e = bf16(silu(g) * u), [g; u] = gate_up_e @ x. h: [2 * inter] fp32 scratch,
-   act: [n * inter] bf16 scratch. */
-void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
-                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
-                  uint16_t* act, float* h) {
-    #pragma omp parallel
-    {
-        for (int e = 0; e < n; e++) {
-            const uint16_t* gu = gate_up[e];
-            #pragma omp for schedule(dynamic, 16)
-            for (int j = 0; j < 2 * inter; j++) h[j] = dot(gu + (int64_t)j * hidden, x, hidden);
-            #pragma omp for schedule(static)
-            for (int i = 0; i < inter; i++) {
-                float g = h[i], u = h[inter + i];
-                act[(int64_t)e * inter + i] = f2bf(g / (1.f + expf(-g)) * u);
-            }
-        }
-        #pragma omp for schedule(dynamic, 16)
-        for (int r = 0; r < hidden; r++) {
-            float s = accumulate ? out[r] : 0.f;
-            for (int e = 0; e < n; e++) {
-                const uint16_t* row = down[e] + (int64_t)r * inter;
-                s += weights[e] * dot(row, act + (int64_t)e * inter, inter);
-            }
-            out[r] = s;
-        }
-    }
-}
-
 /* s[q] = dot(w, x + q * ld, n) for q < M: one weight row against M input rows at once (the
    weight vectors loaded once, 2 * M independent sums), each sum in the order `dot` takes. */
 static inline __attribute__((always_inline)) void dot_m(const uint16_t* w, const uint16_t* x,
@@ -179,10 +149,12 @@ void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const in
     }
 }
 
-/* The same on the pool of threadpool.c (built in front of this file): experts_start posts a
-   call and returns, experts_wait waits for it and returns its seconds. Phase 0: the (expert,
-   row) activations (gate and up rows together, so no scratch); phase 1: the output rows. The
-   same arithmetic, in the same order, as experts_bf16, whichever thread computes an item. */
+/* A decode call: out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * down_e @ act_e,
+   act_e = bf16(silu(g) * u), [g; u] = gate_up_e @ x (act: [n * inter] bf16 scratch). Its items
+   in two phases: the (expert, row) activations (gate and up rows together, so no scratch),
+   then the output rows; the OpenMP path (experts_bf16) and the pool of threadpool.c (built in
+   front of this file: experts_start posts a call and returns, agentrt_pool_wait waits for it
+   and returns its seconds) compute the same items alike, whichever thread takes one. */
 typedef struct {
     const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
     const uint16_t* x; float* out; int hidden, inter, accumulate; uint16_t* act;
@@ -209,6 +181,18 @@ static void job_items(const void* arg, int phase, long lo, long hi) {
         j->out[r] = s;
     }
 }
+/* the decode call on the calling thread's OpenMP team */
+void experts_bf16(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
+                  const uint16_t* x, float* out, int hidden, int inter, int accumulate,
+                  uint16_t* act) {
+    job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
+    long items[2] = {(long)n * inter, hidden};
+    #pragma omp parallel
+    for (int phase = 0; phase < 2; phase++) {
+        #pragma omp for schedule(dynamic, 16)
+        for (long p = 0; p < items[phase]; p++) job_items(&j, phase, p, p + 1);
+    }
+}
 /* threads: the pool's size, at its first call (later calls keep it); active: the threads
    that take part in this call */
 int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* weights, int n,
@@ -220,8 +204,6 @@ int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* 
     pool_task task = {job_items, &job, 2, {(long)n * inter, hidden}};
     return pool_start(task, threads, active);
 }
-/* items per claim of the pool's later calls (0: fixed equal shares; benchmarks compare them) */
-void experts_schedule(int chunk) { pool_chunk = chunk; }
 /* whether the build has vector dot products (AVX512-BF16, or AVX2 with FMA), else a plain
    loop, slower than torch's */
 int experts_fast_path(void) {
@@ -231,5 +213,3 @@ int experts_fast_path(void) {
     return 0;
 #endif
 }
-/* returns at once when no call is posted */
-double experts_wait(void) { return pool_wait(); }

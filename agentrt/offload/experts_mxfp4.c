@@ -231,7 +231,7 @@ void experts_mxfp4(const uint8_t** rows, const float* weights, int n, const floa
 }
 
 /* the same call posted to the pool of threadpool.c (built in front of this file); the arrays
-   and buffers must stay unchanged until experts_mxfp4_wait. threads: the pool's size, at its
+   and buffers must stay unchanged until agentrt_pool_wait. threads: the pool's size, at its
    first call; active: the threads that take part in this one. Returns 0, or -2 while a call
    runs, -1 where the pool cannot be made. */
 int experts_mxfp4_start(const uint8_t** rows, const float* weights, int n, const float* x,
@@ -245,10 +245,6 @@ int experts_mxfp4_start(const uint8_t** rows, const float* weights, int n, const
     decode_counts(&posted, task.items);
     return pool_start(task, threads, active);
 }
-/* waits for the posted call (at once when none is) and returns its seconds */
-double experts_mxfp4_wait(void) { return pool_wait(); }
-/* items per claim of the pool's later calls (0: fixed equal shares) */
-void experts_mxfp4_schedule(int chunk) { pool_chunk = chunk; }
 
 /* Prefill: rows grouped by expert (rows starts[e] .. starts[e + 1] - 1 of x [R, hidden], fp32,
    for expert e), out[r] = w[r] * (expert_e(x[r]) + its down bias), fp32 [R, hidden]. Work

@@ -83,7 +83,7 @@ class CapturedDecode:
         kernel = self.cpu_kernel or self.packed_cpu
         try:
             if cpu and kernel is not None and kernel.pooled:
-                running = self._start_native(layer, io, ids, w, cpu)
+                running = self._start_native(layer, io, cpu, _weights_of(cpu, ids, w))
             if prefetch:
                 own = self.cache.stats[layer].copied - copied_before
                 self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
@@ -98,7 +98,7 @@ class CapturedDecode:
         if running:
             self._observe_cpu(len(cpu) * self.store.expert_bytes, seconds)
         elif cpu:
-            self._host_cpu_experts(layer, io, ids, w, cpu)
+            self._host_cpu_experts(layer, io, cpu, _weights_of(cpu, ids, w))
         else:
             io.cpu_np.fill(0.0)
         if pending is not None:
@@ -108,26 +108,23 @@ class CapturedDecode:
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
 
-    def _start_native(self, layer: int, io, ids: list[int], w: list[float], cpu) -> bool:
+    def _start_native(self, layer: int, io, cpu: list[int], weights: list[float]) -> bool:
         """Post the token's CPU experts to the native kernel's thread pool (weighted and summed
         into the pinned fp32 buffer); False where the pool could not start (then the kernel
         runs on this thread)."""
         try:
             if self.packed_cpu is not None:
-                weight = dict(zip(ids, w, strict=True))
-                weights = [weight[e] for e in cpu]
                 self.packed_cpu.start_experts(layer, cpu, weights, io.x_h, io.cpu_h)
             else:
-                self.cpu_kernel.start(*self._native_args(layer, ids, w, cpu), io.x_h, io.cpu_h)
+                self.cpu_kernel.start(*self._native_args(layer, cpu), weights, io.x_h, io.cpu_h)
         except OSError:
             return False
         return True
 
-    def _native_args(self, layer: int, ids: list[int], w: list[float], cpu) -> tuple:
-        """The CPU experts' weights and routing weights, as the native kernel takes them."""
+    def _native_args(self, layer: int, cpu: list[int]) -> tuple:
+        """The CPU experts' weights, as the native bf16 kernel takes them."""
         _, gate_up, down = self.store.expert_views(layer)
-        weight = dict(zip(ids, w, strict=True))
-        return [gate_up[e] for e in cpu], [down[e] for e in cpu], [weight[e] for e in cpu]
+        return [gate_up[e] for e in cpu], [down[e] for e in cpu]
 
     def _measure_period(self, layer: int, now: float) -> None:
         """Follow the time from the previous MoE layer's host step to this one's (a layer's
@@ -140,31 +137,29 @@ class CapturedDecode:
             self._token_stream = torch.cuda.current_stream(self.device)
             self._stream_now = self._token_stream
 
-    def _host_cpu_experts(self, layer: int, io, ids: list[int], w: list[float], cpu) -> None:
+    def _host_cpu_experts(self, layer: int, io, cpu: list[int], weights: list[float]) -> None:
         """The token's CPU experts on this thread, weighted and summed into the pinned fp32
         buffer (by the native kernel when there is one, in one call)."""
         t0 = time.perf_counter()
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
         if self.packed_cpu is not None:
-            weight = dict(zip(ids, w, strict=True))
-            self.packed_cpu.run_experts(layer, cpu, [weight[e] for e in cpu], io.x_h, acc)
+            self.packed_cpu.run_experts(layer, cpu, weights, io.x_h, acc)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
             return
         if self.cpu_kernel is not None:
-            self.cpu_kernel.run(*self._native_args(layer, ids, w, cpu), io.x_h, acc)
+            self.cpu_kernel.run(*self._native_args(layer, cpu), weights, io.x_h, acc)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
             return
         _, gate_up, down = self.store.expert_views(layer)
-        weight = dict(zip(ids, w, strict=True))
         with torch.inference_mode():
-            for i, expert in enumerate(cpu):
+            for i, (expert, weight) in enumerate(zip(cpu, weights, strict=True)):
                 bias = self.store.expert_biases(layer, expert, "cpu")
                 y = expert_ffn(x, gate_up[expert], down[expert], *bias, act=self.store.act)
                 y = y[0].float()
                 if i == 0:
-                    torch.mul(y, weight[expert], out=acc)
+                    torch.mul(y, weight, out=acc)
                 else:
-                    acc.add_(y, alpha=weight[expert])
+                    acc.add_(y, alpha=weight)
         self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
 
     def _observe_cpu(self, num_bytes: int, seconds: float) -> None:
@@ -185,6 +180,12 @@ class CapturedDecode:
         self.totals.copy_timed_bytes += num_bytes
         if self.adaptive:
             self.bw.observe("copy", num_bytes, seconds)
+
+
+def _weights_of(cpu: list[int], ids: list[int], w: list[float]) -> list[float]:
+    """The routing weight of each of the `cpu` experts (the token's `ids` weigh `w`)."""
+    weight = dict(zip(ids, w, strict=True))
+    return [weight[e] for e in cpu]
 
 
 def _average(old: float | None, new: float) -> float:

@@ -180,3 +180,7 @@ static double pool_wait(void) {
     pool_await(&pool_finished, pool_generation, 1);
     return pool_seconds;
 }
+/* exported (each library its own pool, called through its own handle): wait for the posted
+   task and return its seconds; set the items per claim of later tasks (0: fixed shares) */
+double agentrt_pool_wait(void) { return pool_wait(); }
+void agentrt_pool_schedule(int chunk) { pool_chunk = chunk; }
