@@ -124,6 +124,9 @@ class _CommandModel:
             message=lambda: message,
         )
 
+    def prepare_ahead(self) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 

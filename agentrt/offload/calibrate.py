@@ -127,7 +127,7 @@ def _time_cpu(store: ExpertStore, layer: int, count: int, kernel=None) -> float:
     """Bytes/s of one-token CPU experts, through `kernel` (a `NativeExperts`: on its thread pool
     where decode uses that, `pooled`) or torch's."""
     x = torch.randn(1, store.hidden).to(store.dtype)
-    if hasattr(kernel, "run_experts"):  # (packed rows' kernel)
+    if store.packed and kernel is not None:  # (packed rows' kernel: `PackedCPUExperts`)
         out = torch.empty(store.hidden, dtype=torch.float32)
         t0 = time.perf_counter()
         for i in range(count):
@@ -185,7 +185,7 @@ def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kerne
         for i in range(count):
             e = i % n
             try:
-                if hasattr(kernel, "run_experts"):  # (packed rows' kernel)
+                if store.packed and kernel is not None:  # (packed rows' kernel: `PackedCPUExperts`)
                     _packed_expert(kernel, layer, e, x, out, post=True)
                 else:
                     kernel.start([gate_up[e]], [down[e]], [1.0], x, out)

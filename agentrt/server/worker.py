@@ -85,7 +85,7 @@ class EngineWorker:
                 self._run(job)
                 if self.jobs.empty():  # idle: what the next turn would pay for, now
                     self.running = None
-                    getattr(self.runtime, "prepare_ahead", lambda: None)()
+                    self.runtime.prepare_ahead()
             finally:
                 self.busy, self.running = False, None
 

@@ -201,8 +201,7 @@ def run_agent(
             run.finished = True
             break
         # the engine prepares for the next turn (KV, graphs) while the tools run
-        prepare = getattr(rt, "prepare_ahead", lambda: None)
-        ahead = threading.Thread(target=prepare, name="agentrt-ahead")
+        ahead = threading.Thread(target=rt.prepare_ahead, name="agentrt-ahead")
         ahead.start()
         try:
             for call in result.tool_calls:
