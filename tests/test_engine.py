@@ -161,6 +161,32 @@ def test_decode_matches_prefill_logits(ckpt):
         assert (step - full[i]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_a_pass_that_raises_leaves_no_state_to_reuse(ckpt, step):
+    """A pass that raises inside the model (out of memory in its last layer, say) has moved
+    linear-attention state past the sequence's tokens: the live state must not be reused by
+    the next request (prefix reuse), which then generates what a fresh state does."""
+    ids, params = random_ids(80, seed=21), SamplingParams(max_tokens=6)
+    again = ids + ids[:5]  # (extends what either failed request left: prefix reuse takes it)
+    eng = open_engine(ckpt, chunk=32)
+    want = eng.generate(eng.new_state(), again, params).token_ids
+    state, last, calls = eng.new_state(), eng.model.layers[-1], []
+    real = last.forward
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (2 if step == "prefill" else 4):  # chunk 2, or the first decode step
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    last.forward = failing
+    with pytest.raises(RuntimeError, match="out of memory"):
+        eng.generate(state, ids, params, reuse=PrefixReuse())
+    last.forward = real
+    assert state.num_tokens == 0 or not state.linear_caches()
+    assert eng.generate(state, again, params, reuse=PrefixReuse()).token_ids == want
+
+
 def test_stop_token_ends_generation(ckpt):
     eng = open_engine(ckpt)
     ids = random_ids(20, seed=16)

@@ -207,6 +207,19 @@ class Engine:
         self._check_ids(token_ids)
         state.clear_captures()
         wanted = sorted({int(p) for p in capture if start < p <= start + len(token_ids)})
+        with state.passes(keep=Cancelled):  # (polled between pieces: those that ran stay)
+            return self._prefill(state, token_ids, wanted, all_logits, should_stop)
+
+    def _prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        wanted: list[int],
+        all_logits: bool,
+        should_stop: Callable[[], bool] | None,
+    ) -> torch.Tensor:
+        """`prefill`'s pieces: graph replays where they serve, then eager chunks."""
+        start = state.num_tokens
         graphs = self.prefill_graphs
         if (
             graphs is not None
@@ -363,13 +376,14 @@ class Engine:
         if self.offload is not None and self.offload.cache.pending:
             self.offload.cache.refill()  # the experts a KV growth made room from, back in
         logits = None
-        if self.decode_graph is not None:
-            for cache in state.kv_caches():
-                cache.reserve(state.num_tokens + 1, state.num_tokens)
-            logits = self.decode_graph.step(state, token_id)
-        if logits is None:
-            hidden = self.model(self._tensor([token_id]), state.caches, state.num_tokens)
-            logits = self.model.logits(hidden)[0]
+        with state.passes():
+            if self.decode_graph is not None:
+                for cache in state.kv_caches():
+                    cache.reserve(state.num_tokens + 1, state.num_tokens)
+                logits = self.decode_graph.step(state, token_id)
+            if logits is None:
+                hidden = self.model(self._tensor([token_id]), state.caches, state.num_tokens)
+                logits = self.model.logits(hidden)[0]
         state.token_ids.append(token_id)
         return logits
 

@@ -9,7 +9,8 @@ The state knows token ids only, never text, and nothing about storage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +176,23 @@ class SequenceState:
         for cache in self.linear_caches():
             cache.reset()
         self.token_ids = []
+
+    @contextmanager
+    def passes(self, keep: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Iterator:
+        """Around model passes that update this state in place before their tokens are added:
+        one that raises (out of memory, say; anything but `keep`, raised between passes) may
+        have advanced the linear-attention layers past the state's tokens, so a hybrid state is
+        emptied (no later request may reuse it); attention-only state stays (KV past its tokens
+        is never read)."""
+        try:
+            yield
+        except keep:
+            raise
+        except BaseException:
+            if self.linear_caches():
+                self.reset()
+            self.clear_captures()
+            raise
 
     def clear_captures(self) -> None:
         self.moved.clear()
