@@ -5,6 +5,8 @@ set in the expert cache."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -310,6 +312,43 @@ def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeyp
     monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", real)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_a_pass_stopped_after_queuing_fills_serves_nothing_to_the_next_one():
+    """A pass stopped after its first layer queued the next layer's fills (say, out of memory
+    in that layer's attention, outside the streamer), while the first layer's experts came to
+    sit in slots in expert order (resident): decode then evicts experts those fills counted as
+    cache hits. The next pass must not consume them: its experts equal the store's."""
+    from agentrt.models.moe import RoutedExperts
+
+    config = replace(_config("stream", split=False, slots=124), prefetch=False)
+    rt = Runtime.open("tiny", cache="off", offload=config)
+    experts = rt.engine.offload
+    store, cache, streamer = experts.store, experts.cache, experts.prefill
+    first, second = store.layers[0], store.layers[1]
+    num, top_k, gen = store.num_experts, 4, torch.Generator().manual_seed(0)
+
+    def decode(layer: int, chosen: list[int]) -> None:
+        x = torch.randn(1, store.hidden, generator=gen)
+        experts(layer, x, torch.tensor([chosen]), torch.full((1, top_k), 0.25))
+
+    decode(second, [0, 1, 2, 3])
+    x = torch.randn(40, store.hidden, generator=gen)
+    ids = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(40)])
+    weights = torch.rand(40, top_k, generator=gen)
+    streamer.run(first, x, ids, weights)  # (queues the second layer's fills, then stops)
+    assert streamer._resident_start(first) is not None
+    for layer in store.layers[2:]:
+        for e in range(0, num, top_k):
+            decode(layer, list(range(e, e + top_k)))
+    for e in range(4, 16, top_k):
+        decode(second, list(range(e, e + top_k)))
+    assert cache.slot_of[second][:4] == [-1] * 4  # (evicted since)
+    streamer.run(first, x, ids, weights)
+    got = streamer.run(second, x, ids, weights)
+    ref = RoutedExperts({second: store.gate_up(second)}, {second: store.down(second)})
+    assert (got - ref.looped(second, x, ids, weights)).abs().max().item() < 1e-5
+    cache.check()
 
 
 def test_grouped_expert_gemms_with_biases_equal_the_loop():

@@ -138,11 +138,11 @@ class PrefillStreamer:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
+        if layer == self.layers[0]:  # a new pass: what an earlier one queued serves nothing
+            self.ring.drop()  # (one stopped part-way, even where this first layer is resident)
         start = self._resident_start(layer)
         if start is not None:
             return self._run_resident(layer, start, x, ids, weights)
-        if layer == self.layers[0]:  # a new pass: nothing is queued ahead for its first layer
-            self.ring.drop()
         t = self.totals
         t0, blocked = time.perf_counter(), t.cpu_seconds + t.wait_seconds
         try:
