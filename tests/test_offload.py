@@ -789,6 +789,81 @@ def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     assert proc.stdout.split() == ["ok"] * 4
 
 
+def test_a_refill_keeps_the_ranking_a_later_resize_goes_by():
+    """Experts a resize brought back (`refill`) rank as they did before it, so a second resize
+    before decode touches them keeps the most valuable ones, with either policy; a rebuild
+    counts as one resize."""
+    from agentrt.offload.slots import ExpertCache
+    from agentrt.offload.store import ExpertStore
+
+    for policy in ("lru", "lfu"):
+        store = ExpertStore(range(1), 8, hidden=4, inter=2, dtype=torch.float32, pin=False)
+        cache = ExpertCache(store, 8, "cpu", policy)
+        for e in range(8):
+            cache.admit(0, e, exclude=set())
+        for e in range(8):
+            cache.policy.touch((0, e))  # (expert 7 the most recent)
+        cache.rebuild(6, lambda: None)
+        assert cache.resizes == 1
+        cache.refill()
+        assert [e for _, e in cache.ranked()] == [7, 6, 5, 4, 3, 2]
+        cache.rebuild(3, lambda: None)
+        assert [e for _, e in cache.pending] == [7, 6, 5]
+        cache.check()
+
+
+def test_a_kv_growth_that_fails_leaves_the_cache_the_room_it_had(model_spec):
+    """KV growth that fails inside the pool's rebuild (out of memory, say) leaves the KV as it
+    was, and the new pool as large as the budget allows beside it, not the smaller pool the
+    growth was to leave."""
+    from agentrt.engine.elastic import make_kv_room
+    from agentrt.models.kv import KVCache
+
+    config, _ = _elastic_config(model_spec, 64, 40)  # (40 slots: room for KV to grow into)
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    experts, state = rt.engine.offload, rt.engine.new_state(rt.engine.live_capacity())
+    slots = experts.cache.num_slots
+
+    def out_of_memory(self, num_tokens, used):
+        raise RuntimeError("CUDA out of memory")
+
+    real, KVCache.reserve = KVCache.reserve, out_of_memory
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            make_kv_room(experts, state, 200)
+    finally:
+        KVCache.reserve = real
+    assert all(c.capacity == 64 for c in state.kv_caches()) and experts.cache.num_slots == slots
+    experts.cache.check()
+
+
+def test_kv_given_back_stays_at_least_the_reservation(model_spec):
+    """A shorter session gives back KV that grew past the reservation, down to the reservation
+    and no further (below it no slot is gained; the buffers would only grow again)."""
+    from agentrt.engine.elastic import give_back_kv_room, make_kv_room
+
+    config, _ = _elastic_config(model_spec, 4096, 40)
+    config = OffloadConfig(**{**config.__dict__, "vram_budget": config.vram_budget * 3})
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    experts, state = rt.engine.offload, rt.engine.new_state(rt.engine.live_capacity())
+    slots = experts.cache.num_slots
+    make_kv_room(experts, state, 9000)
+    state.token_ids = [1] * 9000  # (a long session's tokens, as far as the KV goes)
+    assert experts.cache.num_slots < slots
+    give_back_kv_room(experts, state, 300)
+    assert all(c.capacity == 4096 for c in state.kv_caches())
+    assert experts.cache.num_slots == slots
+    experts.cache.check()
+
+
+def test_offload_config_needs_a_staging_area_in_auto_mode():
+    from agentrt.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="staging_bytes must be > 0"):
+        OffloadConfig(mode="auto", staging_bytes=0)
+    assert OffloadConfig(mode="static", staging_bytes=0).staging_bytes == 0
+
+
 def test_offload_config_checks_the_cpu_kernel():
     from agentrt.errors import InvalidArgumentError
 

@@ -13,6 +13,15 @@ def _budgeted(experts) -> bool:
     return experts is not None and experts.slots_for_kv is not None
 
 
+def _slots_left(experts, caches, fallback: int) -> int:
+    """The slots the budget leaves beside the KV `caches` hold now (after a growth or a shrink
+    that failed part-way); `fallback` where even that does not fit."""
+    try:
+        return experts.slots_for_kv(sum(cache.bytes_at(cache.capacity) for cache in caches))
+    except InvalidArgumentError:
+        return fallback
+
+
 def make_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
     """KV about to outgrow the budget's KV reservation takes its room from the expert cache.
     The pool is freed, the KV grown, then a smaller pool made, between steps; the most valuable
@@ -37,22 +46,28 @@ def make_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
         for cache in caches:
             cache.reserve(num_tokens, state.num_tokens)
 
-    experts.cache.rebuild(slots, grow)  # (its experts come back at the next decode step)
+    # (its experts come back at the next decode step; a growth that fails, out of memory say,
+    # leaves the pool what the KV it left allows)
+    experts.cache.rebuild(slots, grow, lambda: _slots_left(experts, caches, slots))
 
 
 def give_back_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
     """KV that grew past its reservation goes back to the expert cache when a request of
     `num_tokens` tokens (prompt and generation) is shorter than the live sequence (a new, shorter
     session: a continuing one only grows) and needs less than half of the KV. The KV shrinks to
-    the request's size in whole growth steps (the live sequence is emptied if it was longer),
-    the pool is rebuilt larger, and its experts are copied back at the next decode step."""
+    the request's size in whole growth steps, never below the reservation (which costs the
+    cache nothing: smaller buffers would gain no slot and only be grown again), the live
+    sequence is emptied if it was longer, the pool is rebuilt larger, and its experts are
+    copied back at the next decode step."""
     caches = state.kv_caches()
     if not _budgeted(experts) or not caches:
         return
     if num_tokens > caches[0].capacity // 2 or num_tokens >= state.num_tokens:
         return  # (a session that grows on keeps its KV, and what was grown ahead for it)
     step = max(caches[0].grow_tokens, 1)
-    target = max(-(-num_tokens // step) * step, step)
+    target = max(-(-num_tokens // step) * step, step, experts.kv_reserved)
+    if target >= caches[0].capacity:
+        return
     slots = experts.slots_for_kv(sum(cache.bytes_at(target) for cache in caches))
     if slots <= experts.cache.num_slots:
         return
@@ -63,7 +78,8 @@ def give_back_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
         for cache in caches:
             cache.shrink(target, state.num_tokens)
 
-    experts.cache.rebuild(slots, shrink)
+    before = experts.cache.num_slots
+    experts.cache.rebuild(slots, shrink, lambda: _slots_left(experts, caches, before))
 
 
 def grow_ahead(experts, state: SequenceState, num_tokens: int) -> bool:

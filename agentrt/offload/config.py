@@ -108,8 +108,12 @@ class OffloadConfig:
                 "packed MXFP4 experts (--expert-format mxfp4) need offload mode auto "
                 "(--vram-budget or --expert-cache-slots)"
             )
-        if self.staging_bytes is not None and self.staging_bytes < 0:
-            raise InvalidArgumentError("staging_bytes must be >= 0")
+        if self.staging_bytes is not None and self.staging_bytes < (self.mode == "auto"):
+            raise InvalidArgumentError(  # (offloaded prefill copies the missing experts through it)
+                "staging_bytes must be > 0 with offload mode auto"
+                if self.mode == "auto"
+                else "staging_bytes must be >= 0"
+            )
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise InvalidArgumentError("expert_cache_slots must be >= 1")
         for name in ("cpu_moe_layers", "cpu_layers"):

@@ -64,22 +64,29 @@ class ExpertCache:
             row[:] = [-1] * len(row)
         self.slots, self.slot_rows = None, []  # the old pool's memory goes back first
         self._new_pool(num_slots, self.policy.name)
-        self.resizes += 1
+        self.resizes += num_slots > 0  # (`release` alone, or with the new pool of `rebuild`: one)
 
     def ranked(self) -> list[Key]:
         """The resident experts, most valuable first (by the policy)."""
         return self.policy.rank(key for key in self.owner if key is not None)
 
-    def rebuild(self, num_slots: int, between: Callable[[], None]) -> None:
+    def rebuild(
+        self, num_slots: int, between: Callable[[], None], failed: Callable[[], int] | None = None
+    ) -> None:
         """A pool of `num_slots` in place of this one, with `between` (say, KV growing or
         shrinking) run after this pool's memory is freed and before the new one is made (the
-        new one is made even if `between` fails); the experts worth keeping that fit are
-        listed in `pending`, for `refill`."""
+        new one is made even if `between` fails: of `failed()` slots then, the room what
+        `between` left allows, else `num_slots`); the experts worth keeping that fit are listed
+        in `pending`, for `refill`."""
         keep = self.worth_keeping()
         self.release()
+        done = False
         try:
             between()
+            done = True
         finally:
+            if not done and failed is not None:
+                num_slots = failed()
             self.resize(num_slots)
             self.pending = keep[:num_slots]
 
@@ -89,19 +96,19 @@ class ExpertCache:
         return list(dict.fromkeys([*self.pending, *self.ranked()]))
 
     def refill(self) -> int:
-        """Copy in the experts listed in `pending` (least valuable first, so the policy ranks
-        them as before; say, those a resize dropped), from the host store on the current
-        stream; returns how many were listed."""
+        """Copy in the experts listed in `pending` (say, those a resize dropped), from the host
+        store on the current stream, least valuable first, each touched as it comes (the
+        resize's fresh policy then ranks them as before: a later resize keeps the most valuable
+        ones); returns how many were listed."""
         keys, self.pending = self.pending, []
         for layer, expert in reversed(keys):
-            if self.slot_of[layer][expert] >= 0:  # (already back: ranked as it was)
-                self.policy.touch((layer, expert))
-                continue
-            slot = self.admit(layer, expert, exclude=set())
-            if slot is None:
-                break
-            on_gpu = self.device.type == "cuda"
-            self.slot_rows[slot].copy_(self.store.flat[layer][expert], non_blocking=on_gpu)
+            if self.slot_of[layer][expert] < 0:  # (else already back)
+                slot = self.admit(layer, expert, exclude=set())
+                if slot is None:
+                    break
+                on_gpu = self.device.type == "cuda"
+                self.slot_rows[slot].copy_(self.store.flat[layer][expert], non_blocking=on_gpu)
+            self.policy.touch((layer, expert))
         return len(keys)
 
     def lookup(self, layer: int, expert: int) -> int:
