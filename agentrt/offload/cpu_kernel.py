@@ -266,13 +266,16 @@ def native_experts() -> NativeExperts | None:
 
 
 def build_library(name: str, source: str) -> ctypes.CDLL | None:
-    """The C `source` built with `FLAGS` into `home_dir()/kernels` once per source, flags and
-    compiler, and loaded; None (the reason on stderr) without a compiler or if it fails."""
+    """The C `source` built with `FLAGS` into `home_dir()/kernels` once per source, flags,
+    compiler and CPU (its instruction sets: `-march=native` code may not run on another CPU
+    sharing the home directory), and loaded; None (the reason on stderr) without a compiler or
+    if it fails."""
     compiler = variable("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         print(f"agentrt: no C compiler: {name} unavailable, torch's kernels run", file=sys.stderr)
         return None
-    key = hashlib.sha256((source + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
+    build = [source, *FLAGS, compiler, *sorted(cpu_flags())]
+    key = hashlib.sha256("\n".join(build).encode()).hexdigest()[:16]
     path = home_dir() / "kernels" / f"{name}-{key}.so"
     try:
         if not path.exists():
@@ -284,14 +287,20 @@ def build_library(name: str, source: str) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def has_fast_dot() -> bool:
-    """Whether this CPU has the kernel's vector dot products: AVX512-BF16 (`vdpbf16ps`), or
-    AVX2 with FMA."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return False
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def has_fast_dot() -> bool:
+    """Whether this CPU has the kernel's vector dot products: AVX512-BF16 (`vdpbf16ps`), or
+    AVX2 with FMA."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
