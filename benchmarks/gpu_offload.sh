@@ -6,8 +6,8 @@
 # the Qwen3 tokenizer (each setting's 16 tokens after the timed ones run under cProfile).
 # Prepare on the dev machine first: bash benchmarks/gpu_ttft.sh prepare (copies the tokenizer to
 # .tok/), then run with carry .whl .tok. Writes into $OUT: summary.log (tests, costs, bw, the
-# tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 / NOSPIN=0 skip the
-# calibration run / the rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
+# tables), decode_offload_<kernel>.json, py_profile_<kernel>.txt. Env: BW=0 skips the
+# calibration run, NOSPIN=1 adds a rerun without spinning OpenMP workers; SKIP_TESTS=1 skips the tests;
 # PROBES=0 skips host_step_costs.py, bench_cpu_kernel.py, bench_pool_contention.py and
 # writer_load.py; MODEL and TOK pick another model
 # and tokenizer directory (e.g. MODEL=synthetic:gpt-oss-20b TOK=.tok/gpt-oss, after

@@ -127,6 +127,7 @@ def test_fla_norms_match_torch(dtype):
         torch.testing.assert_close(norm(*args).float(), ref.float(), **tol)
 
 
+@needs_fla
 def test_fla_head_norms_tune_once_per_size_class():
     """Head-sized norms (fla's tile kernels) over many row counts: right, and tuned for at most
     two size classes per shape (fla's own wrappers tune again for almost every prompt length)."""
