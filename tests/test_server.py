@@ -400,8 +400,7 @@ def test_metrics_keep_integer_precision():
 
 def test_an_idle_worker_prepares_the_engine_for_the_next_turn():
     """After a job, with nothing queued, the engine worker calls `prepare_ahead` (KV grown and
-    graphs captured between turns); a runtime without it, or one whose preparation fails, is
-    served as before."""
+    graphs captured between turns)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -436,6 +435,49 @@ def test_an_idle_worker_prepares_the_engine_for_the_next_turn():
         while (worker.busy or not runtime.prepared) and time.time() < deadline:
             time.sleep(0.01)
         assert runtime.prepared == 1 and worker.depth() == 0
+        worker.stop()
+    finally:
+        loop.close()
+
+
+def test_a_job_whose_client_left_while_it_waited_still_ends():
+    """A queued job cancelled before the worker reaches it (its client went away) is skipped
+    but still ends (DONE), so the request handler waiting on it returns and the server can shut
+    down; it never runs."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from agentrt.server.worker import DONE, EngineWorker, Job
+
+    release, ran = threading.Event(), []
+
+    class Fake:
+        def chat_prepared(self, prepared, stream, should_stop, **kwargs):
+            ran.append(prepared)
+            release.wait(10)
+            yield SimpleNamespace(type="done", result=prepared)
+
+        def prepare_ahead(self) -> bool:
+            return False
+
+    loop = asyncio.new_event_loop()
+    try:
+        worker = EngineWorker(Fake(), queue_size=4)
+        first, second = (Job(prepared=n, kwargs={}, loop=loop) for n in ("first", "second"))
+        worker.submit(first)
+        worker.submit(second)
+        second.cancelled = True
+        release.set()
+
+        async def drain(job: Job) -> list:
+            items = []
+            while not items or items[-1] is not DONE:
+                items.append(await asyncio.wait_for(job.events.get(), 10))
+            return items
+
+        assert loop.run_until_complete(drain(second)) == [DONE] and second.finished
+        assert ran == ["first"]
         worker.stop()
     finally:
         loop.close()

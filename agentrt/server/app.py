@@ -303,6 +303,8 @@ class ChatServer:
                 failure = failure or item
             elif item.type == "done":
                 result = item.result
+        if failure is None and result is None and job.cancelled:
+            return None, None  # (its client went away before it ran)
         if failure is not None or result is None:
             return None, failure or RuntimeError("generation ended without a result")
         return result, None

@@ -78,7 +78,9 @@ class EngineWorker:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancelled:
+            if job.cancelled:  # (its client went away while it waited: it still ends)
+                job.finished = True
+                job.emit(DONE)
                 continue
             self.busy, self.running = True, job
             try:
