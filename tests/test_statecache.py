@@ -1009,10 +1009,13 @@ def test_blob_parts_round_trip_and_reject_a_damaged_table():
             unpack(bad)
 
 
-def test_a_writer_behind_gets_the_checkpoints_after_the_response(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ending", ["length", "stop"])
+def test_a_writer_behind_gets_the_checkpoints_after_the_response(tmp_path, monkeypatch, ending):
     """Back-to-back requests outpace a slow writer: checkpoints its queue has no room for at
-    prefill time are queued again after the response (waiting for room), not lost; every
-    boundary the prefill chose is stored in the end."""
+    prefill time are queued again after the response (waiting for room), not lost, whether the
+    response ends at its token limit or at a stop token (where the chat stops reading the
+    engine's tokens); every boundary the prefill chose is stored in the end."""
+    import agentrt.engine.engine as engine_module
     from agentrt.statecache.keys import PrefixKeys
     from agentrt.statecache.manager import StateCache
 
@@ -1033,7 +1036,16 @@ def test_a_writer_behind_gets_the_checkpoints_after_the_response(tmp_path, monke
     ids = _prompt_ids(sem, msgs)
     wanted = cache.capture_positions(ids, 0)
     assert len(wanted) >= 3  # more checkpoints than the queue holds
-    sem.chat(msgs, tools=TOOLS, max_tokens=2)
+    if ending == "stop":
+        sampled, real = [], engine_module.sample
+
+        def stop_second(logits, params, rng):
+            sampled.append(1)
+            return sem.chat_stop_ids[0] if len(sampled) == 2 else real(logits, params, rng)
+
+        monkeypatch.setattr(engine_module, "sample", stop_second)
+    result = sem.chat(msgs, tools=TOOLS, max_tokens=2 if ending == "length" else 50)
+    assert result.finish_reason == ending
     cache.flush()
     assert cache.stats["deferred_saved"] > 0 and cache.stats["deferred_dropped"] == 0
     keys = PrefixKeys(cache.fp, ids)

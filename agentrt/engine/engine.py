@@ -427,7 +427,12 @@ class Engine:
         gen.timings.prefill_s = time.perf_counter() - t0
         if prefill_end is not None:
             gen.timings.capture_gpu_s = prefill_end.elapsed_time(capture_end) / 1000
-        yield from self._decode_loop(state, logits, params, rng, gen, gen.started_at or t0, reuse)
+        began = gen.started_at or t0
+        try:
+            yield from self._decode_loop(state, logits, params, rng, gen, began, reuse)
+        except GeneratorExit:  # (the caller stopped reading: a stop token or string it found)
+            reuse.after_generation(state)
+            raise
         reuse.after_generation(state)
 
     def _decode_loop(

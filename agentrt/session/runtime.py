@@ -321,10 +321,9 @@ class Runtime:
     ) -> Iterator[ChatEvent]:
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
         hit = False
+        tokens = self.engine.stream(self._live_state(), prompt_ids, params, gen, self.reuse)
         try:
-            for token in self.engine.stream(
-                self._live_state(), prompt_ids, params, gen, self.reuse
-            ):
+            for token in tokens:
                 if token in params.stop_token_ids:
                     break
                 piece, hit = text.push(detok.push(token))
@@ -334,6 +333,8 @@ class Runtime:
                     break
         except Cancelled:
             gen.finish_reason = "cancelled"
+        finally:
+            tokens.close()  # (now: the engine's end of generation runs before the result)
         if not hit:
             yield from parser.feed(text.push(detok.finish())[0])
             yield from parser.feed(text.flush())
