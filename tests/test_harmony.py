@@ -66,6 +66,15 @@ def test_a_tool_call_reply_splits_into_reasoning_and_a_streamed_call():
     assert deltas == parser.tool_calls[0]["function"]["arguments"] and events[-1].streamed
 
 
+def test_a_call_without_arguments_streams_the_arguments_it_ends_with():
+    """An empty body (`<|message|>` then `<|call|>`) is a call with `{}`: its streamed argument
+    deltas join to that too (a streaming client never ends up with an empty string)."""
+    reply = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|><|call|>"
+    parser, events = _parse(reply, tools=TOOLS)
+    assert _summary(parser) == ("", "", [("get_weather", "{}")])
+    assert "".join(e.text for e in events if e.type == "tool_call_args") == "{}"
+
+
 @pytest.mark.parametrize("reply", [CALL_REPLY, FINAL_REPLY])
 def test_any_split_of_the_stream_gives_the_whole_reply(reply):
     whole = _summary(_parse(reply, tools=TOOLS)[0])

@@ -122,6 +122,18 @@ REFUSED = [
     json.dumps(_body(tool_choice="required")).encode(),
     json.dumps(_body(reasoning={"effort": "max"})).encode(),
     json.dumps(_body(reasoning="high")).encode(),
+    json.dumps(  # (unhashable call ids and names, a reasoning item whose content is no list)
+        _body(
+            input=[
+                {"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"},
+                {"type": "function_call_output", "call_id": ["c"], "output": "x"},
+            ]
+        )
+    ).encode(),
+    json.dumps(_body(tools=R_TOOLS, tool_choice={"type": "function", "name": ["f"]})).encode(),
+    json.dumps(
+        _body(input=[{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}])
+    ).encode(),
 ]
 
 

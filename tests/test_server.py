@@ -481,3 +481,17 @@ def test_a_job_whose_client_left_while_it_waited_still_ends():
         worker.stop()
     finally:
         loop.close()
+
+
+def test_a_tool_without_a_description_gets_an_empty_one():
+    """OpenAI makes a function's description optional; chat templates such as gpt-oss's read
+    it, so the chat API fills in an empty one, as the Responses and Anthropic APIs do."""
+    from agentrt.server import schema
+
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    _, tools = schema.to_plain(schema.decode(json.dumps(body).encode()))
+    assert tools[0]["function"] == {"name": "f", "description": ""}

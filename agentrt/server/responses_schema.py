@@ -106,7 +106,7 @@ def _check_tool_choice(choice, names: set[str]) -> None:
     if choice == "required" and names:
         return
     if isinstance(choice, dict) and choice.get("type") == "function":
-        if choice.get("name") in names:
+        if isinstance(choice.get("name"), str) and choice["name"] in names:
             return
     raise BadRequest(
         "tool_choice must be 'none', 'auto', 'required' (with tools) or name one of the "
@@ -181,7 +181,7 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
-            if call_id not in calls:
+            if not isinstance(call_id, str) or call_id not in calls:
                 raise BadRequest(f"{where}: output for unknown call_id {call_id!r}", where)
             output = _text(item.get("output"), where)
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -196,6 +196,8 @@ def _gather(turn: dict[str, Any], item: dict[str, Any], kind: str, where: str, c
     """Add a reasoning, assistant message or function-call item to the assistant `turn`."""
     if kind == "reasoning":
         parts = item.get("content") or item.get("summary") or []
+        if not isinstance(parts, list):
+            raise BadRequest(f"{where}: a reasoning item's content must be a list", where)
         text = "".join(_text(p.get("text", ""), where) for p in parts if isinstance(p, dict))
         turn["reasoning_content"] = turn.get("reasoning_content", "") + text
     elif kind == "message":

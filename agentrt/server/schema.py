@@ -216,7 +216,10 @@ def _check_tool_choice(choice: str | dict | None, names: set[str]) -> None:
 
 
 def to_plain(req: ChatRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Messages and tools as plain OpenAI dicts for the runtime."""
+    """Messages and tools as plain OpenAI dicts for the runtime (a tool without a description
+    gets an empty one, as on the other APIs: chat templates such as gpt-oss's read it)."""
     messages = msgspec.to_builtins(req.messages)
     tools = msgspec.to_builtins(req.tools) if req.tools else None
+    for tool in tools or ():
+        tool["function"].setdefault("description", "")
     return messages, tools

@@ -207,6 +207,8 @@ class HarmonyParser:
         if name is not None:
             if self.call is None:  # (an empty body: a call without arguments)
                 self._call_text(name, "", events)
+            if not self.arguments:  # (streamed too: the deltas join to the final arguments)
+                self._call_text(name, "{}", events)
             call, self.call = self.call, None
             call["function"]["arguments"] = self.arguments or "{}"
             self.arguments = ""
