@@ -611,6 +611,98 @@ def test_windowed_layers_store_only_their_window_and_restore_exactly(tmp_path, t
         reader.close()
 
 
+def test_a_restored_window_is_never_cut_back_below_its_start(tmp_path, tiny_gpt_oss):
+    """After a restore, gpt-oss's sliding-window layers hold only the restored window (below
+    it, whatever the buffers held before: zeros in a new process). A later prompt sharing a
+    shorter prefix with the live state must not cut it back below the window (its queries would
+    attend to stale keys): it restores or prefills instead, and generates what a state
+    recomputed from nothing does."""
+    marker = 2  # (`<|im_end|>`: a message end, so the prompt has a checkpoint)
+    first = list(range(30, 700)) + [marker] + list(range(40, 80))
+    writer = _semantic(str(tiny_gpt_oss), tmp_path / "state")
+    writer.generate(first, max_tokens=1)
+    writer.close()
+    sem = _semantic(str(tiny_gpt_oss), tmp_path / "state")  # (its buffers hold nothing yet)
+    off = Runtime.open(str(tiny_gpt_oss), cache="off")
+    restored = first[:671] + list(range(50, 90))
+    assert sem.generate(restored, max_tokens=8) == off.generate(restored, max_tokens=8)
+    assert sem.reuse.source in ("ram", "lmdb") and sem._live_state().floor == 670
+    shorter = first[:600] + list(range(200, 230))  # (shares 600 tokens with the live state)
+    assert sem.generate(shorter, max_tokens=24) == off.generate(shorter, max_tokens=24)
+    assert sem.reuse.source != "live"
+    sem.close()
+
+
+def _checkpoint(rt: Runtime, prompt: list[int], pos: int) -> None:
+    """Save the state after `prompt[:pos]` as a message-end checkpoint and wait for it."""
+    cache, eng = rt.reuse.cache, rt.engine
+    state = eng.new_state()
+    eng.prefill(state, prompt[:pos])
+    conv, rec = state.linear_at(pos)
+    cache.save(prompt, pos, "message_end", state.kv_caches(), conv, rec)
+    cache.flush()
+
+
+def test_room_made_for_a_checkpoint_keeps_the_chunks_it_shares(tmp_path):
+    """A full cache evicts before a write, but never a record whose KV chunks the new
+    checkpoint references without carrying them (an idle, shorter prefix of the same session):
+    the checkpoint is stored, not dropped for a missing chunk."""
+    from agentrt.statecache.codec import encode_record
+
+    rt = _semantic("tiny", tmp_path / "state", ram_bytes=0)
+    cache, store = rt.reuse.cache, rt.reuse.cache.store
+    session = list(range(20, 320)) * 2
+    _checkpoint(rt, session, 300)  # (owns the session's first chunk)
+    one = store.total_bytes()
+    keys = PrefixKeys(cache.fp, session)
+    idle = store.get_record(keys.key(300))
+    idle.last_used -= 7200  # (two hours idle: the first to go)
+    store._txn(lambda txn: txn.put(keys.key(300), encode_record(idle), db=store.records), True)
+    for i in range(3):
+        _checkpoint(rt, [5 + i, *range(21, 320)], 280)
+    store.max_bytes = store.total_bytes() + one // 4  # (nearly full)
+    _checkpoint(rt, session, 560)
+    assert store.has_record(keys.key(560)) and not cache.stats["write_missing_chunk"]
+    rt.close()
+
+
+def test_a_checkpoint_served_from_ram_counts_as_used(tmp_path):
+    """A restore from the RAM tier counts a hit on the stored record and refreshes its last
+    use, as one from LMDB does (eviction ranks records by them)."""
+    rt = _semantic("tiny", tmp_path / "state")
+    cache = rt.reuse.cache
+    prompt = [*range(20, 300), 2, *range(30, 60)]
+    rt.generate(prompt, max_tokens=1)
+    cache.flush()
+    key = PrefixKeys(cache.fp, prompt).key(281)
+    before = cache.store.get_record(key)
+    time.sleep(0.05)
+    for i in range(3):
+        assert rt.reuse.begin(rt.engine.new_state(), [*prompt[:281], 40 + i, 41])[0] == 281
+        assert rt.reuse.source == "ram"
+    cache.flush()
+    after = cache.store.get_record(key)
+    assert after.hits == before.hits + 3 and after.last_used > before.last_used
+    rt.close()
+
+
+def test_chunks_evicted_since_are_carried_again(tmp_path):
+    """The writer remembers which KV chunks are stored, to copy only new ones; after an
+    eviction it asks again, so a later checkpoint carries a chunk deleted since instead of
+    being dropped for it."""
+    rt = _semantic("tiny", tmp_path / "state", ram_bytes=0)
+    cache = rt.reuse.cache
+    session = [*range(20, 299), 2, *range(20, 320), 2, *range(30, 80), 2, *range(40, 60)]
+    rt.generate(session[:281], max_tokens=1)
+    cache.flush()
+    assert cache.store.evict(0) == 1
+    rt._live_state().reset()
+    rt.generate(session, max_tokens=1)
+    cache.flush()
+    assert not cache.stats["dropped_missing_chunk"] and cache.store.stats()["records"] == 3
+    rt.close()
+
+
 def test_pinned_ring_hands_out_regions_first_in_first_out(monkeypatch):
     """Ring placement: in order, wrapping to the start, None when full; out-of-order frees are
     tolerated; one ring per size per process. (Plain memory stands in for page-locked here.)"""

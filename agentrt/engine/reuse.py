@@ -78,9 +78,9 @@ class PrefixReuse(NoReuse):
         if common is None:
             common = common_prefix(state.token_ids, prompt)
         common = min(common, len(prompt) - 1)
-        if common == state.num_tokens or not state.linear_caches():
+        if common == state.num_tokens or (not state.linear_caches() and common >= state.floor):
             return max(common, 0)
-        return 0  # hybrid state that is not an exact prefix cannot be cut back
+        return 0  # hybrid state that is not an exact prefix (or a cut below a restored window)
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
         return self._keep_live(state, self.live_length(state, prompt))

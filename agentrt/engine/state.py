@@ -64,6 +64,10 @@ class SequenceState:
     # captures the last prefill took earlier than asked (see `Engine.capture_grid`):
     # asked position -> the position whose state was captured for it
     moved: dict[int, int] = field(default_factory=dict)
+    # the shortest prefix the state can be cut back to: after a restore, sliding-window layers
+    # hold only the restored window (below it, another sequence's KV), so a prefix that ends
+    # earlier than one position before the restored end would attend to stale keys
+    floor: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +84,7 @@ class SequenceState:
         return sorted(linear[0].captured) if linear else []
 
     def can_export(self, pos: int) -> bool:
-        if not 0 <= pos <= self.num_tokens:
+        if not 0 <= pos <= self.num_tokens or 0 < pos < self.floor:
             return False
         return (
             pos == self.num_tokens or not self.linear_caches() or pos in self.captured_positions()
@@ -147,8 +151,10 @@ class SequenceState:
         self.token_ids = list(snap.token_ids)
 
     def adopt(self, token_ids: Sequence[int]) -> None:
-        """Declare that the caches now hold the state after `token_ids` (filled externally)."""
+        """Declare that the caches now hold the state after `token_ids` (filled externally: a
+        restore, whose sliding-window layers got only the last window; see `floor`)."""
         self.token_ids = list(token_ids)
+        self.floor = max(0, len(token_ids) - 1) if self.cfg.sliding_layers else 0
         self.clear_captures()
 
     @torch.inference_mode()
@@ -170,12 +176,14 @@ class SequenceState:
             for p in [p for p in cache.captured if p > pos]:
                 del cache.captured[p]
         self.token_ids = self.token_ids[:pos]
+        self.floor = min(self.floor, pos)  # (0: nothing left that an earlier restore wrote)
 
     @torch.inference_mode()
     def reset(self) -> None:
         for cache in self.linear_caches():
             cache.reset()
         self.token_ids = []
+        self.floor = 0
 
     @contextmanager
     def passes(self, keep: type[BaseException] | tuple[type[BaseException], ...] = ()) -> Iterator:

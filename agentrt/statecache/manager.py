@@ -99,6 +99,7 @@ class StateCache(Writer, Restorer):
         self.last_full = False  # the last `save` found the writer's queue or ring full
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # chunk keys present in LMDB
+        self._known_at = 0  # the store's evictions when `_known` was last emptied
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
         self._queued: Counter[bytes] = Counter()  # checkpoint keys of queued jobs
         self._written = threading.Condition(self._lock)  # notified after each job

@@ -140,7 +140,7 @@ class Restorer:
         except KeyError:  # a payload vanished (evicted, possibly by another process)
             self.stats["payload_missing"] += 1
             return None
-        if record is not None:
+        if kind != "block":  # (from RAM too: the stored record's use counts for eviction)
             self._touch(key)
         return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
 
@@ -261,12 +261,12 @@ class Restorer:
             scratch = torch.empty(
                 min(group, len(jobs)) * span, dtype=torch.uint8, device=self.device
             )
-        self.dirty = True  # chunks land in the caches from here on
         for lo in range(0, len(jobs), group):
             hi = min(lo + group, len(jobs))
             wait(jobs[lo:hi])
             if any(job.exception() is not None for job in jobs[lo:hi]):
                 return  # (the caller raises it)
+            self.dirty = True  # chunks land in the caches from here on
             self._upload_group(staged[lo * span : hi * span], lo, hi - lo, scratch, kv_caches)
 
     def _upload_group(self, host: torch.Tensor, first: int, count: int, scratch, kv_caches):

@@ -85,6 +85,9 @@ class _ResizeLock:
                 self._cond.notify_all()
 
 
+DB_NAMES = (b"records", b"chunks", b"refs", b"blobs", b"meta")
+
+
 class _SharedEnv:
     """One LMDB environment per directory per process (LMDB allows no second one), shared by
     every `Store` on that directory; `lock` keeps map resizes away from open transactions."""
@@ -106,6 +109,10 @@ class _SharedEnv:
             writemap=True,
             mode=FILE_MODE,
         )
+        # the named databases, opened once with the environment: opening one takes LMDB's
+        # write lock without giving up the interpreter, which deadlocks beside a write running
+        # on another thread of this process (a second Store on the directory, say)
+        self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
         self.lock = _ResizeLock()
         self.users = 0
 
@@ -140,11 +147,11 @@ class Store:
         self.shared = _SharedEnv.acquire(path, size)
         self.env = self.shared.env
         self.closed = False
-        self.records = self.env.open_db(b"records")
-        self.chunks = self.env.open_db(b"chunks")
-        self.refs = self.env.open_db(b"refs")
-        self.blobs = self.env.open_db(b"blobs")
-        self.meta = self.env.open_db(b"meta")
+        self.records, self.chunks, self.refs, self.blobs, self.meta = (
+            self.shared.dbs[name] for name in DB_NAMES
+        )
+        self.evictions = 0  # records this object evicted (a writer's knowledge of chunks ages)
+        self._keep_chunks: frozenset[bytes] = frozenset()  # (see `put_checkpoint`)
 
     def close(self) -> None:
         if not self.closed:
@@ -262,12 +269,22 @@ class Store:
     def put_checkpoint(
         self, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes
     ) -> str:
-        """Write one checkpoint atomically. Returns "written", "exists" or "missing_chunk"."""
+        """Write one checkpoint atomically. Returns "written", "exists" or "missing_chunk".
+        Room made for it (eviction) never deletes a stored chunk it references (those it does
+        not carry itself); what that leaves over the cap is evicted once it is written (its
+        chunks referenced by it then, the older records sharing them can go)."""
         size = len(blob) + sum(map(len, chunks.values()))
-        if self.total_bytes() + size > self.max_bytes:
+        self._keep_chunks = frozenset(record.chunk_keys)
+        try:
+            if self.total_bytes() + size > self.max_bytes:
+                self.evict(int(self.max_bytes * 0.8))
+            self._make_room(size)
+            result = self._txn(lambda txn: self._put(txn, key, record, chunks, blob), write=True)
+        finally:
+            self._keep_chunks = frozenset()
+        if self.total_bytes() > self.max_bytes:
             self.evict(int(self.max_bytes * 0.8))
-        self._make_room(size)
-        return self._txn(lambda txn: self._put(txn, key, record, chunks, blob), write=True)
+        return result
 
     def _make_room(self, size: int) -> None:
         """Grow the map ahead of a write of `size` bytes (plus B-tree overhead), so that a large
@@ -357,15 +374,19 @@ class Store:
         return per_byte * (1 + record.hits) * 0.5 ** ((now - record.last_used) / 3600)
 
     def evict(self, target_bytes: int) -> int:
-        """Delete the lowest-scoring records until stored payloads fit `target_bytes`."""
+        """Delete the lowest-scoring records until stored payloads fit `target_bytes` (none
+        that shares a chunk with the checkpoint being written: `put_checkpoint`)."""
         if self.total_bytes() > (self.path / "data.mdb").stat().st_size:
             self._recount()  # a damaged total would otherwise evict everything, every write
-        now, removed = time.time(), 0
+        now, removed, keep = time.time(), 0, self._keep_chunks
         ranked = sorted(self.list_records(), key=lambda kr: self.score(kr[1], now))
-        for key, _ in ranked:
+        for key, record in ranked:
             if self.total_bytes() <= target_bytes:
                 break
+            if keep and not keep.isdisjoint(record.chunk_keys):
+                continue
             removed += self.delete(key)
+        self.evictions += removed
         return removed
 
     def _recount(self) -> None:

@@ -21,6 +21,9 @@ from agentrt.statecache.keys import BLOCK, PrefixKeys
 from agentrt.statecache.ram import nbytes
 from agentrt.statecache.staging import PinnedRing
 
+# chunk keys the writer remembers as stored before it asks LMDB afresh (~100 MB of keys)
+KNOWN_LIMIT = 1_000_000
+
 
 @dataclass
 class _Job:
@@ -97,6 +100,9 @@ class Writer:
 
     def _new_chunks(self, chunk_keys: list[bytes]) -> list[bytes]:
         with self._lock:
+            if self.store.evictions != self._known_at or len(self._known) > KNOWN_LIMIT:
+                self._known.clear()  # (chunks known stored may be gone since: ask LMDB again)
+                self._known_at = self.store.evictions
             unsure = [ck for ck in chunk_keys if ck not in self._known and ck not in self._pending]
         missing = set(self.store.missing_chunks(unsure)) if unsure else set()
         with self._lock:
@@ -222,6 +228,8 @@ class Writer:
         )
         result = self.store.put_checkpoint(job.key, record, payloads, blob_payload)
         self.stats[f"write_{result}"] += 1
+        if result == "missing_chunk":  # (not stored: nor kept in RAM, to be captured again)
+            self.ram.drop(job.key)
         if result == "written":
             self.stats["bytes_written"] += len(blob_payload) + chunk_bytes
             raw_chunks = sum(raw_length(p) for p in payloads.values())
