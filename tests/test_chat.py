@@ -104,6 +104,23 @@ def test_runtime_chat_stop_string():
     assert cut.finish_reason == "stop" and cut.content == full[: full.index(stop)]
 
 
+def test_a_stop_string_inside_a_tool_call_ends_with_stop(monkeypatch):
+    """A stop string met inside a tool call cuts it short: the turn ends with `stop` (the
+    Anthropic API's `stop_sequence`, naming it), not as a finished tool call."""
+    from util import TOOLS, script_replies
+
+    from agentrt.server.anthropic import stop_reason
+
+    rt = Runtime.open()
+    call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "main.py"}}\n</tool_call>'
+    script_replies(monkeypatch, rt, [call, call])
+    messages = [{"role": "user", "content": "read main.py"}]
+    whole = rt.chat(messages, tools=TOOLS, max_tokens=64)
+    assert whole.finish_reason == "tool_calls" and stop_reason(whole) == ("tool_use", None)
+    cut = rt.chat(messages, tools=TOOLS, max_tokens=64, stop=["main"])
+    assert cut.finish_reason == "stop" and stop_reason(cut) == ("stop_sequence", "main")
+
+
 def test_xml_style_tool_call_body_is_parsed_with_schema_types():
     from agentrt.session.chat import parse_tool_call
 

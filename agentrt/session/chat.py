@@ -3,7 +3,8 @@ streaming output parser (reasoning `<think>…</think>`, tool calls `<tool_call>
 content), incremental detokenisation, and the result/event types of `Runtime.chat`.
 
 The parser works on text, holding back any tail that could be the start of a marker, so the same
-code serves streaming and non-streaming calls. Malformed tool-call JSON is returned as content.
+code serves streaming and non-streaming calls. Malformed tool-call JSON is returned as content,
+unless the call was streamed already (see `toolstream.py`): then it stays a call.
 """
 
 from __future__ import annotations

@@ -347,8 +347,8 @@ class Runtime:
         ids = gen.token_ids
         self.generated.remember(ids[:-1] if ids and ids[-1] in self.chat_stop_ids else ids)
         finish = gen.finish_reason
-        if parser.tool_calls and finish == "stop":
-            finish = "tool_calls"
+        if parser.tool_calls and finish == "stop" and stop_sequence is None:
+            finish = "tool_calls"  # (a stop string cuts a call short: it stays "stop")
         return ChatResult(
             content="".join(parser.content) if parser.content or not parser.tool_calls else None,
             reasoning_content="".join(parser.reasoning) or None,
