@@ -106,19 +106,25 @@ def test_runtime_chat_stop_string():
 
 def test_a_stop_string_inside_a_tool_call_ends_with_stop(monkeypatch):
     """A stop string met inside a tool call cuts it short: the turn ends with `stop` (the
-    Anthropic API's `stop_sequence`, naming it), not as a finished tool call."""
+    Anthropic API's `stop_sequence`, naming it), not as a finished tool call; one met after a
+    whole call ends the turn as that call (`tool_calls`, `tool_use`)."""
     from util import TOOLS, script_replies
 
     from agentrt.server.anthropic import stop_reason
 
     rt = Runtime.open()
     call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "main.py"}}\n</tool_call>'
-    script_replies(monkeypatch, rt, [call, call])
     messages = [{"role": "user", "content": "read main.py"}]
+    script_replies(monkeypatch, rt, [call])
     whole = rt.chat(messages, tools=TOOLS, max_tokens=64)
     assert whole.finish_reason == "tool_calls" and stop_reason(whole) == ("tool_use", None)
+    script_replies(monkeypatch, rt, [call])
     cut = rt.chat(messages, tools=TOOLS, max_tokens=64, stop=["main"])
     assert cut.finish_reason == "stop" and stop_reason(cut) == ("stop_sequence", "main")
+    script_replies(monkeypatch, rt, [call + "\nDone. HALT here"])
+    after = rt.chat(messages, tools=TOOLS, max_tokens=64, stop=["HALT"])
+    assert after.finish_reason == "tool_calls" and stop_reason(after) == ("tool_use", None)
+    assert after.tool_calls[0]["function"]["arguments"] == '{"path": "main.py"}'
 
 
 def test_xml_style_tool_call_body_is_parsed_with_schema_types():

@@ -644,9 +644,11 @@ def _checkpoint(rt: Runtime, prompt: list[int], pos: int) -> None:
 
 
 def test_room_made_for_a_checkpoint_keeps_the_chunks_it_shares(tmp_path):
-    """A full cache evicts before a write, but never a record whose KV chunks the new
-    checkpoint references without carrying them (an idle, shorter prefix of the same session):
-    the checkpoint is stored, not dropped for a missing chunk."""
+    """A full cache evicts before a write, but never the last record holding a KV chunk the
+    new checkpoint references without carrying it (an idle, shorter prefix of the same
+    session): the checkpoint is stored, not dropped for a missing chunk; records that share
+    that chunk with others still go (every session with the same first 256 tokens does), and
+    the cap holds."""
     from agentrt.statecache.codec import encode_record
 
     rt = _semantic("tiny", tmp_path / "state", ram_bytes=0)
@@ -658,11 +660,13 @@ def test_room_made_for_a_checkpoint_keeps_the_chunks_it_shares(tmp_path):
     idle = store.get_record(keys.key(300))
     idle.last_used -= 7200  # (two hours idle: the first to go)
     store._txn(lambda txn: txn.put(keys.key(300), encode_record(idle), db=store.records), True)
-    for i in range(3):
-        _checkpoint(rt, [5 + i, *range(21, 320)], 280)
+    for i in range(3):  # (other sessions: the same first chunk, then their own tokens)
+        _checkpoint(rt, [*session[:256], 5 + i, *range(21, 320)], 280)
     store.max_bytes = store.total_bytes() + one // 4  # (nearly full)
+    records = store.stats()["records"]
     _checkpoint(rt, session, 560)
     assert store.has_record(keys.key(560)) and not cache.stats["write_missing_chunk"]
+    assert store.stats()["records"] < records + 1 and store.total_bytes() <= store.max_bytes
     rt.close()
 
 

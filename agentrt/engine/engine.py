@@ -18,7 +18,7 @@ from agentrt.engine.config import EngineConfig
 from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs, graph_kv_tokens
 from agentrt.engine.elastic import give_back_kv_room, grow_ahead, make_kv_room
 from agentrt.engine.placement import kv_bytes_per_token
-from agentrt.engine.reuse import NoReuse
+from agentrt.engine.reuse import NoReuse, end_generation
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.errors import InvalidArgumentError, PromptTooLongError
@@ -431,9 +431,9 @@ class Engine:
         try:
             yield from self._decode_loop(state, logits, params, rng, gen, began, reuse)
         except GeneratorExit:  # (the caller stopped reading: a stop token or string it found)
-            reuse.after_generation(state)
+            end_generation(reuse, state)
             raise
-        reuse.after_generation(state)
+        end_generation(reuse, state)
 
     def _decode_loop(
         self, state, logits, params, rng, gen: Generation, t0: float, reuse

@@ -15,6 +15,7 @@ The engine calls `begin` before prefill, `after_prefill`, `after_token` after ea
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Sequence
 
 from agentrt.engine.state import SequenceState
@@ -36,6 +37,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while lo < n and a[lo] == b[lo]:
         lo += 1
     return lo
+
+
+def end_generation(reuse: NoReuse, state: SequenceState) -> None:
+    """`reuse.after_generation`, best effort: the reply is complete by then, so a failure is
+    reported, never raised."""
+    try:
+        reuse.after_generation(state)
+    except Exception:  # noqa: BLE001 - a finished reply must not become an error
+        traceback.print_exc()
 
 
 class NoReuse:

@@ -149,6 +149,7 @@ class SequenceState:
             cache.recurrent.copy_(rec, non_blocking=True)
             cache.captured.clear()
         self.token_ids = list(snap.token_ids)
+        self.floor = 0  # (every position's KV came with it)
 
     def adopt(self, token_ids: Sequence[int]) -> None:
         """Declare that the caches now hold the state after `token_ids` (filled externally: a

@@ -293,7 +293,8 @@ def cpu_flags() -> frozenset[str]:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    names = ("flags", "Features")  # (x86, Arm)
+    line = next((line for line in text.splitlines() if line.startswith(names)), "")
     return frozenset(line.partition(":")[2].split())
 
 

@@ -60,9 +60,11 @@ def usage(result) -> dict[str, int]:
 
 def stop_reason(result) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished generation."""
-    if result.stop_sequence is not None:  # (before a tool call it cut short)
+    if result.tool_calls and result.finish_reason == "tool_calls":
+        return "tool_use", None
+    if result.stop_sequence is not None:  # (one that cut a tool call short too)
         return "stop_sequence", result.stop_sequence
-    if result.tool_calls and result.finish_reason in ("stop", "tool_calls"):
+    if result.tool_calls and result.finish_reason == "stop":
         return "tool_use", None
     if result.finish_reason == "length":
         return "max_tokens", None

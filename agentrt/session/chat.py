@@ -369,6 +369,11 @@ class OutputParser:
     def __post_init__(self) -> None:
         self.names = tool_names(self.tools)
 
+    @property
+    def in_call(self) -> bool:
+        """Whether a tool call is open (its close not read yet)."""
+        return self.mode == "tool_call"
+
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text
         events: list[ChatEvent] = []

@@ -110,6 +110,11 @@ class HarmonyParser:
     def __post_init__(self) -> None:
         self.names = tool_names(self.tools)
 
+    @property
+    def in_call(self) -> bool:
+        """Whether a message to a function is open (its end not read yet)."""
+        return self.state == "body" and self._function() is not None
+
     def feed(self, text: str) -> list[ChatEvent]:
         self.pending += text
         events: list[ChatEvent] = []

@@ -320,7 +320,7 @@ class Runtime:
         gen: Generation,
     ) -> Iterator[ChatEvent]:
         detok, text = Detokenizer(self.tokenizer), _StopScanner(stops)
-        hit = False
+        hit, stop = False, (None, False)  # (the stop string met, and whether inside a call)
         tokens = self.engine.stream(self._live_state(), prompt_ids, params, gen, self.reuse)
         try:
             for token in tokens:
@@ -329,7 +329,7 @@ class Runtime:
                 piece, hit = text.push(detok.push(token))
                 yield from parser.feed(piece)
                 if hit:
-                    gen.finish_reason = "stop"
+                    gen.finish_reason, stop = "stop", (text.matched, parser.in_call)
                     break
         except Cancelled:
             gen.finish_reason = "cancelled"
@@ -339,16 +339,16 @@ class Runtime:
             yield from parser.feed(text.push(detok.finish())[0])
             yield from parser.feed(text.flush())
         yield from parser.finish()
-        yield ChatEvent("done", result=self._result(parser, gen, text.matched if hit else None))
+        yield ChatEvent("done", result=self._result(parser, gen, stop))
 
     def _result(
-        self, parser: OutputParser, gen: Generation, stop_sequence: str | None = None
+        self, parser: OutputParser, gen: Generation, stop: tuple[str | None, bool] = (None, False)
     ) -> ChatResult:
         ids = gen.token_ids
         self.generated.remember(ids[:-1] if ids and ids[-1] in self.chat_stop_ids else ids)
-        finish = gen.finish_reason
-        if parser.tool_calls and finish == "stop" and stop_sequence is None:
-            finish = "tool_calls"  # (a stop string cuts a call short: it stays "stop")
+        finish, (stop_sequence, cut_call) = gen.finish_reason, stop
+        if parser.tool_calls and finish == "stop" and not cut_call:
+            finish = "tool_calls"  # (a stop string that cut a call short: it stays "stop")
         return ChatResult(
             content="".join(parser.content) if parser.content or not parser.tool_calls else None,
             reasoning_content="".join(parser.reasoning) or None,

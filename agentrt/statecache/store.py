@@ -270,11 +270,12 @@ class Store:
         self, key: bytes, record: Record, chunks: dict[bytes, bytes], blob: bytes
     ) -> str:
         """Write one checkpoint atomically. Returns "written", "exists" or "missing_chunk".
-        Room made for it (eviction) never deletes a stored chunk it references (those it does
-        not carry itself); what that leaves over the cap is evicted once it is written (its
-        chunks referenced by it then, the older records sharing them can go)."""
+        Room made for it (eviction) never deletes a stored chunk it references and does not
+        carry (a record holding its last reference stays); what that leaves over the cap is
+        evicted once it is written, other records than it (its chunks referenced by it then,
+        those records can go)."""
         size = len(blob) + sum(map(len, chunks.values()))
-        self._keep_chunks = frozenset(record.chunk_keys)
+        self._keep_chunks = frozenset(ck for ck in record.chunk_keys if ck not in chunks)
         try:
             if self.total_bytes() + size > self.max_bytes:
                 self.evict(int(self.max_bytes * 0.8))
@@ -283,7 +284,7 @@ class Store:
         finally:
             self._keep_chunks = frozenset()
         if self.total_bytes() > self.max_bytes:
-            self.evict(int(self.max_bytes * 0.8))
+            self.evict(int(self.max_bytes * 0.8), keep=key)
         return result
 
     def _make_room(self, size: int) -> None:
@@ -373,21 +374,30 @@ class Store:
         per_byte = record.n_tokens / max(record.blob_bytes + record.chunk_bytes, 1)
         return per_byte * (1 + record.hits) * 0.5 ** ((now - record.last_used) / 3600)
 
-    def evict(self, target_bytes: int) -> int:
-        """Delete the lowest-scoring records until stored payloads fit `target_bytes` (none
-        that shares a chunk with the checkpoint being written: `put_checkpoint`)."""
+    def evict(self, target_bytes: int, keep: bytes | None = None) -> int:
+        """Delete the lowest-scoring records but `keep` until stored payloads fit
+        `target_bytes` (none holding the last reference to a chunk the checkpoint being written
+        needs stored: `put_checkpoint`)."""
         if self.total_bytes() > (self.path / "data.mdb").stat().st_size:
             self._recount()  # a damaged total would otherwise evict everything, every write
-        now, removed, keep = time.time(), 0, self._keep_chunks
+        now, removed, chunks = time.time(), 0, self._keep_chunks
         ranked = sorted(self.list_records(), key=lambda kr: self.score(kr[1], now))
         for key, record in ranked:
             if self.total_bytes() <= target_bytes:
                 break
-            if keep and not keep.isdisjoint(record.chunk_keys):
+            shared = chunks.intersection(record.chunk_keys) if chunks else ()
+            if key == keep or (shared and self._last_holder(shared)):
                 continue
             removed += self.delete(key)
         self.evictions += removed
         return removed
+
+    def _last_holder(self, chunk_keys) -> bool:
+        """Whether a record referencing `chunk_keys` holds the last reference to one of them."""
+        return self._txn(
+            lambda txn: any(_u64(txn.get(ck, db=self.refs)) <= 1 for ck in chunk_keys),
+            write=False,
+        )
 
     def _recount(self) -> None:
         """Set the payload total to the bytes of the stored chunks and blobs."""
