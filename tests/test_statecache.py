@@ -670,26 +670,6 @@ def test_room_made_for_a_checkpoint_keeps_the_chunks_it_shares(tmp_path):
     rt.close()
 
 
-def test_a_checkpoint_served_from_ram_counts_as_used(tmp_path):
-    """A restore from the RAM tier counts a hit on the stored record and refreshes its last
-    use, as one from LMDB does (eviction ranks records by them)."""
-    rt = _semantic("tiny", tmp_path / "state")
-    cache = rt.reuse.cache
-    prompt = [*range(20, 300), 2, *range(30, 60)]
-    rt.generate(prompt, max_tokens=1)
-    cache.flush()
-    key = PrefixKeys(cache.fp, prompt).key(281)
-    before = cache.store.get_record(key)
-    time.sleep(0.05)
-    for i in range(3):
-        assert rt.reuse.begin(rt.engine.new_state(), [*prompt[:281], 40 + i, 41])[0] == 281
-        assert rt.reuse.source == "ram"
-    cache.flush()
-    after = cache.store.get_record(key)
-    assert after.hits == before.hits + 3 and after.last_used > before.last_used
-    rt.close()
-
-
 def test_chunks_evicted_since_are_carried_again(tmp_path):
     """The writer remembers which KV chunks are stored, to copy only new ones; after an
     eviction it asks again, so a later checkpoint carries a chunk deleted since instead of

@@ -140,7 +140,7 @@ class Restorer:
         except KeyError:  # a payload vanished (evicted, possibly by another process)
             self.stats["payload_missing"] += 1
             return None
-        if kind != "block":  # (from RAM too: the stored record's use counts for eviction)
+        if record is not None:
             self._touch(key)
         return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
 
