@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from util import run_cli
+from util import invoke_cli, run_cli
 
 from agentrt import Runtime
 from agentrt.errors import (
@@ -24,41 +24,44 @@ def _copy(src, dst):
     return dst
 
 
-def _bad_dirs(tmp_path, hf_qwen3):
-    no_config = _copy(hf_qwen3, tmp_path / "no_config")
-    (no_config / "config.json").unlink()
-    bad_json = _copy(hf_qwen3, tmp_path / "bad_json")
-    (bad_json / "config.json").write_text("{not json")
-    unknown = _copy(hf_qwen3, tmp_path / "unknown_arch")
-    cfg = json.loads((unknown / "config.json").read_text())
-    (unknown / "config.json").write_text(json.dumps({**cfg, "model_type": "llama4"}))
-    no_weights = _copy(hf_qwen3, tmp_path / "no_weights")
-    (no_weights / "model.safetensors").unlink()
-    corrupt = _copy(hf_qwen3, tmp_path / "corrupt")
-    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
-    shape = _copy(hf_qwen3, tmp_path / "wrong_shape")
-    (shape / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
-    return {
-        "missing": (tmp_path / "nope", ModelNotFoundError, "not found"),
-        "no_config": (no_config, ModelFormatError, "config.json"),
-        "bad_json": (bad_json, ModelFormatError, "malformed"),
-        "unknown_arch": (unknown, UnsupportedArchitectureError, "llama4"),
-        "no_weights": (no_weights, ModelFormatError, "safetensors"),
-        "corrupt": (corrupt, ModelFormatError, "cannot read"),
-        "wrong_shape": (shape, ModelFormatError, "shape"),
-    }
+def _bad_dir(tmp_path, hf_qwen3, case: str):
+    """The model directory of `case`, the error type it must raise and words its message has."""
+    cfg = json.loads((hf_qwen3 / "config.json").read_text())
+    path = tmp_path / case if case == "missing" else _copy(hf_qwen3, tmp_path / case)
+    if case == "no_config":
+        (path / "config.json").unlink()
+    elif case == "bad_json":
+        (path / "config.json").write_text("{not json")
+    elif case == "unknown_arch":
+        (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama4"}))
+    elif case == "no_weights":
+        (path / "model.safetensors").unlink()
+    elif case == "corrupt":
+        (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    elif case == "wrong_shape":
+        (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+    return path, *{
+        "missing": (ModelNotFoundError, "not found"),
+        "no_config": (ModelFormatError, "config.json"),
+        "bad_json": (ModelFormatError, "malformed"),
+        "unknown_arch": (UnsupportedArchitectureError, "llama4"),
+        "no_weights": (ModelFormatError, "safetensors"),
+        "corrupt": (ModelFormatError, "cannot read"),
+        "wrong_shape": (ModelFormatError, "shape"),
+    }[case]
 
 
 @pytest.mark.parametrize(
     "case",
     ["missing", "no_config", "bad_json", "unknown_arch", "no_weights", "corrupt", "wrong_shape"],
 )
-@pytest.mark.slow
 def test_bad_model_dirs(tmp_path, hf_qwen3, case):
-    path, exc_type, words = _bad_dirs(tmp_path, hf_qwen3)[case]
+    path, exc_type, words = _bad_dir(tmp_path, hf_qwen3, case)
     with pytest.raises(exc_type, match=words):
         Runtime.open(model=str(path))
-    proc = run_cli("chat", "--model", str(path), "--device", "cpu", "hi", timeout=120)
+    # (one case as a user starts the command, the others in this process)
+    cli = run_cli if case == "corrupt" else invoke_cli
+    proc = cli("chat", "--model", str(path), "--device", "cpu", "hi", timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
@@ -97,7 +100,7 @@ def test_bad_options_are_named():
         Runtime.open(vram_budget="lots")
     with pytest.raises(InvalidArgumentError, match="no room for experts"):
         Runtime.open(vram_budget="1MiB")
-    proc = run_cli("chat", "--device", "cpu", "--vram-budget", "1MiB", "hi", timeout=120)
+    proc = invoke_cli("chat", "--device", "cpu", "--vram-budget", "1MiB", "hi", timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "no room" in proc.stderr
 
 
@@ -124,7 +127,7 @@ def test_cuda_requested_without_cuda():
 
 
 def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
-    proc = run_cli("model", "info", "tiny", "--json", str(tmp_path / "no" / "x.json"), timeout=120)
+    proc = invoke_cli("model", "info", "tiny", "--json", str(tmp_path / "no" / "x.json"))
     assert (
         proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     )
@@ -132,7 +135,7 @@ def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
 
 @pytest.mark.slow
 def test_cli_chat_needs_a_tokenizer_before_loading(tmp_path):
-    proc = run_cli(
+    proc = invoke_cli(
         "chat", "--model", "synthetic:qwen3-30b-a3b", "--device", "cpu", "hi", timeout=120
     )
     assert proc.returncode == 2 and "has no tokenizer" in proc.stderr

@@ -363,14 +363,14 @@ def test_bench_decode_compares_placements_in_one_run(tmp_path):
     figures, the decode bound and ratios (values are not asserted: this is no timing test)."""
     import json
 
-    from util import run_cli
+    from util import invoke_cli
 
     out = tmp_path / "decode.json"
     args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "32"]
     args += ["--tokens", "4", "--offload", "layer,auto,none,static", "--split", "on,off"]
     args += ["--prefetch", "on,off", "--repeat", "2", "--vram-budget", "1066MiB"]
     args += ["--json", str(out), "--py-profile", str(tmp_path / "prof.txt")]
-    result = run_cli(*args)
+    result = invoke_cli(*args)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     labels = [r["label"] for r in report["runs"]]
@@ -421,12 +421,12 @@ def test_bench_decode_after_several_prompt_lengths(tmp_path):
     a list without --offload is a usage error."""
     import json
 
-    from util import run_cli
+    from util import invoke_cli
 
     out = tmp_path / "decode.json"
     args = ["bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "8,40"]
     args += ["--tokens", "3", "--offload", "auto,static", "--vram-budget", "1066MiB"]
-    result = run_cli(*args, "--json", str(out))
+    result = invoke_cli(*args, "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["prompt_tokens"] == [8, 40]
@@ -441,7 +441,9 @@ def test_bench_decode_after_several_prompt_lengths(tmp_path):
         assert after["hit_rate_ratio"] == pytest.approx(long["hit_rate"] / short["hit_rate"])
     assert after["versus_prompt_tokens"] == 8 and "static@40" in report["after_prompt"]
     assert "auto/split/lru after 40 tokens" in result.stderr
-    bad = run_cli("bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "8,40")
+    bad = invoke_cli(
+        "bench", "decode", "--model", "tiny", "--device", "cpu", "--prompt-len", "8,40"
+    )
     assert bad.returncode == 2 and "only with --offload" in bad.stderr
 
 
@@ -1461,7 +1463,7 @@ def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
     (the reports say so, with the packed row's bytes per expert), the baselines run too."""
     import json
 
-    from util import run_cli
+    from util import invoke_cli
 
     from agentrt.offload.mxfp4_rows import RowLayout
 
@@ -1470,7 +1472,7 @@ def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
     common = ["--model", "synthetic:tiny-gpt-oss", "--device", "cpu", "--expert-format", "mxfp4"]
     out = tmp_path / "decode.json"
     args = ["bench", "decode", *common, "--prompt-len", "40", "--tokens", "4"]
-    result = run_cli(*args, "--offload", "auto,static", "--vram-budget", "1.2GiB", "--json", out)
+    result = invoke_cli(*args, "--offload", "auto,static", "--vram-budget", "1.2GiB", "--json", out)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["expert_format"] == "mxfp4" and report["expert_bytes"] == row
@@ -1478,7 +1480,7 @@ def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
     out = tmp_path / "prefill.json"
     args = ["bench", "prefill", *common, "--offload", "auto", "--expert-cache-slots", "12"]
     args += ["--lengths", "96", "--suffixes", "16", "--prefix", "64", "--repeat", "1"]
-    result = run_cli(*args, "--prefill-plan", "auto", "--json", out)
+    result = invoke_cli(*args, "--prefill-plan", "auto", "--json", out)
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["expert_format"] == "mxfp4"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import SHARED
-from util import run_cli
+from util import invoke_cli, run_cli
 
 from agentrt.replay.generator import generate
 from agentrt.replay.importers import import_traces
@@ -29,7 +29,7 @@ needs_data = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/trac
 @pytest.fixture(scope="module")
 def small_trace(tmp_path_factory) -> Path:
     return write_trace(
-        generate(seed=7, target_tokens=3000, max_turns=6), tmp_path_factory.mktemp("t") / "s.jsonl"
+        generate(seed=7, target_tokens=2000, max_turns=6), tmp_path_factory.mktemp("t") / "s.jsonl"
     )
 
 
@@ -54,7 +54,7 @@ def test_malformed_trace_lines_are_named(tmp_path, lines, where):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(TraceError, match=where):
         read_trace(path)
-    proc = run_cli("trace", "show", str(path))
+    proc = invoke_cli("trace", "show", str(path))
     assert (
         proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
     )
@@ -148,7 +148,7 @@ def test_import_openhands_orders_calls_by_time():
 @needs_data
 def test_trace_import_cli(tmp_path):
     out = tmp_path / "out"
-    proc = run_cli(
+    proc = invoke_cli(
         "trace",
         "import",
         "--format",
@@ -207,7 +207,7 @@ def test_replay_outputs_identical_across_cache_modes(small_trace, tmp_path):
     reports = {}
     for mode in ("semantic", "prefix", "off"):
         out = tmp_path / f"{mode}.json"
-        proc = run_cli(
+        proc = invoke_cli(
             "replay",
             str(small_trace),
             "--device",
@@ -238,7 +238,7 @@ def test_replay_outputs_identical_across_cache_modes(small_trace, tmp_path):
 def test_bench_ttft_and_plot(small_trace, tmp_path):
     pytest.importorskip("matplotlib", reason="plotting is an optional extra")
     out, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
-    proc = run_cli(
+    proc = invoke_cli(
         "bench",
         "ttft",
         str(small_trace),

@@ -319,7 +319,7 @@ def test_full_queue_answers_429(tmp_path):
     worker, statuses = srv.chat.worker, []
 
     def fire():
-        body = _chat_body(max_tokens=400, temperature=1, seed=1)
+        body = _chat_body(max_tokens=200, temperature=1, seed=1)
         statuses.append(srv.raw("/v1/chat/completions", body, key=None)[0])
 
     def start_and_wait(depth: int) -> threading.Thread:

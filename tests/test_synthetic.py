@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from util import open_engine, random_ids, run_cli
+from util import invoke_cli, open_engine, random_ids
 
 from agentrt import Runtime
 from agentrt.models.loader import load_model
@@ -102,7 +102,7 @@ def test_different_seed_gives_different_weights(tmp_path):
 @pytest.mark.slow
 def test_model_make_and_info_cli(tmp_path):
     out = tmp_path / "made"
-    run = run_cli
+    run = invoke_cli
     made = run("model", "make", "--arch", "qwen3_moe", "--size", "tiny", "-o", str(out))
     assert made.returncode == 0, made.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
@@ -224,7 +224,7 @@ def test_model_make_writes_gpt_oss_experts_as_mxfp4_pairs(tmp_path):
     from agentrt.offload.config import OffloadConfig
 
     out = tmp_path / "gpt-oss"
-    result = run_cli("model", "make", "--size", "tiny-gpt-oss", "--expert-format", "mxfp4",
+    result = invoke_cli("model", "make", "--size", "tiny-gpt-oss", "--expert-format", "mxfp4",
                      "-o", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["quantization_config"] == {
@@ -245,8 +245,8 @@ def test_model_make_writes_gpt_oss_experts_as_mxfp4_pairs(tmp_path):
     want = dense.engine.prefill(dense.engine.new_state(), ids, all_logits=True)
     got = packed.engine.prefill(packed.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
-    info = run_cli("model", "info", str(out))
+    info = invoke_cli("model", "info", str(out))
     assert info.returncode == 0 and "routed_mxfp4_bytes" in info.stdout
-    bad = run_cli("model", "make", "--size", "tiny", "--expert-format", "mxfp4", "-o",
+    bad = invoke_cli("model", "make", "--size", "tiny", "--expert-format", "mxfp4", "-o",
                   str(tmp_path / "bad"))  # fmt: skip
     assert bad.returncode == 2 and "gpt-oss sizes" in bad.stderr

@@ -130,3 +130,21 @@ def test_runtime_config_and_keywords_open_the_same_runtime():
     assert all(v >= 0 for v in phases.values()) and phases["total_s"] > 0
     parts = sum(v for k, v in phases.items() if k != "total_s")
     assert abs(phases["total_s"] - parts) < 1e-3
+
+
+def test_cpu_start_loads_no_compiler_machinery():
+    """Opening a model and generating on the CPU never loads torch's compiler stack (its
+    import is 2-3 s of every start, and of every CLI command, on 2 cores)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from agentrt import Runtime\n"
+        "Runtime.open('tiny', 'cpu', cache='off').generate([5, 6, 7], max_tokens=2)\n"
+        "print([m for m in ('torch._dynamo', 'torch.fx.experimental.symbolic_shapes')"
+        " if m in sys.modules])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

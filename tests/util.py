@@ -88,12 +88,29 @@ def agent_requests(tag: str = "", output_len: int = 400) -> list[list[dict]]:
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300):
-    """Run `python -m agentrt.cli ARGS...` and capture its output (text)."""
+    """Run `python -m agentrt.cli ARGS...` and capture its output (text): the command as a user
+    starts it (a new interpreter: 3-6 s of imports on 2 cores)."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "agentrt.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def invoke_cli(*args: str, env: dict | None = None, timeout: int = 300):
+    """`agentrt ARGS...` run in this process by click's runner, answering as `run_cli` does
+    (returncode, stdout, stderr): for commands whose start in a new interpreter is not what a
+    test checks. An exception other than a user error (which the command group turns into a
+    one-line message and exit 2) propagates, so a traceback fails the test as it would show."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from agentrt.cli import main
+
+    del timeout  # (the same signature as `run_cli`)
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 def script_replies(monkeypatch, runtime, replies: list[str]) -> None:

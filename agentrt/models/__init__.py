@@ -6,6 +6,10 @@ cache or sessions.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from agentrt.models import layers, qwen3_5_moe
@@ -16,6 +20,21 @@ from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
 from agentrt.models.rotary import Rotary
 
 FP32_PARAMS = ("A_log", "dt_bias")  # kept in fp32 whatever the model dtype
+
+# torch.nn.init's functions that module constructors call (what they write is never used here)
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "zeros_",
+    "ones_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+)
+_INIT_LOCK = threading.Lock()
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -47,11 +66,13 @@ def build_empty(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _skipped_init():
             model = builder(cfg, experts)
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device=device)
+    # (`to_empty`, less its `empty_like` on meta tensors: a Python reference op loading 1 s of
+    # torch's symbolic-shape machinery)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if cfg.tie_word_embeddings:  # to_empty allocates separately: tie again
         model.lm_head.weight = model.embed_tokens.weight
     for name, param in model.named_parameters():
@@ -60,6 +81,22 @@ def build_empty(
     _init_buffers(model, device)
     model.eval().requires_grad_(False)
     return model
+
+
+@contextmanager
+def _skipped_init() -> Iterator[None]:
+    """Module constructors' weight initialisation skipped (their weights are empty meta tensors
+    here): on meta tensors the init functions run torch's Python reference ops, whose first use
+    imports torch._dynamo, 2 s of every start on a CPU."""
+    with _INIT_LOCK:
+        saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.nn.init, name, fn)
 
 
 def expert_activation(cfg: ModelConfig) -> SwiGLU:

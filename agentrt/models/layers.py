@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from agentrt.models import fla_norms
 from agentrt.models.config import FULL, ModelConfig
@@ -202,6 +201,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     if start == 0:
         return _sdpa(q, k, v, causal=True)
     if q.is_cuda:  # flash / memory-efficient kernels with the diagonal offset, no mask tensor
+        # (imported here: the module loads torch._dynamo, 2 s of every start on a CPU; on CUDA
+        # the engine's warm-up reaches this line before any request)
+        from torch.nn.attention.bias import causal_lower_right
+
         return _sdpa(q, k, v, mask=causal_lower_right(q_len, kv_len))
     rows = torch.arange(start, start + q_len, device=q.device)[:, None]
     mask = torch.arange(kv_len, device=q.device)[None, :] <= rows

@@ -18,8 +18,9 @@ def rope_frequencies(
     """Inverse frequencies `[dim/2]` and the factor cos/sin are scaled by: the default rotary
     embedding, or YaRN's (`scaling` with `factor`, `beta_fast`, `beta_slow`,
     `original_max_position_embeddings`, `truncate`): interpolated low frequencies, kept high
-    ones, a linear ramp between, and cos/sin scaled by 0.1 ln(factor) + 1."""
-    exponent = torch.arange(0, dim, 2, dtype=torch.float) / dim
+    ones, a linear ramp between, and cos/sin scaled by 0.1 ln(factor) + 1. Computed on the CPU
+    (the caller moves them): under a meta-device context, `arange` loads torch._dynamo (2 s)."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim
     base = 1.0 / (theta**exponent)
     if not scaling:
         return base, 1.0
@@ -32,7 +33,7 @@ def rope_frequencies(
     if scaling.get("truncate", 1.0):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = (torch.arange(dim // 2, dtype=torch.float) - low) / ((high - low) or 0.001)
+    ramp = (torch.arange(dim // 2, dtype=torch.float, device="cpu") - low) / ((high - low) or 0.001)
     keep = 1 - ramp.clamp(0, 1)  # 1: the base frequency (extrapolation), 0: interpolated
     inv_freq = base / factor * (1 - keep) + base * keep
     return inv_freq, (0.1 * math.log(factor) + 1.0) if factor > 1 else 1.0

@@ -185,7 +185,7 @@ def _time_pooled_overlap(store: ExpertStore, layer: int, dest, count: int, kerne
         for i in range(count):
             e = i % n
             try:
-                if store.packed and kernel is not None:  # (packed rows' kernel: `PackedCPUExperts`)
+                if store.packed:  # (packed rows' kernel: `PackedCPUExperts`)
                     _packed_expert(kernel, layer, e, x, out, post=True)
                 else:
                     kernel.start([gate_up[e]], [down[e]], [1.0], x, out)

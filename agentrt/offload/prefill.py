@@ -196,10 +196,11 @@ class PrefillStreamer:
         return first
 
     def _run_resident(self, layer, start: int, x, ids, weights) -> torch.Tensor:
-        """A resident layer: grouped GEMMs straight from its slots (no staging, no sync)."""
+        """A resident layer: grouped GEMMs straight from its slots (no staging, no sync). Its
+        hits are counted as the experts the chunk can reach (no sync to count the routed ones)."""
         s, num = self.store, self.store.num_experts
         block = self.cache.slots[start : start + num]
-        self.cache.stats[layer].hits += num
+        self.cache.stats[layer].hits += min(num, ids.numel())
         self.last_plan = LayerPlan("resident", ())
         if s.packed:
             return resident_ffn(s, layer, block, x, ids, weights)
