@@ -17,7 +17,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from util import TOOLS, agent_requests
+from util import TOOLS, agent_requests, invoke_cli
 
 from agentrt import Runtime
 from agentrt.statecache.config import StateCacheConfig
@@ -498,11 +498,9 @@ def test_cache_cli_commands(tmp_path):
     for msgs in agent_requests("cli", 500)[:2]:
         sem.chat(msgs, tools=TOOLS, max_tokens=2)
     sem.close()
-    cli = [sys.executable, "-m", "agentrt.cli", "cache"]
 
-    def run(*args: str, state_dir: Path = state) -> subprocess.CompletedProcess:
-        cmd = [*cli, *args, "--state-dir", str(state_dir)]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    def run(*args: str, state_dir: Path = state):
+        return invoke_cli("cache", *args, "--state-dir", str(state_dir))
 
     ls = run("ls", "--json", str(tmp_path / "ls.json"))
     assert ls.returncode == 0 and "turn_start" in ls.stdout
@@ -572,6 +570,40 @@ def test_restored_state_is_bitwise_the_captured_state(tmp_path, ram):
     _assert_bitwise_equal(fresh.export(), captured)
     sem.close()
     reader.close()
+
+
+def test_hits_from_either_tier_reach_the_record_in_one_write(tmp_path, monkeypatch):
+    """A restore from the RAM tier counts a hit as one from LMDB does (the eviction score ranks
+    by hits); the writer stores the hits gathered in one transaction, not one per restore."""
+    from agentrt.statecache import writer
+    from agentrt.statecache.store import Store
+
+    sem = _semantic("tiny", tmp_path / "state")
+    eng, cache = sem.engine, sem.reuse.cache
+    marker = sem.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = list(range(30, 300)) + [marker] + list(range(40, 60))
+    state = eng.new_state()
+    eng.prefill(state, prompt, capture=[271])
+    conv, rec = state.linear_at(271)
+    cache.save(prompt, 271, "message_end", state.kv_caches(), conv, rec)
+    cache.flush()
+    writes: list[dict] = []
+    real = Store.touch
+    monkeypatch.setattr(
+        Store, "touch", lambda self, hits: (writes.append(dict(hits)), real(self, hits))
+    )
+    monkeypatch.setattr(writer, "TOUCH_IDLE_S", 60.0)  # (stored at close here)
+    lmdb_reader = _semantic("tiny", tmp_path / "state", ram_bytes=0)
+    for reader, source in ((sem, "ram"), (sem, "ram"), (lmdb_reader, "lmdb")):
+        assert reader.reuse.begin(eng.new_state(), prompt)[0] == 271
+        assert reader.reuse.cache.stats[f"hits_{source}"] >= 1
+    assert writes == []  # (nothing written beside the requests)
+    sem.close()
+    lmdb_reader.close()
+    assert [sum(w.values()) for w in writes] == [2, 1]
+    store = Store(tmp_path / "state", StateCacheConfig().max_bytes)
+    assert [rec.hits for _, rec in store.list_records()] == [3]
+    store.close()
 
 
 @pytest.mark.parametrize("ram", [True, False])

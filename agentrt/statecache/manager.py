@@ -103,9 +103,9 @@ class StateCache(Writer, Restorer):
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
         self._queued: Counter[bytes] = Counter()  # checkpoint keys of queued jobs
         self._written = threading.Condition(self._lock)  # notified after each job
-        # checkpoints to write, and keys of records to touch (hit counts: a write transaction,
-        # so it happens on the writer thread, never in a request)
-        self._queue: queue.Queue[_Job | bytes | None] = queue.Queue(maxsize=config.queue_size)
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
+        # hits on stored records not yet counted in LMDB (the writer stores them: `_touch`)
+        self._touches: Counter[bytes] = Counter()
         self._pool = ThreadPoolExecutor(
             max_workers=restore_threads(config),
             thread_name_prefix="agentrt-restore",

@@ -5,7 +5,6 @@ the caches, then uploaded; corrupt records are deleted and the next candidate tr
 from __future__ import annotations
 
 import functools
-import queue
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -42,6 +41,9 @@ UPLOAD_GROUP_BYTES = 32 << 20
 # longest a restore waits for the writer to store a checkpoint an earlier request queued (past
 # that the request recomputes instead: a writer that far behind must not stall requests)
 PENDING_WAIT_S = 1.0
+
+# records whose hits may wait for the writer to store them (`_touch`)
+TOUCH_LIMIT = 10_000
 
 
 def _raise_first(jobs: list[Future]) -> None:
@@ -140,7 +142,7 @@ class Restorer:
         except KeyError:  # a payload vanished (evicted, possibly by another process)
             self.stats["payload_missing"] += 1
             return None
-        if record is not None:
+        if record is not None or entry is not None:
             self._touch(key)
         return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
 
@@ -155,11 +157,15 @@ class Restorer:
             self._written.wait_for(lambda: not wanted & self._queued.keys(), timeout)
 
     def _touch(self, key: bytes) -> None:
-        """Count a hit on the writer thread (a full queue drops the count, never blocks)."""
-        try:
-            self._queue.put_nowait(key)
-        except queue.Full:
-            self.stats["touch_dropped"] += 1
+        """Count a hit on a stored record (from either tier: the eviction score ranks by hits).
+        The writer thread stores the counts gathered in one transaction once it idles: one per
+        restore would be an fsync'd write beside every request. Beyond `TOUCH_LIMIT` records
+        waiting, new ones are dropped (counted)."""
+        with self._lock:
+            if len(self._touches) < TOUCH_LIMIT or key in self._touches:
+                self._touches[key] += 1
+            else:
+                self.stats["touch_dropped"] += 1
 
     def _valid(self, record: Record, pos: int) -> bool:
         """The record of the prefix of `pos` tokens is this model's, in this format, and holds

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -151,7 +151,6 @@ class Store:
             self.shared.dbs[name] for name in DB_NAMES
         )
         self.evictions = 0  # records this object evicted (a writer's knowledge of chunks ages)
-        self._keep_chunks: frozenset[bytes] = frozenset()  # (see `put_checkpoint`)
 
     def close(self) -> None:
         if not self.closed:
@@ -161,7 +160,11 @@ class Store:
     # ------------------------------------------------------------------ transactions
 
     def _txn(
-        self, fn: Callable[[lmdb.Transaction], T], write: bool = False, views: bool | None = None
+        self,
+        fn: Callable[[lmdb.Transaction], T],
+        write: bool = False,
+        views: bool | None = None,
+        keep_chunks: frozenset[bytes] = frozenset(),
     ) -> T:
         """Run `fn` in a transaction; adopt map growth by other processes, grow when full.
 
@@ -169,7 +172,8 @@ class Store:
         until the transaction ends or writes, instead of copies: a copy of a payload (a 5 MiB KV
         chunk) is made under the GIL, and the writer's existence checks of a long prompt's
         chunks stalled the request thread by tens of milliseconds with copies. `fn` must then
-        use what it reads at once (test, measure, decode) and return nothing that views it."""
+        use what it reads at once (test, measure, decode) and return nothing that views it.
+        A full map at its limit evicts, sparing `keep_chunks` as `evict` does."""
         views = write if views is None else views
         for _ in range(64):
             try:
@@ -180,7 +184,7 @@ class Store:
                     self.env.set_mapsize(0)
             except lmdb.MapFullError:
                 if not self._grow():
-                    self.evict(int(self.total_bytes() * 0.8))
+                    self.evict(int(self.total_bytes() * 0.8), keep_chunks=keep_chunks)
         raise RuntimeError("state cache: could not complete an LMDB transaction")
 
     def _grow(self) -> bool:
@@ -275,14 +279,12 @@ class Store:
         evicted once it is written, other records than it (its chunks referenced by it then,
         those records can go)."""
         size = len(blob) + sum(map(len, chunks.values()))
-        self._keep_chunks = frozenset(ck for ck in record.chunk_keys if ck not in chunks)
-        try:
-            if self.total_bytes() + size > self.max_bytes:
-                self.evict(int(self.max_bytes * 0.8))
-            self._make_room(size)
-            result = self._txn(lambda txn: self._put(txn, key, record, chunks, blob), write=True)
-        finally:
-            self._keep_chunks = frozenset()
+        needed = frozenset(ck for ck in record.chunk_keys if ck not in chunks)
+        if self.total_bytes() + size > self.max_bytes:
+            self.evict(int(self.max_bytes * 0.8), keep_chunks=needed)
+        self._make_room(size)
+        put = lambda txn: self._put(txn, key, record, chunks, blob)  # noqa: E731
+        result = self._txn(put, write=True, keep_chunks=needed)
         if self.total_bytes() > self.max_bytes:
             self.evict(int(self.max_bytes * 0.8), keep=key)
         return result
@@ -326,17 +328,22 @@ class Store:
         txn.put(_TOTAL, _U64.pack(total), db=self.meta)
         return "written"
 
-    def touch(self, key: bytes) -> None:
-        """Count a hit and refresh last_used."""
+    def touch(self, hits: Mapping[bytes, int]) -> None:
+        """Add `hits[key]` to each record's hits and refresh its last_used, in one transaction
+        (keys no longer stored, or whose header is unreadable, are skipped)."""
+        now = time.time()
 
         def update(txn):
-            data = txn.get(key, db=self.records)
-            if data is None:
-                return
-            rec = decode_record(data)
-            rec.hits += 1
-            rec.last_used = time.time()
-            txn.put(key, encode_record(rec), db=self.records)
+            for key, count in hits.items():
+                data = txn.get(key, db=self.records)
+                try:
+                    rec = decode_record(data) if data is not None else None
+                except CorruptPayload:
+                    continue
+                if rec is not None:
+                    rec.hits += count
+                    rec.last_used = now
+                    txn.put(key, encode_record(rec), db=self.records)
 
         self._txn(update, write=True)
 
@@ -374,13 +381,18 @@ class Store:
         per_byte = record.n_tokens / max(record.blob_bytes + record.chunk_bytes, 1)
         return per_byte * (1 + record.hits) * 0.5 ** ((now - record.last_used) / 3600)
 
-    def evict(self, target_bytes: int, keep: bytes | None = None) -> int:
+    def evict(
+        self,
+        target_bytes: int,
+        keep: bytes | None = None,
+        keep_chunks: frozenset[bytes] = frozenset(),
+    ) -> int:
         """Delete the lowest-scoring records but `keep` until stored payloads fit
-        `target_bytes` (none holding the last reference to a chunk the checkpoint being written
-        needs stored: `put_checkpoint`)."""
+        `target_bytes`, none holding the last reference to one of `keep_chunks` (the stored
+        chunks a checkpoint being written needs and does not carry: `put_checkpoint`)."""
         if self.total_bytes() > (self.path / "data.mdb").stat().st_size:
             self._recount()  # a damaged total would otherwise evict everything, every write
-        now, removed, chunks = time.time(), 0, self._keep_chunks
+        now, removed, chunks = time.time(), 0, keep_chunks
         ranked = sorted(self.list_records(), key=lambda kr: self.score(kr[1], now))
         for key, record in ranked:
             if self.total_bytes() <= target_bytes:

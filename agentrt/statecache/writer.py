@@ -24,6 +24,9 @@ from agentrt.statecache.staging import PinnedRing
 # chunk keys the writer remembers as stored before it asks LMDB afresh (~100 MB of keys)
 KNOWN_LIMIT = 1_000_000
 
+# seconds without a job after which the writer stores the hits counted (`_store_touches`)
+TOUCH_IDLE_S = 2.0
+
 
 @dataclass
 class _Job:
@@ -75,7 +78,7 @@ class Writer:
             try:
                 self._queue.put_nowait(job)  # never blocks, so holding the lock is fine
                 return "queued"
-            except queue.Full:  # filled since the check above (touches share the queue)
+            except queue.Full:  # filled since the check above (by another thread)
                 self._pending.difference_update(new)
                 self._uncount(key)
         self._release(job)
@@ -149,23 +152,38 @@ class Writer:
     def _write_loop(self) -> None:
         single_threaded()  # its copies need no OpenMP team (see agentrt.host.cputhreads)
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=TOUCH_IDLE_S if self._touches else None)
+            except queue.Empty:  # idle with hits counted: store them now
+                self._guarded(self._store_touches)
+                continue
             try:
                 if job is None:
+                    self._guarded(self._store_touches)
                     return
-                if isinstance(job, bytes):
-                    self.store.touch(job)
-                else:
-                    self._write(job)
-            except Exception as exc:  # noqa: BLE001 - the writer must survive any single failure
-                self.stats["write_errors"] += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._guarded(self._write, job)
             finally:
-                if isinstance(job, _Job):
+                if job is not None:
                     with self._lock:
                         self._pending.difference_update(job.new_chunks)
                         self._uncount(job.key)
                 self._queue.task_done()
+
+    def _guarded(self, work, *args) -> None:
+        """Run `work(*args)`; count and remember what it raises (the writer survives any
+        failure)."""
+        try:
+            work(*args)
+        except Exception as exc:  # noqa: BLE001
+            self.stats["write_errors"] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _store_touches(self) -> None:
+        """Add the hits counted since the last time to their records, in one transaction."""
+        with self._lock:
+            hits, self._touches = self._touches, type(self._touches)()
+        if hits:
+            self.store.touch(hits)
 
     def _chunk_from_job(self, job: _Job, index: int) -> list[torch.Tensor] | None:
         start = index * BLOCK - job.lo
