@@ -77,6 +77,7 @@ class _ScriptedModel:
             content=content,
             reasoning_content=None,
             tool_calls=calls,
+            finish_reason="tool_calls" if calls else "stop",
             usage=usage,
             timings={"ttft_s": 0.0},
             message=lambda: {
@@ -294,3 +295,48 @@ def test_prefix_encoder_never_splits_at_unsafe_special_tokens(kind):
     enc = PrefixEncoder(tok)
     enc.encode(prev)
     assert enc.encode(new) == tok.encode(new, add_special_tokens=False)
+
+
+def test_grep_searches_a_file_and_stops_a_search_that_never_ends(tmp_path):
+    (tmp_path / "a.py").write_text("def alpha():\n    pass\n")
+    (tmp_path / "b.txt").write_text("a" * 40 + "!\n")
+    tools = Tools(tmp_path, command_timeout=1.5)
+    assert tools.call("grep", '{"pattern": "alpha", "path": "a.py"}') == "a.py:1: def alpha():"
+    assert tools.call("grep", '{"pattern": "zeta"}') == "(no matches)"
+    stopped = tools.call("grep", json.dumps({"pattern": "(a+)+$"}))  # backtracks for hours
+    assert stopped.endswith("[search stopped after 1.5 s]")
+    (tmp_path / "many.txt").write_text("hit\n" * 300)
+    many = tools.call("grep", '{"pattern": "hit", "path": "many.txt"}')
+    assert many.count("many.txt:") == 200 and many.endswith("[stopped at 200 matching lines]")
+
+
+def test_long_listings_and_match_lines_are_capped_and_say_so(tmp_path):
+    from agentrt.session.sandbox import MAX_OUTPUT
+
+    for i in range(520):
+        (tmp_path / f"file-with-a-long-name-{i:04d}.txt").write_text("x" * 300 + "\n")
+    tools = Tools(tmp_path)
+    listing = tools.call("list_dir", "{}")
+    assert "[... 20 more entries]" in listing and len(listing) <= MAX_OUTPUT + 100
+    found = tools.call("grep", '{"pattern": "x"}')
+    assert "characters omitted" in found and len(found) <= MAX_OUTPUT + 100
+
+
+def test_a_reply_cut_by_the_token_limit_does_not_finish_the_run(tmp_path):
+    import time
+
+    class _Cut:
+        def chat(self, messages, tools=None, max_tokens=0):
+            time.sleep(0.3)
+            return SimpleNamespace(
+                content="",
+                reasoning_content="thinking at length",
+                tool_calls=[],
+                finish_reason="length",
+                usage={},
+                message=lambda: {"role": "assistant", "content": ""},
+            )
+
+    run = run_agent(_Cut(), "task", Tools(tmp_path), max_turns=3)
+    assert not run.finished and run.cut and run.turns == 1
+    assert run.requests[0]["t"] < 0.1  # when the request was sent, not when it was answered

@@ -119,6 +119,7 @@ class _CommandModel:
             content="done" if not calls else "",
             reasoning_content=None,
             tool_calls=calls,
+            finish_reason="tool_calls" if calls else "stop",
             usage={"prompt_tokens": 1, "cached_tokens": 0, "completion_tokens": 1},
             timings={"ttft_s": 0.0},
             message=lambda: message,
@@ -241,3 +242,82 @@ def test_sandbox_has_no_network_unless_allowed(tmp_path):
         opened = _run(tools, command)
     assert "connected" not in closed and not closed.startswith("[exit code 0]")
     assert opened.startswith("[exit code 0]") and "connected" in opened
+
+
+def test_the_prompt_escapes_what_a_terminal_would_hide(tmp_path, monkeypatch, capsys):
+    """A carriage return and an erase-line sequence would show only `ls -la`."""
+    _terminal(monkeypatch, ["n"])
+    command = "touch PWNED #\r\x1b[2K  $ ls -la\u202e"
+    assert _run(Tools(tmp_path, sandbox="none"), command) == DECLINED
+    err = capsys.readouterr().err
+    assert "$ touch PWNED #\\r\\x1b[2K  $ ls -la\\u202e\n" in err and "\r" not in err
+    assert "escaped" in err
+
+
+def test_an_interrupt_kills_the_running_command(tmp_path, monkeypatch):
+    """Ctrl-C reaches agentrt, not the command (its own session): the group is killed."""
+    import time
+
+    real_wait = subprocess.Popen.wait
+
+    def interrupted(self, timeout=None):  # (the wait with a timeout is the command's)
+        if timeout is None:
+            return real_wait(self)
+        time.sleep(0.5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    pid_file = tmp_path / "pid"
+    with pytest.raises(KeyboardInterrupt):
+        _run(
+            Tools(tmp_path, approve="auto", sandbox="none"), f"echo $$ > {pid_file}; exec sleep 30"
+        )
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_command_that_leaves_a_background_process_returns_at_once(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    out = Tools(tmp_path, approve="auto", sandbox="none", command_timeout=20).call(
+        "run_command", json.dumps({"command": "sleep 30 & echo started"})
+    )
+    assert time.monotonic() - t0 < 10
+    assert out == "[exit code 0; the processes it left running were killed]\nstarted\n"
+
+
+@pytest.mark.parametrize("timeout", ["NaN", "Infinity", "true", "-1"])
+def test_timeouts_must_be_finite_positive_numbers(tmp_path, timeout):
+    from agentrt.session.agent import _execute
+
+    tools = Tools(tmp_path, approve="auto", sandbox="none")
+    args = f'{{"command": "echo hi", "timeout": {timeout}}}'
+    out = _execute(tools, {"function": {"name": "run_command", "arguments": args}})
+    assert out.startswith("ERROR: 'timeout' must be")
+
+
+class _FailingModel(_CommandModel):
+    """One command, then the prompt no longer fits (as a long agent history does)."""
+
+    def chat(self, messages, tools=None, max_tokens=0):
+        from agentrt.errors import PromptTooLongError
+
+        if self.num_calls == 1:
+            raise PromptTooLongError("prompt of 40000 tokens does not fit")
+        return super().chat(messages, tools, max_tokens)
+
+
+def test_cli_run_saves_the_turns_before_an_error_and_checks_the_trace_path(tmp_path, monkeypatch):
+    import agentrt.cli as cli
+    from agentrt.replay.trace import read_trace
+
+    monkeypatch.setattr(cli.chat, "open_runtime", lambda opts, **kw: _FailingModel("echo hi"))
+    trace = tmp_path / "run.jsonl"
+    args = ["run", "--workdir", str(tmp_path), "--sandbox", "none", "--approve", "auto"]
+    result = CliRunner().invoke(cli.main, [*args, "--trace", str(trace), "task"])
+    assert result.exit_code == 2 and "does not fit" in result.stderr
+    assert len(read_trace(trace).requests) == 1 and "trace saved" in result.stderr
+    (tmp_path / "file").write_text("")
+    bad = CliRunner().invoke(cli.main, [*args, "--trace", str(tmp_path / "file" / "t.jsonl"), "x"])
+    assert bad.exit_code == 2 and "does not exist" in bad.stderr

@@ -12,6 +12,7 @@ from agentrt.cli.options import (
     json_option,
     model_options,
     open_runtime,
+    output_path,
     write_json,
 )
 from agentrt.errors import AgentrtError
@@ -115,7 +116,8 @@ def _print_stream(events):
     "trace_out",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Save every request as a trace (.jsonl or .jsonl.zst).",
+    callback=output_path,
+    help="Save every request as a trace (.jsonl or .jsonl.zst), also when the run stops early.",
 )
 def run(
     task,
@@ -131,14 +133,22 @@ def run(
 ) -> None:
     """Run the built-in tool-calling agent on TASK and print the transcript as it happens.
     Commands run in a clean environment (no secret-looking variables), each approved first."""
-    from agentrt.session.agent import Tools, run_agent
+    from agentrt.session.agent import AgentRun, Tools, run_agent
 
     tools = Tools(workdir, command_timeout, approve, sandbox, allow_network)  # before loading
     rt = open_runtime(opts, require_tokenizer=True)
-    result = run_agent(rt, task, tools, max_turns, max_tokens, _print_turn)
-    if trace_out:
-        _save_run_trace(result, task, trace_out)
-    state = "finished" if result.finished else f"stopped at the turn limit ({max_turns})"
+    result = AgentRun([])
+    try:
+        run_agent(rt, task, tools, max_turns, max_tokens, _print_turn, into=result)
+    finally:  # (an error or Ctrl-C keeps the turns that ran)
+        if trace_out and result.requests:
+            _save_run_trace(result, task, trace_out)
+    if result.finished:
+        state = "finished"
+    elif result.cut:
+        state = f"stopped: the reply reached --max-tokens ({max_tokens}) without a tool call"
+    else:
+        state = f"stopped at the turn limit ({max_turns})"
     click.echo(f"[{result.turns} turn(s), {state}]", err=True)
     rt.close()
 
@@ -175,5 +185,8 @@ def _save_run_trace(result, task: str, path: str) -> None:
     from agentrt.replay.trace import FORMAT, Header, Request, Trace, write_trace
 
     requests = [msgspec.convert(r, Request) for r in result.requests]
-    write_trace(Trace(Header(FORMAT, "agentrt run", task[:200]), requests), path)
-    click.echo(f"trace saved to {path}", err=True)
+    try:
+        write_trace(Trace(Header(FORMAT, "agentrt run", task[:200]), requests), path)
+    except OSError as exc:
+        raise AgentrtError(f"cannot write the trace to {path}: {exc.strerror or exc}") from None
+    click.echo(f"trace saved to {path} ({len(requests)} request(s))", err=True)

@@ -361,8 +361,8 @@ def write_json(path: str | None, data) -> None:
             raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
 
 
-def _json_path(ctx, param, value: str | None) -> str | None:
-    """Fail before any work when a --json file cannot be created."""
+def output_path(ctx, param, value: str | None) -> str | None:
+    """Fail before any work when an output file (--json, --trace) cannot be created."""
     if value is not None and not Path(value).expanduser().resolve().parent.is_dir():
         raise click.BadParameter(f"directory of {value!r} does not exist")
     return value
@@ -373,6 +373,6 @@ json_option = click.option(
     "json_out",
     type=click.Path(dir_okay=False),
     default=None,
-    callback=_json_path,
+    callback=output_path,
     help="Also write the result as JSON to this file.",
 )

@@ -8,7 +8,10 @@ to `agentrt.session.sandbox`."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from agentrt.session.sandbox import Approver, Sandbox, truncate
+
+GREPPER = Path(__file__).with_name("grepper.py")  # (run as a script: see its docstring)
+MAX_ENTRIES = 500  # of a directory listing
 
 SYSTEM = (
     "You are a software agent working in the directory {cwd}. Use the tools to inspect files and "
@@ -105,24 +111,35 @@ class Tools:
         if not target.is_dir():
             raise ToolError(f"{path}: not a directory")
         entries = sorted(target.iterdir())
-        return "\n".join(f"{e.name}{'/' if e.is_dir() else ''}" for e in entries[:500]) or "(empty)"
+        lines = [f"{e.name}{'/' if e.is_dir() else ''}" for e in entries[:MAX_ENTRIES]]
+        if len(entries) > MAX_ENTRIES:
+            lines.append(f"[... {len(entries) - MAX_ENTRIES} more entries]")
+        return truncate("\n".join(lines)) or "(empty)"
 
     def grep(self, pattern: str, path: str = ".") -> str:
+        """Lines matching `pattern` in a file or under a directory, searched by a process of
+        its own stopped after the command timeout (a pattern may backtrack forever)."""
         try:
-            regex = re.compile(pattern)
+            re.compile(pattern)
         except (re.error, TypeError) as exc:
             raise ToolError(f"bad pattern: {exc}") from None
-        hits = []
-        for file in sorted(self._path(path).rglob("*")):
-            if file.is_symlink() or not self._inside(file.resolve()):
-                continue  # never follow links out of the working directory
-            if file.is_file() and file.stat().st_size < 2_000_000:
-                for i, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
-                    if regex.search(line):
-                        hits.append(f"{file.relative_to(self.cwd)}:{i}: {line[:200]}")
-                        if len(hits) >= 200:
-                            return "\n".join(hits)
-        return "\n".join(hits) or "(no matches)"
+        if "\0" in pattern:
+            raise ToolError("bad pattern: it contains a NUL character")
+        root = self._path(path)
+        if not root.exists():
+            raise ToolError(f"{path}: no such file or directory")
+        argv = [sys.executable, "-I", str(GREPPER), pattern, str(root), str(self.cwd)]
+        try:
+            proc = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.command_timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            found = (exc.stdout or b"").decode(errors="replace")
+            return truncate(f"{found}[search stopped after {self.command_timeout:g} s]")
+        if proc.returncode != 0:
+            reason = (proc.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            raise ToolError(f"search failed: {reason}")
+        return truncate(proc.stdout.decode(errors="replace").rstrip("\n"))
 
     def run_command(self, command: str, timeout: int | None = None) -> str:
         """`/bin/sh -c command` in the working directory once approved (a refusal is the
@@ -130,7 +147,8 @@ class Tools:
         process group is killed."""
         if not isinstance(command, str) or not command.strip():
             raise ToolError("'command' must be a non-empty string")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if timeout is not None and not (number and math.isfinite(timeout) and timeout > 0):
             raise ToolError("'timeout' must be a positive number of seconds")
         refusal = self.approver.refusal(command, self.box.describe(self.cwd))
         if refusal is not None:
@@ -166,30 +184,38 @@ class AgentRun:
     messages: list[dict[str, Any]]
     turns: int = 0
     finished: bool = False
+    cut: bool = False  # the last reply ran into the token limit without a tool call
     requests: list[dict[str, Any]] = field(default_factory=list)  # trace entries
 
 
 def run_agent(
-    rt, task: str, tools: Tools, max_turns: int = 10, max_tokens: int = 512, on_event=None
+    rt,
+    task: str,
+    tools: Tools,
+    max_turns: int = 10,
+    max_tokens: int = 512,
+    on_event=None,
+    into: AgentRun | None = None,
 ) -> AgentRun:
-    """Loop: ask the model, execute its tool calls, feed results back, until it answers."""
+    """Loop: ask the model, execute its tool calls, feed results back, until it answers (a
+    reply cut by `max_tokens` without a tool call stops the run unfinished). `into` (a fresh
+    `AgentRun`) collects the run as it goes, so a caller keeps what ran before an error."""
     emit = on_event or (lambda kind, payload: None)
-    run = AgentRun(
-        [
-            {"role": "system", "content": SYSTEM.format(cwd=tools.cwd)},
-            {"role": "user", "content": task},
-        ]
-    )
+    run = into if into is not None else AgentRun([])
+    run.messages[:] = [
+        {"role": "system", "content": SYSTEM.format(cwd=tools.cwd)},
+        {"role": "user", "content": task},
+    ]
     t0 = time.perf_counter()
     while run.turns < max_turns:
         run.turns += 1
-        sent = [dict(m) for m in run.messages]
+        sent, t_sent = [dict(m) for m in run.messages], time.perf_counter() - t0
         result = rt.chat(run.messages, tools=TOOL_SCHEMAS, max_tokens=max_tokens)
         emit("assistant", result)
         run.requests.append(
             {
                 "id": f"run-{run.turns}",
-                "t": round(time.perf_counter() - t0, 3),
+                "t": round(t_sent, 3),
                 "messages": sent,
                 "tools": TOOL_SCHEMAS,
                 "max_tokens": max_tokens,
@@ -198,7 +224,8 @@ def run_agent(
         )
         run.messages.append(result.message())
         if not result.tool_calls:
-            run.finished = True
+            run.cut = result.finish_reason == "length"
+            run.finished = not run.cut
             break
         # the engine prepares for the next turn (KV, graphs) while the tools run
         ahead = threading.Thread(target=rt.prepare_ahead, name="agentrt-ahead")

@@ -52,6 +52,14 @@ NO_TERMINAL = (
 )
 DECLINED = "[not run: the user declined this command.]"
 
+# characters a terminal does not print as themselves: C0/C1 controls but newline and tab (a
+# carriage return or an escape sequence can overwrite what the approval prompt shows), and
+# Unicode's invisible and bidirectional formatting characters (which can reorder it)
+HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+# seconds a command's output may stay open after the command exits (a background process
+# holding it): then the process group is killed
+EXIT_GRACE_S = 1.0
+
 
 def truncate(text: str, limit: int = MAX_OUTPUT, dropped: int = 0) -> str:
     """`text` cut to its first and last `limit / 2` characters; `dropped` more characters are
@@ -102,7 +110,10 @@ class Approver:
         return self._ask(command, where)
 
     def _ask(self, command: str, where: str) -> str | None:
-        print(f"\nagentrt: the model wants to run ({where}):\n  $ {command}", file=sys.stderr)
+        shown = visible(command)
+        print(f"\nagentrt: the model wants to run ({where}):\n  $ {shown}", file=sys.stderr)
+        if shown != command:
+            print("  (characters a terminal would not show are escaped)", file=sys.stderr)
         print("Run it? [y]es / [N]o / [a]lways for this run: ", end="", file=sys.stderr)
         sys.stderr.flush()
         try:
@@ -112,6 +123,11 @@ class Approver:
         if answer in ("a", "always"):
             self.always = True
         return None if answer in ("y", "yes", "a", "always") else DECLINED
+
+
+def visible(command: str) -> str:
+    """`command` with the characters a terminal would not print as themselves escaped."""
+    return HIDDEN.sub(lambda m: ascii(m.group())[1:-1], command)
 
 
 # ----------------------------------------------------------------------------- sandbox
@@ -237,7 +253,9 @@ class CappedOutput:
 
 
 def run_capped(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> str:
-    """Run `argv` with no stdin in its own process group; kill the group after `timeout` s."""
+    """Run `argv` with no stdin in its own process group; kill the group after `timeout` s,
+    when the caller is interrupted, or `EXIT_GRACE_S` after the command exits with processes
+    it left in the background still holding its output."""
     deadline = time.monotonic() + timeout
     proc = subprocess.Popen(
         argv,
@@ -250,15 +268,22 @@ def run_capped(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) 
     )
     out = CappedOutput(proc.stdout)
     try:
-        proc.wait(timeout=timeout)
-        out.thread.join(max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        pass
+        try:
+            proc.wait(timeout=timeout)
+            out.thread.join(min(max(deadline - time.monotonic(), 0.0), EXIT_GRACE_S))
+        except subprocess.TimeoutExpired:
+            pass
+    except BaseException:  # e.g. Ctrl-C: its own session never got the signal
+        _kill_group(proc)
+        raise
     if proc.returncode is not None and not out.thread.is_alive():
         proc.stdout.close()
         return f"[exit code {proc.returncode}]\n{out.text()}"
+    exited = proc.returncode  # (before the kill: None when the command itself timed out)
     _kill_group(proc)
     out.thread.join(1.0)
+    if exited is not None:
+        return f"[exit code {exited}; the processes it left running were killed]\n{out.text()}"
     return f"[timed out after {timeout:g} s]\n{out.text()}"
 
 
