@@ -7,7 +7,8 @@
 # 2-4K tokens then runs as one forward pass instead of two launch-bound ones), TTFT_ARGS (more
 # options, e.g. --no-prefill-graphs), NAME (output file stem, default ttft), TRACES (trace files,
 # default the two samples' directories; e.g. .traces-dev/long/*.zst, a session generated with
-# `agentrt trace gen --tokens 90000 --max-turns 150 -o .traces-dev/long/gen-90k.jsonl.zst`);
+# `agentrt trace gen --tokens 78000 --max-turns 150 -o .traces-dev/long/gen-81k.jsonl.zst`, the
+# 81K-token session of BENCHMARKS.md);
 # MODEL, TOK, TEMPLATE: another model, tokenizer directory and chat template (e.g. gpt-oss's).
 set -u
 if [ "${1:-}" = prepare ]; then

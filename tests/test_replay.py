@@ -44,7 +44,7 @@ def test_trace_round_trip(tmp_path, suffix):
     "lines, where",
     [
         (['{"agentrt_trace": 1}', '{"id": "a", "messages": "nope"}'], ":2:"),
-        (['{"agentrt_trace": 1}', '{"id": "a", "messages": []}', "{broken"], ":3:"),
+        (['{"agentrt_trace": 1}', '{"id": "a", "messages": [{}]}', "{broken"], ":3:"),
         (['{"no_header": true}'], ":1:"),
         (['{"agentrt_trace": 9}'], "unsupported"),
     ],
@@ -375,3 +375,104 @@ def test_bench_ttft_reports_each_finished_mode_as_it_goes():
     assert [r["complete"] for r in seen] == [False, False] and final["complete"]
     assert [r["summary"]["cache"] for r in final["reports"]["recorded"]] == modes
     assert final["ratios"]["recorded:off/semantic:max"] == 1.0
+
+
+def test_endpoint_ttft_counts_reasoning_under_either_name():
+    from agentrt.replay.replay import _has_delta
+
+    for key in ("content", "reasoning_content", "reasoning", "tool_calls"):
+        assert _has_delta({"choices": [{"delta": {key: "x" if key != "tool_calls" else [{}]}}]})
+    assert not _has_delta({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+
+
+def test_traces_of_one_name_are_all_written(tmp_path):
+    from agentrt.cli.traces import _write_traces
+
+    trace = generate(seed=1, target_tokens=1000, max_turns=2)
+    paths = _write_traces([trace, trace, trace], str(tmp_path / "out"), zst=False)
+    assert [p.name for p in paths] == [f"{trace.name}{s}.jsonl" for s in ("", "-2", "-3")]
+    assert all(p.is_file() for p in paths)
+
+
+def test_truncation_cuts_tool_outputs_given_as_content_parts():
+    from agentrt.replay.trace import FORMAT, Header, Request, Trace
+
+    parts = [{"type": "text", "text": "a" * 30}, {"type": "text", "text": "b" * 30}]
+    msgs = [{"role": "user", "content": "go"}]
+    msgs += [{"role": "tool", "tool_call_id": str(i), "content": list(parts)} for i in range(3)]
+    trace = Trace(Header(FORMAT, "t"), [Request("r", msgs)])
+    out = truncate_tool_outputs(trace, 40, keep_last=1).requests[0].messages
+    assert out[1]["content"] == [
+        {"type": "text", "text": "a" * 30},
+        {"type": "text", "text": "b" * 10 + "\n[... output truncated]"},
+    ]
+    assert out[3]["content"] == parts  # the last one is kept whole
+    assert trace.requests[0].messages[1]["content"] == parts  # the input is untouched
+
+
+def test_generated_sessions_reach_their_size_or_say_why(tmp_path):
+    from agentrt.replay.generator import estimated_tokens
+
+    assert estimated_tokens(generate(seed=2, target_tokens=20000)) >= 20000
+    out = tmp_path / "g.jsonl"
+    short = invoke_cli("trace", "gen", "--tokens", "20000", "--max-turns", "3", "-o", str(out))
+    assert short.returncode == 0 and "--max-turns 3 ended the session" in short.stderr
+
+
+@pytest.mark.parametrize("where", ["dir", "under_file"])
+def test_trace_output_that_cannot_be_written_is_one_line(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    out = tmp_path if where == "dir" else tmp_path / "file" / "x.jsonl"
+    result = invoke_cli("trace", "gen", "--tokens", "1000", "-o", str(out))
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot write trace")
+
+
+def test_plots_of_variants_get_their_own_files():
+    from agentrt.cli.traces import _variant_path
+
+    assert _variant_path("ttft.png", "dropped") == "ttft-dropped.png"
+    assert _variant_path("out/TTFT.PNG", "recorded") == "out/TTFT-recorded.PNG"
+    assert _variant_path("plot", "recorded") == "plot-recorded.png"
+
+
+def test_a_request_without_messages_is_named(tmp_path):
+    path = tmp_path / "t.jsonl"
+    good = {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
+    lines = [{"agentrt_trace": 1}, good, {"id": "b", "messages": []}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(TraceError, match=":3: a request needs at least one message"):
+        read_trace(path)
+
+
+def test_a_replay_stopped_by_a_request_keeps_the_report_before_it(tmp_path):
+    from agentrt.cli.traces import _run_replay
+    from agentrt.errors import AgentrtError, PromptTooLongError
+    from agentrt.replay.replay import Target
+
+    def send(req, max_tokens):
+        if req.id.endswith("-2"):
+            raise PromptTooLongError("prompt of 90000 tokens does not fit")
+        row = dict(prompt_tokens=10, cached_tokens=0, ttft_s=0.1, completion_tokens=1)
+        return row | dict(decode_s=0.0, checkpoint=None)
+
+    trace = generate(seed=1, target_tokens=3000)
+    out = tmp_path / "r.json"
+    with pytest.raises(AgentrtError, match="request gen1-2 .* does not fit .* 2 request"):
+        _run_replay([trace], Target("fake", "off", "cpu", send), 4, "replay", str(out))
+    assert json.loads(out.read_text())["summary"]["requests"] == 2
+
+
+@needs_data
+def test_tau_bench_traces_offer_the_tools_of_the_whole_file():
+    traces = import_traces("tau-bench", [TRACES / "tau-bench/gpt-4o-airline.json"])
+    tools = {json.dumps(t.requests[0].tools) for t in traces if t.requests}
+    assert len(tools) == 1 and len(json.loads(tools.pop())) > 9
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://[::1", "ftp://host/v1", "http://"])
+def test_a_bad_endpoint_url_is_named(url):
+    from agentrt.errors import InvalidArgumentError
+    from agentrt.replay.replay import endpoint_target
+
+    with pytest.raises(InvalidArgumentError, match="must be an http"):
+        endpoint_target(url, "m")

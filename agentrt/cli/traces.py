@@ -16,6 +16,7 @@ from agentrt.cli.options import (
     json_option,
     model_options,
     open_runtime,
+    output_path,
     write_json,
 )
 from agentrt.errors import AgentrtError
@@ -35,7 +36,22 @@ def _write_traces(traces, out: str, zst: bool) -> list[Path]:
     if target.suffix in (".jsonl", ".zst"):
         raise click.UsageError(f"{len(traces)} traces: -o must be a directory, not {out}")
     suffix = ".jsonl.zst" if zst else ".jsonl"
-    return [write_trace(t, target / (t.name + suffix)) for t in traces]
+    names = _unique(traces)
+    return [write_trace(t, target / (n + suffix)) for t, n in zip(traces, names, strict=True)]
+
+
+def _unique(traces) -> list[str]:
+    """The traces' file names, a repeated one numbered (`-2`, `-3`, ...) so none overwrites
+    another (e.g. the same task run by two agents)."""
+    names, seen = [], set()
+    for t in traces:
+        name, n = t.name, 1
+        while name in seen:
+            n += 1
+            name = f"{t.name}-{n}"
+        seen.add(name)
+        names.append(name)
+    return names
 
 
 def _transform(traces, drop: bool, truncate: int | None):
@@ -97,16 +113,22 @@ def trace_import(fmt, inputs, out, limit, zst, drop_reasoning, truncate_tool_out
     show_default=True,
     help="Approximate size of the final request in tokens.",
 )
-@click.option("--max-turns", type=click.IntRange(min=1), default=80, show_default=True)
+@click.option("--max-turns", type=click.IntRange(min=1), default=150, show_default=True)
 @click.option("-o", "--out", required=True, help="Output .jsonl or .jsonl.zst file.")
 def trace_gen(seed, tokens, max_turns, out) -> None:
     """Generate a synthetic coding-agent session from files of this machine."""
-    from agentrt.replay.generator import generate
+    from agentrt.replay.generator import estimated_tokens, generate
     from agentrt.replay.trace import write_trace
 
     t = generate(seed, tokens, max_turns)
     path = write_trace(t, out)
     click.echo(f"wrote {path}: {len(t.requests)} requests")
+    if estimated_tokens(t) < tokens:
+        click.echo(
+            f"note: --max-turns {max_turns} ended the session at about {estimated_tokens(t)} "
+            f"tokens, short of --tokens {tokens}",
+            err=True,
+        )
 
 
 @trace.command("show")
@@ -152,12 +174,22 @@ _max_requests_option = click.option(
 )
 
 
-def _run_replay(traces, target, max_tokens: int, label: str) -> dict:
-    from agentrt.replay.replay import replay, report
+def _run_replay(traces, target, max_tokens: int, label: str, json_out: str | None = None) -> dict:
+    """Replay with a progress bar; the report. A request that cannot be replayed stops it:
+    the report of the requests before it is still written to `json_out`, then the error."""
+    from agentrt.replay.replay import ReplayStopped, replay, report
 
     total = sum(len(t.requests) for t in traces)
-    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
-        rows = replay(traces, target, max_tokens, progress=lambda row: bar.update(1))
+    try:
+        with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+            rows = replay(traces, target, max_tokens, progress=lambda row: bar.update(1))
+    except ReplayStopped as exc:
+        if not json_out or not exc.rows:
+            raise
+        write_json(json_out, report(exc.rows, target))
+        raise AgentrtError(
+            f"{exc} (the report of the {len(exc.rows)} request(s) before it is in {json_out})"
+        ) from None
     return report(rows, target)
 
 
@@ -170,7 +202,11 @@ def _run_replay(traces, target, max_tokens: int, label: str) -> dict:
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="Bearer key for --endpoint.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
-    "--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of TTFT per request."
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=output_path,
+    help="Write a PNG of TTFT per request.",
 )
 @_drop_option
 @_truncate_option
@@ -197,7 +233,7 @@ def replay_cmd(
         target = endpoint_target(endpoint, opts["model"], api_key)
     else:
         target = local_target(open_runtime(opts, require_tokenizer=True))
-    rep = _run_replay(loaded, target, max_tokens, f"replay ({target.cache})")
+    rep = _run_replay(loaded, target, max_tokens, f"replay ({target.cache})", json_out)
     click.echo(summary_table([rep]))
     write_json(json_out, rep)
     if plot:
@@ -219,7 +255,8 @@ def replay_cmd(
     "--plot",
     type=click.Path(dir_okay=False),
     default=None,
-    help="PNG prefix: one plot per variant.",
+    callback=output_path,
+    help="PNG file; with several variants one per variant, named FILE-VARIANT.png.",
 )
 @_max_requests_option
 @click.option(
@@ -256,8 +293,14 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
 
             draw(
                 reports,
-                plot if len(result["reports"]) == 1 else plot.replace(".png", f"-{variant}.png"),
+                plot if len(result["reports"]) == 1 else _variant_path(plot, variant),
                 variant,
             )
     click.echo(json.dumps(result["ratios"], indent=2))
     write_json(json_out, result)
+
+
+def _variant_path(plot: str, variant: str) -> str:
+    """`ttft.png` -> `ttft-VARIANT.png` (any suffix, or none: `.png` added)."""
+    path = Path(plot)
+    return str(path.with_name(f"{path.stem}-{variant}{path.suffix or '.png'}"))

@@ -17,7 +17,7 @@ from typing import Any
 from agentrt.replay.trace import FORMAT, Header, Request, Response, Trace
 from agentrt.session.agent import function_tool
 
-CHARS_PER_TOKEN = 2.6  # code-heavy text, measured with the Qwen3 tokenizer
+CHARS_PER_TOKEN = 3.0  # these sessions rendered with the Qwen3 tokenizer and template: 2.97-3.09
 
 
 TOOLS = [
@@ -149,7 +149,21 @@ def _task(src: _Source) -> str:
     )
 
 
-def generate(seed: int = 0, target_tokens: int = 30_000, max_turns: int = 80) -> Trace:
+def estimated_tokens(trace: Trace) -> int:
+    """The size of `trace`'s final request in tokens, as `generate` estimates it."""
+    return int(_chars(trace.requests[-1].messages) / CHARS_PER_TOKEN) if trace.requests else 0
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of `messages`' text: contents, reasoning and tool-call arguments."""
+    calls = [c for m in messages for c in m.get("tool_calls") or []]
+    text = sum(
+        len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages
+    )
+    return text + sum(len(c["function"]["arguments"]) for c in calls)
+
+
+def generate(seed: int = 0, target_tokens: int = 30_000, max_turns: int = 150) -> Trace:
     """One synthetic session whose final request is about `target_tokens` tokens."""
     rng = random.Random(seed)
     src = _Source(rng)

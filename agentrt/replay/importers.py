@@ -187,10 +187,12 @@ def import_tau_bench(path: Path) -> list[Trace]:
     data = _load_json(path)
     if not isinstance(data, list) or not all(isinstance(e, dict) and "traj" in e for e in data):
         raise TraceError(f"{path}: expected a list of tau-bench trajectories with a 'traj' field")
+    trajs = [_messages(e["traj"], f"{path}: task {e.get('task_id')} traj") for e in data]
+    # the agent offered every tool of the domain on every request: one schema set inferred from
+    # the calls of the whole file, not from each trajectory's own (which may have none)
+    tools = infer_tools([m for traj in trajs for m in traj])
     traces = []
-    for entry in data:
-        traj = _messages(entry["traj"], f"{path}: task {entry.get('task_id')} traj")
-        tools = infer_tools(traj)
+    for entry, traj in zip(data, trajs, strict=True):
         name = f"tau-bench-{path.stem}-task{entry.get('task_id')}-trial{entry.get('trial', 0)}"
         name = _file_name(name)
         header = Header(

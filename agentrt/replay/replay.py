@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.errors import AgentrtError
+from agentrt.errors import AgentrtError, InvalidArgumentError
 from agentrt.replay.trace import Request, Trace
 
 
@@ -118,7 +119,8 @@ def _sse_events(response) -> Iterator[dict[str, Any]]:
 def _has_delta(chunk: dict[str, Any]) -> bool:
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+        # (`reasoning`: the name vLLM and OpenRouter stream reasoning under)
+        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
             return True
     return False
 
@@ -127,6 +129,13 @@ def endpoint_target(
     url: str, model: str, api_key: str | None = None, timeout: float = 3600
 ) -> Target:
     """Replay against `url` (an OpenAI-compatible server), streaming."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise InvalidArgumentError(f"--endpoint must be an http(s) URL, not {url!r}")
     base = url.rstrip("/")
     endpoint = (
         base
@@ -184,12 +193,26 @@ def endpoint_target(
 # ----------------------------------------------------------------------------- replay + report
 
 
+class ReplayStopped(AgentrtError):
+    """A request could not be replayed (e.g. longer than the model's context); `rows` holds the
+    requests replayed before it."""
+
+    def __init__(self, message: str, rows: list[Row]) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
 def replay(traces: list[Trace], target: Target, max_tokens: int, progress=None) -> list[Row]:
+    """Send every request of `traces` in order; its report rows. A request that fails with a
+    user error stops the replay (`ReplayStopped`, with the rows before it)."""
     rows: list[Row] = []
     for trace in traces:
         for req in trace.requests:
             limit = min(req.max_tokens, max_tokens) if req.max_tokens else max_tokens
-            row = target.send(req, limit)
+            try:
+                row = target.send(req, limit)
+            except AgentrtError as exc:
+                raise ReplayStopped(f"request {req.id} of {trace.name}: {exc}", rows) from None
             rows.append(Row(index=len(rows), trace=trace.name, id=req.id, **row))
             if progress is not None:
                 progress(rows[-1])

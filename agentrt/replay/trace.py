@@ -101,6 +101,10 @@ def read_trace(path: str | Path) -> Trace:
             requests.append(_request_decoder.decode(line))
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise TraceError(f"{path}:{number}: {exc}") from None
+        if not requests[-1].messages:
+            raise TraceError(f"{path}:{number}: a request needs at least one message")
+        if requests[-1].max_tokens is not None and requests[-1].max_tokens < 0:
+            raise TraceError(f"{path}:{number}: max_tokens must not be negative")
     return Trace(header, requests, str(path))
 
 
@@ -108,16 +112,41 @@ def write_trace(trace: Trace, path: str | Path) -> Path:
     """Write `trace` (zstd-compressed for a `.zst` name) as an owner-only 0600 file, atomically;
     missing directories are created 0700 (traces hold users' conversations)."""
     path = Path(path)
-    private_dir(path.parent)
     body = b"\n".join(msgspec.json.encode(x) for x in [trace.header, *trace.requests]) + b"\n"
     if path.name.endswith(".zst"):
         import zstandard
 
         body = zstandard.ZstdCompressor(level=10).compress(body)
-    return write_private(path, body)
+    try:
+        private_dir(path.parent)
+        return write_private(path, body)
+    except OSError as exc:
+        raise TraceError(f"cannot write trace {path}: {exc.strerror or exc}") from None
 
 
 # ----------------------------------------------------------------------------- transforms
+
+_CUT = "\n[... output truncated]"
+
+
+def _cut(content: Any, max_chars: int) -> Any:
+    """`content` (a string or a list of content parts) cut to `max_chars` characters of text."""
+    if isinstance(content, str):
+        return content[:max_chars] + _CUT if len(content) > max_chars else content
+    if not isinstance(content, list):
+        return content
+    out, left = [], max_chars
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) else None
+        if not isinstance(text, str):
+            out.append(part)
+        elif left > 0 or not text:
+            out.append({**part, "text": _cut(text, left)})
+            left -= len(text)
+        elif left == 0:  # (the first part past the limit says so; later ones go)
+            out.append({**part, "text": _CUT.lstrip()})
+            left = -1
+    return out
 
 
 def drop_reasoning(trace: Trace) -> Trace:
@@ -133,14 +162,14 @@ def drop_reasoning(trace: Trace) -> Trace:
 
 
 def truncate_tool_outputs(trace: Trace, max_chars: int, keep_last: int = 2) -> Trace:
-    """Truncate tool outputs older than the last `keep_last` ones to `max_chars` characters."""
+    """Truncate tool outputs older than the last `keep_last` ones to `max_chars` characters
+    (a string, or the text parts of a list of content parts, counted together)."""
     requests = []
     for req in trace.requests:
         msgs = copy.deepcopy(req.messages)
-        tools = [m for m in msgs if m.get("role") == "tool" and isinstance(m.get("content"), str)]
+        tools = [m for m in msgs if m.get("role") == "tool"]
         for m in tools[: max(len(tools) - keep_last, 0)]:
-            if len(m["content"]) > max_chars:
-                m["content"] = m["content"][:max_chars] + "\n[... output truncated]"
+            m["content"] = _cut(m.get("content"), max_chars)
         requests.append(msgspec.structs.replace(req, messages=msgs))
     header = msgspec.structs.replace(
         trace.header, description=f"{trace.header.description} [tool outputs truncated]"
