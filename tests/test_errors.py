@@ -139,3 +139,31 @@ def test_cli_chat_needs_a_tokenizer_before_loading(tmp_path):
         "chat", "--model", "synthetic:qwen3-30b-a3b", "--device", "cpu", "hi", timeout=120
     )
     assert proc.returncode == 2 and "has no tokenizer" in proc.stderr
+
+
+def test_bench_scratch_state_dir_never_empties_a_users_directory(tmp_path):
+    from agentrt.bench.engine import SCRATCH_MARK, scratch_dir
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("precious")
+    args = ["bench", "statecache", "--device", "cpu", "--lengths", "64", "--rounds", "1"]
+    result = invoke_cli(*args, "--state-dir", str(victim))
+    assert result.returncode == 2 and "is not empty and no benchmark made it" in result.stderr
+    assert (victim / "notes.txt").read_text() == "precious"
+    made = scratch_dir(tmp_path / "new")  # made, marked, and emptied again by a later run
+    (made / "data.mdb").write_text("x")
+    assert scratch_dir(made) == made and [p.name for p in made.iterdir()] == [SCRATCH_MARK]
+
+
+def test_unusable_state_dirs_are_one_line_errors(tmp_path):
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "data.mdb").write_text("not lmdb")
+    result = invoke_cli("cache", "ls", "--state-dir", str(garbage))
+    assert result.returncode == 2 and "cannot open the state cache" in result.stderr
+    (tmp_path / "file").write_text("")
+    under_file = str(tmp_path / "file" / "state")
+    result = invoke_cli("chat", "--device", "cpu", "--state-dir", under_file, "hi")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"error: Not a directory: {under_file}"

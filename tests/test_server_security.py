@@ -61,8 +61,25 @@ def _serve_cli(monkeypatch, *args: str) -> tuple[click.testing.Result, list[Serv
     """Run `agentrt serve ARGS` with the model load and the HTTP loop stubbed out."""
     served: list[ServerConfig] = []
     monkeypatch.setattr("agentrt.cli.serve.open_runtime", lambda opts, **kw: _FakeRuntime())
-    monkeypatch.setattr(server_app, "serve", lambda rt, config: served.append(config))
+    monkeypatch.setattr("agentrt.cli.serve._listen", lambda host, port: None)
+    monkeypatch.setattr(server_app, "serve", lambda rt, config, sock: served.append(config))
     return CliRunner().invoke(main, ["serve", *args]), served
+
+
+def test_serve_on_a_port_in_use_fails_before_the_model_loads(monkeypatch):
+    import socket
+
+    loaded = []
+    monkeypatch.setattr("agentrt.cli.serve.open_runtime", lambda opts, **kw: loaded.append(1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        result = CliRunner().invoke(main, ["serve", "--port", port])
+    assert result.exit_code == 2 and not loaded
+    assert result.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    bad = CliRunner().invoke(main, ["serve", "--host", "999.1.1.1", "--api-key", "k" * 20])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: cannot listen on 999.1.1.1")
 
 
 # ----------------------------------------------------------------------------- bind address
@@ -105,9 +122,9 @@ def test_serve_warns_when_public_without_a_key(runtime, monkeypatch, capsys):
     import uvicorn
 
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: calls.append(self.config))
     server_app.serve(runtime, ServerConfig(host="0.0.0.0", insecure_no_auth=True))
-    assert calls[0]["host"] == "0.0.0.0"
+    assert calls[0].host == "0.0.0.0"
     assert "warning: serving on 0.0.0.0 with no API key" in capsys.readouterr().err
     with pytest.raises(InvalidArgumentError):
         server_app.serve(runtime, ServerConfig(host="0.0.0.0"))

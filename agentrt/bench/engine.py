@@ -10,9 +10,11 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,8 +22,33 @@ import torch
 from agentrt.engine import Engine, SamplingParams
 from agentrt.engine.config import EngineConfig
 from agentrt.env import snapshot
+from agentrt.errors import InvalidArgumentError
 from agentrt.models import copy_model, torch_dtype
 from agentrt.models.registry import open_model
+
+# the file that marks a directory as a benchmark's scratch state (which it may empty again)
+SCRATCH_MARK = ".agentrt-bench-scratch"
+
+
+def scratch_dir(path: str | Path) -> Path:
+    """`path` emptied for a benchmark's scratch state: it must be new, empty, or one a benchmark
+    made (marked); any other directory may hold a user's files or state cache, and is refused."""
+    root = Path(path)
+    if root.exists():
+        if not root.is_dir():
+            raise InvalidArgumentError(f"--state-dir {root} is not a directory")
+        if any(root.iterdir()) and not (root / SCRATCH_MARK).is_file():
+            raise InvalidArgumentError(
+                f"--state-dir {root} is not empty and no benchmark made it: give a new or empty "
+                "directory (the benchmark empties it)"
+            )
+        shutil.rmtree(root)
+    try:
+        root.mkdir(parents=True)
+        (root / SCRATCH_MARK).touch()
+    except OSError as exc:
+        raise InvalidArgumentError(f"--state-dir {root}: {exc.strerror or exc}") from None
+    return root
 
 
 def machine() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from agentrt.bench.engine import machine, random_ids
+from agentrt.bench.engine import machine, random_ids, scratch_dir
 from agentrt.bench.statecache import bench_cache, prefill_capture, restore
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
@@ -57,6 +57,7 @@ def fidelity(
 ) -> dict[str, Any]:
     """The report (see the module docstring): per length, design and comparison, the worst or
     mean of each measure over `runs` random prompts."""
+    root = scratch_dir(state_dir)  # (before the model loads)
     dtype = dtype or EngineConfig.default_dtype(device)
     model = open_model(spec, device, torch_dtype(dtype), seed=seed).model
     reference = _reference(model, device, dtype)
@@ -77,8 +78,6 @@ def fidelity(
     base = engine(chunk, 0)
     designs = {name: engine(chunk, grid) for name, grid in DESIGNS.items()}
     noise = {size: engine(size, 0) for size in _noise_chunks(chunk)}
-    root = Path(state_dir)
-    shutil.rmtree(root, ignore_errors=True)
     out = []
     for length in lengths:
         for design, capturing in designs.items():

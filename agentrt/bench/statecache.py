@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agentrt.bench.engine import machine, random_ids, timed
+from agentrt.bench.engine import machine, random_ids, scratch_dir, timed
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.errors import AgentrtError
@@ -29,18 +29,14 @@ def statecache(
     """Checkpoint sizes, writer throughput, restore latency (LMDB / RAM tier) vs recompute, and
     prefill overhead of capture, for one long random prompt per length. `rounds` of timings
     per length (default `default_rounds`); `note` hears of each round as it starts."""
-    import shutil
-    from pathlib import Path
-
     from agentrt.statecache import StateCache
     from agentrt.statecache.config import StateCacheConfig
 
+    root = scratch_dir(state_dir)  # (before the model loads)
     dtype = dtype or EngineConfig.default_dtype(device)
     source = open_model(spec, device, torch_dtype(dtype), seed=seed)
     engine = Engine(source.model, EngineConfig(device=device, dtype=dtype))
     marker = engine.cfg.vocab_size - 1  # a token that ends a "message": checkpoints go after it
-    root = Path(state_dir)
-    shutil.rmtree(root, ignore_errors=True)
     config = StateCacheConfig(
         state_dir=root, max_bytes=64 * 2**30, ram_bytes=16 * 2**30, min_distance=0, queue_size=64
     )

@@ -365,7 +365,8 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     type=click.Path(file_okay=False),
     default="bench-state",
     show_default=True,
-    help="Scratch state directory (emptied first).",
+    help="Scratch state directory: new, empty, or made by an earlier run (emptied first; any "
+    "other is refused).",
 )
 @click.option(
     "--capture-every",

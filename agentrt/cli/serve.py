@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import click
 
 from agentrt.cli.main import main
@@ -9,6 +11,7 @@ from agentrt.cli.options import (
     model_options,
     open_runtime,
 )
+from agentrt.errors import InvalidArgumentError
 
 
 def _origin(value: str) -> str:
@@ -87,7 +90,8 @@ def serve(
         insecure_no_auth=insecure_no_auth,
         cors_origins=cors_origins,
     )
-    check_exposure(config)  # before the model loads
+    check_exposure(config)  # before the model loads, as the port is taken
+    sock = _listen(host, port)
     rt = open_runtime(opts, require_tokenizer=True)
     ready = rt.startup.get("total_s", 0.0)
     click.echo(
@@ -96,6 +100,27 @@ def serve(
         err=True,
     )
     try:
-        run_server(rt, config)
+        run_server(rt, config, sock)
     finally:
         rt.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host`:`port`, or a one-line error (a port in use, a host that is
+    not this machine's) before the model loads."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock

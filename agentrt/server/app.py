@@ -1,8 +1,7 @@
-"""The Starlette application: routes, API-key check, body size limit, OpenAI-style errors,
-chat completions, Anthropic messages and OpenAI responses (JSON or server-sent events; the
-latter two's shapes in `anthropic.py` and `responses.py`), models, health and Prometheus
-metrics.
-Bad input always becomes a 4xx answer; the process keeps serving.
+"""The Starlette application: routes, API-key check, body size limit, OpenAI-style errors, chat
+completions, Anthropic messages and OpenAI responses (JSON or server-sent events; the latter two's
+shapes in `anthropic.py` and `responses.py`), models, health and Prometheus metrics. Bad input
+always becomes a 4xx answer; the process keeps serving.
 
 Safe by default: `check_exposure` refuses a non-loopback bind without an API key (unless
 `insecure_no_auth`), keys are compared in constant time and never logged, and no CORS headers
@@ -11,6 +10,7 @@ are sent unless `cors_origins` names the browser origins allowed to call the API
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -54,10 +54,8 @@ class ServerConfig:
 def is_loopback(host: str) -> bool:
     """Whether `host` is `localhost`, an address in 127.0.0.0/8 or ::1 (names are not resolved)."""
     name = host.strip().strip("[]").rstrip(".").lower()
-    if name == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        return name == "localhost" or ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
 
@@ -479,18 +477,20 @@ def _cors(config: ServerConfig) -> list[Middleware]:
     ]
 
 
-def serve(runtime, config: ServerConfig) -> None:
+def serve(runtime, config: ServerConfig, sock=None) -> None:
+    """Serve until stopped, on `sock` when given (bound before the model loaded)."""
     import uvicorn
 
     if check_exposure(config):
         print(f"agentrt: warning: serving on {config.host} with no API key", file=sys.stderr)
     app, server = build_app(runtime, config)
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler
-    # it found: this one exits through the `finally` blocks (the worker stops, and the caller
-    # flushes queued checkpoints) instead of dying at once
+    # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found: this
+    # one exits through the `finally` blocks (worker stopped, checkpoints flushed), not at once
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        options = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+        with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run: Ctrl-C stops)
+            uvicorn.Server(options).run(sockets=None if sock is None else [sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
         server.worker.stop()

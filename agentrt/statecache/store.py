@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from agentrt.errors import AgentrtError
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
 
@@ -100,19 +101,22 @@ class _SharedEnv:
         # pages and write(2); commits still sync data before the meta page (crash safe), and
         # every process opening a state dir uses the same flag (LMDB requires that);
         # data.mdb and lock.mdb are owner-only (checkpoints come from users' conversations)
-        self.env = lmdb.open(
-            str(path),
-            map_size=map_size,
-            max_dbs=8,
-            max_readers=512,
-            subdir=True,
-            writemap=True,
-            mode=FILE_MODE,
-        )
-        # the named databases, opened once with the environment: opening one takes LMDB's
-        # write lock without giving up the interpreter, which deadlocks beside a write running
-        # on another thread of this process (a second Store on the directory, say)
-        self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
+        try:
+            self.env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                max_dbs=8,
+                max_readers=512,
+                subdir=True,
+                writemap=True,
+                mode=FILE_MODE,
+            )
+            # the named databases, opened once with the environment: opening one takes LMDB's
+            # write lock without giving up the interpreter, which deadlocks beside a write
+            # running on another thread of this process (a second Store on the directory, say)
+            self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
+        except lmdb.Error as exc:
+            raise AgentrtError(f"cannot open the state cache in {path}: {exc}") from None
         self.lock = _ResizeLock()
         self.users = 0
 
