@@ -167,3 +167,21 @@ def test_unusable_state_dirs_are_one_line_errors(tmp_path):
     result = invoke_cli("chat", "--device", "cpu", "--state-dir", under_file, "hi")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"error: Not a directory: {under_file}"
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["chat", "--bogus", "x"], "No such option '--bogus'"),
+        (["chat"], "Missing argument 'MESSAGE'"),
+        (["serve", "--port", "0"], "'--port'"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["bench", "prefill", "--offload", "auto", "--vram-budget", "12XB"], "'12XB' as a size"),
+    ],
+)
+def test_usage_errors_are_one_line_before_any_work(args, words):
+    result = invoke_cli(*args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: ") and words in result.stderr
+    assert "--help`)" in result.stderr

@@ -250,3 +250,18 @@ def test_model_make_writes_gpt_oss_experts_as_mxfp4_pairs(tmp_path):
     bad = invoke_cli("model", "make", "--size", "tiny", "--expert-format", "mxfp4", "-o",
                   str(tmp_path / "bad"))  # fmt: skip
     assert bad.returncode == 2 and "gpt-oss sizes" in bad.stderr
+
+
+def test_model_make_tiny_takes_its_seed_and_dtype(tmp_path):
+    from safetensors import safe_open
+
+    def made(*args: str) -> dict:
+        out = tmp_path / "-".join(args or ("default",))
+        assert invoke_cli("model", "make", "--size", "tiny", *args, "-o", str(out)).returncode == 0
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    base, seeded, half = made(), made("--seed", "9"), made("--dtype", "bfloat16")
+    name = next(k for k in base if k.endswith("embed_tokens.weight"))
+    assert not torch.equal(base[name], seeded[name])
+    assert base[name].dtype == torch.float32 and half[name].dtype == torch.bfloat16

@@ -21,6 +21,7 @@ from agentrt.cli.options import (
     on_off,
     prepare_cpu_threads,
     resolve_device,
+    size_text,
     write_json,
 )
 from agentrt.offload.config import PREFILL_PLANS
@@ -100,7 +101,9 @@ _expert_format_option = expert_format_option(
     "--vram-budget or --expert-cache-slots); each --prefill-plan is timed, and the same rows "
     "with every expert resident first (the floor's compute side).",
 )
-@click.option("--vram-budget", default=None, help="With --offload auto: e.g. 16GiB.")
+@click.option(
+    "--vram-budget", default=None, callback=size_text, help="With --offload auto: e.g. 16GiB."
+)
 @click.option(
     "--expert-cache-slots",
     type=click.IntRange(min=1),
@@ -241,7 +244,9 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
     "on",
     "For --offload auto: comma-separated next-layer prefetch settings, on and/or off.",
 )
-@click.option("--vram-budget", default=None, help="Device-memory budget, e.g. 16GiB.")
+@click.option(
+    "--vram-budget", default=None, callback=size_text, help="Device-memory budget, e.g. 16GiB."
+)
 @click.option(
     "--text",
     type=click.Path(exists=True),

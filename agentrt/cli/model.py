@@ -63,7 +63,7 @@ def model_make(arch, size, out, seed, dtype, expert_format, force) -> None:
     if mxfp4 and "gpt-oss" not in name:
         raise click.UsageError("--expert-format mxfp4 is for gpt-oss sizes")
     if name.startswith("tiny"):
-        build_tiny(out_dir, name, mxfp4=mxfp4)
+        build_tiny(out_dir, name, mxfp4=mxfp4, seed=seed, dtype=dtype)
     else:
         with click.progressbar(length=1, label=f"writing {name}", file=sys.stderr) as bar:
 

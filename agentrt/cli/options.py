@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from agentrt.errors import AgentrtError
-from agentrt.offload.config import CPU_KERNELS, PREFILL_PLANS, offload_mode
+from agentrt.errors import AgentrtError, InvalidArgumentError
+from agentrt.offload.config import CPU_KERNELS, PREFILL_PLANS, offload_mode, parse_bytes
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
 MODEL_HELP = (
@@ -23,7 +23,7 @@ MODEL_HELP = (
 
 
 class AgentrtGroup(click.Group):
-    """Turns agentrt's user errors into one-line messages."""
+    """Turns agentrt's user errors, and click's usage errors, into one-line messages."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -31,6 +31,10 @@ class AgentrtGroup(click.Group):
         except AgentrtError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except click.UsageError as exc:  # bad options or arguments: one line too, and where to look
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            click.echo(f"error: {exc.format_message()} (see `{where} --help`)", err=True)
+            sys.exit(exc.exit_code)
         except OSError as exc:  # a path the user gave that cannot be read, written or made
             where = f": {exc.filename}" if exc.filename else ""
             click.echo(f"error: {exc.strerror or exc}{where}", err=True)
@@ -108,6 +112,16 @@ def csv_ints(ctx, param, value: str) -> list[int]:
             f"expected a comma-separated list of positive integers, got {value!r}"
         )
     return items
+
+
+def size_text(ctx, param, value: str | None) -> str | None:
+    """A size option (e.g. --vram-budget 16GiB) checked before any work; kept as written."""
+    if value is not None:
+        try:
+            parse_bytes(value)
+        except InvalidArgumentError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
 
 
 def csv_ints_or_empty(ctx, param, value: str) -> list[int]:
@@ -270,6 +284,7 @@ def offload_options() -> list:
         click.option(
             "--vram-budget",
             default=None,
+            callback=size_text,
             help="Cap on device memory, e.g. 16GiB (sizes the expert cache).",
         ),
         click.option(

@@ -149,16 +149,18 @@ def write_tokenizer(out: Path) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
 
-def build_tiny(out: Path, size: str = "tiny", mxfp4: bool = False) -> Path:
+def build_tiny(
+    out: Path, size: str = "tiny", mxfp4: bool = False, seed: int = 0, dtype: str | None = None
+) -> Path:
     """Build the tiny model (weights + tokenizer + template) into `out` (`mxfp4`: gpt-oss
-    experts as MXFP4 pairs)."""
+    experts as MXFP4 pairs; `seed` and `dtype` as `write_checkpoint` takes them)."""
     from agentrt.models.synthetic import write_checkpoint
 
     private_dir(out)
     ids = write_tokenizer(out)
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     overrides = {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]}
-    write_checkpoint(size, out, seed=0, config_overrides=overrides, mxfp4=mxfp4)
+    write_checkpoint(size, out, seed, dtype, config_overrides=overrides, mxfp4=mxfp4)
     return out
 
 
