@@ -368,3 +368,21 @@ def test_grouped_expert_gemms_with_biases_equal_the_loop():
     got = grouped_ffn(grouped, x, gate_up, down, offs, scale, act, biases)
     want = looped_ffn(x, gate_up, down, [2, 0, 5], scale, biases, act)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_bench_prefill_takes_lists_of_offload_and_split(tmp_path):
+    """`--offload none,auto --split on,off`: every combination in one invocation (DESIGN's
+    contract for bench decode|prefill|ttft), one offloaded report per split value."""
+    import json
+
+    from util import invoke_cli
+
+    out = tmp_path / "p.json"
+    args = ["bench", "prefill", "--device", "cpu", "--lengths", "96", "--prefill-chunk", "48"]
+    args += ["--repeat", "1", "--expert-cache-slots", "10", "--prefill-plan", "stream"]
+    result = invoke_cli(*args, "--offload", "none,auto", "--split", "on,off", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["split=on", "split=off"]
+    assert [run["split"] for run in runs.values()] == [True, False]
+    assert all(run["runs"] for run in runs.values())

@@ -18,7 +18,6 @@ from agentrt.cli.options import (
     csv_option,
     expert_format_option,
     json_option,
-    on_off,
     prepare_cpu_threads,
     resolve_device,
     size_text,
@@ -94,12 +93,13 @@ _expert_format_option = expert_format_option(
 )
 @click.option(
     "--offload",
-    type=click.Choice(["none", "auto"]),
     default="none",
     show_default=True,
-    help="auto: routed experts in host memory behind a device expert cache (with "
-    "--vram-budget or --expert-cache-slots); each --prefill-plan is timed, and the same rows "
-    "with every expert resident first (the floor's compute side).",
+    callback=csv_choice("none", "auto"),
+    help="none, auto, or both (none,auto). auto: routed experts in host memory behind a device "
+    "expert cache (with --vram-budget or --expert-cache-slots); each --prefill-plan is timed, "
+    "and the same rows with every expert resident first (the floor's compute side; "
+    "--no-resident leaves them out unless none is listed).",
 )
 @click.option(
     "--vram-budget", default=None, callback=size_text, help="With --offload auto: e.g. 16GiB."
@@ -131,7 +131,14 @@ _expert_format_option = expert_format_option(
     show_default=True,
     help="Tokens of the cached prefix before each suffix.",
 )
-@on_off("--split", "off: no missing expert runs on the CPU.")
+@click.option(
+    "--split",
+    default="on",
+    show_default=True,
+    callback=csv_choice("on", "off"),
+    help="With --offload auto: off: no missing expert runs on the CPU; on,off: both, one report "
+    "each (`runs`).",
+)
 @click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
 @click.option(
@@ -160,13 +167,18 @@ def bench_prefill(
     max(missing expert bytes / B_P, resident compute time)."""
     from agentrt.bench import engine as b
 
-    prepare_cpu_threads(device, [offload["offload"]])
+    offloads = offload.pop("offload")
+    prepare_cpu_threads(device, offloads)
     device = resolve_device(device)
-    if offload["offload"] == "auto":
+    if "auto" in offloads:
         offload["linear_attn"] = linear_attn[0]
-        report = _offload_prefill(
-            model, device, dtype, seed, lengths, prefill_chunk, repeat, offload
-        )
+        offload["resident"] = offload["resident"] or "none" in offloads
+        runs = {}
+        for split in offload.pop("split"):
+            args = (model, device, dtype, seed, lengths, prefill_chunk, repeat)
+            runs[f"split={split}"] = _offload_prefill(*args, {**offload, "split": split})
+            offload["resident"] = False  # (the resident rows once)
+        report = runs.popitem()[1] if len(runs) == 1 else {"bench": "prefill", "runs": runs}
         _report(report, json_out)
         return
     _report(
