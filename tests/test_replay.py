@@ -476,3 +476,15 @@ def test_a_bad_endpoint_url_is_named(url):
 
     with pytest.raises(InvalidArgumentError, match="must be an http"):
         endpoint_target(url, "m")
+
+
+def test_bench_ttft_runs_every_offload_and_split_setting(small_trace, tmp_path):
+    out = tmp_path / "ttft.json"
+    args = ["bench", "ttft", str(small_trace), "--device", "cpu", "--max-tokens", "2"]
+    args += ["--cache", "off", "--variants", "recorded", "--warmup", "0", "--max-requests", "2"]
+    args += ["--offload", "none,auto", "--split", "on,off", "--expert-cache-slots", "10"]
+    result = invoke_cli(*args, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    settings = json.loads(out.read_text())["settings"]
+    assert list(settings) == ["none", "auto", "auto/no-split"]
+    assert all(len(s["reports"]["recorded"][0]["requests"]) == 2 for s in settings.values())

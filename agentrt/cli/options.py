@@ -235,7 +235,7 @@ def model_options(fn=None, *, cache_list: bool = False):
             "no request captures them again.  [default: on for CUDA with the experts on the "
             "GPU, unless --eager; never used with offloaded experts]",
         ),
-        *offload_options(),
+        *offload_options(lists=cache_list),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -268,18 +268,21 @@ def expert_format_option(help: str):
                         help=help)  # fmt: skip
 
 
-def offload_options() -> list:
-    """Expert placement options (docs/architecture.md §5)."""
+def offload_options(lists: bool = False) -> list:
+    """Expert placement options (docs/architecture.md §5); with `lists`, --offload and --split
+    take comma-separated lists (for commands that compare settings)."""
+    modes, listed = ("auto", "none", "static", "layer"), " Comma-separated list." if lists else ""
     return [
         click.option(
             "--offload",
-            type=click.Choice(["auto", "none", "static", "layer"]),
+            type=None if lists else click.Choice(modes),
+            callback=csv_choice(*modes) if lists else None,
             default=None,
             help="Expert placement: auto (host store + GPU expert cache + CPU/GPU miss split), "
             "static (experts of the first --cpu-moe-layers layers on the CPU, like llama.cpp "
             "--n-cpu-moe), layer (the first --cpu-layers whole layers on the CPU, like Ollama), "
             "none (all on the device). Default: auto with --vram-budget or "
-            "--expert-cache-slots, else none.",
+            "--expert-cache-slots, else none." + listed,
         ),
         click.option(
             "--vram-budget",
@@ -293,7 +296,14 @@ def offload_options() -> list:
             default=None,
             help="Explicit expert-cache size (overrides --vram-budget).",
         ),
-        on_off("--split", "off: every miss is copied (no CPU compute)."),
+        click.option(
+            "--split",
+            default="on",
+            show_default=True,
+            type=None if lists else click.Choice(["on", "off"]),
+            callback=csv_choice("on", "off") if lists else None,
+            help="off: every miss is copied (no CPU compute)." + listed,
+        ),
         on_off(
             "--prefetch",
             "For --offload auto: while a layer computes, copy ahead the experts the next "

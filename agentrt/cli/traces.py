@@ -269,7 +269,33 @@ def replay_cmd(
 )
 @json_option
 def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_out, **opts) -> None:
-    """Replay TRACES in every --cache mode with one loaded model; TTFT per mode and ratios."""
+    """Replay TRACES in every --cache mode with one loaded model per --offload/--split setting;
+    TTFT per mode and ratios (several settings: one result each, under `settings`)."""
+    offloads, splits = opts.pop("offload") or [None], opts.pop("split")
+    settings = [  # (--split changes only what auto does, or a budget's default)
+        (offload, split)
+        for offload in offloads
+        for split in splits
+        if split == splits[0] or offload in (None, "auto")
+    ]
+    results = {}
+    for offload, split in settings:
+        parts = (offload, None if split == "on" else "no-split")
+        label = "/".join(filter(None, parts)) or "default"
+        if len(settings) > 1:
+            click.echo(f"\n== {label} ==", err=True)
+        setting = {**opts, "offload": offload, "split": split}
+        one = len(settings) == 1 or not plot
+        stem = plot if one else _variant_path(plot, label.replace("/", "-"))
+        results[label] = _ttft_setting(
+            traces, variants, max_tokens, stem, max_requests, warmup, json_out, setting
+        )
+    if len(results) > 1:
+        write_json(json_out, {"settings": results})
+
+
+def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, json_out, opts) -> dict:
+    """`bench ttft` for one expert placement: its result (also written to `json_out`)."""
     from agentrt.bench import ttft as b
 
     rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
@@ -298,6 +324,8 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
             )
     click.echo(json.dumps(result["ratios"], indent=2))
     write_json(json_out, result)
+    rt.close()
+    return result
 
 
 def _variant_path(plot: str, variant: str) -> str:
