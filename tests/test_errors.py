@@ -185,3 +185,16 @@ def test_usage_errors_are_one_line_before_any_work(args, words):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: ") and words in result.stderr
     assert "--help`)" in result.stderr
+
+
+def test_options_that_would_be_ignored_are_usage_errors(tmp_path):
+    slots = invoke_cli(
+        "chat", "--device", "cpu", "--offload", "none", "--expert-cache-slots", "2", "hi"
+    )
+    assert slots.returncode == 2 and "--expert-cache-slots sizes --offload auto's" in slots.stderr
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"agentrt_trace": 1}\n{"id": "a", "messages": [{"role": "user"}]}\n')
+    remote = invoke_cli(
+        "replay", str(trace), "--endpoint", "http://127.0.0.1:9/v1", "--cache", "off"
+    )
+    assert remote.returncode == 2 and "--cache is for local replays" in remote.stderr

@@ -366,6 +366,8 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
     """`Runtime.open` with the command's model and runtime options (by `RuntimeConfig`'s field
     names; on/off switches, boundary overrides and the device resolved first)."""
     mode = offload_mode(opts["offload"], opts["vram_budget"], opts["expert_cache_slots"])
+    if mode != "auto" and opts["expert_cache_slots"] is not None:
+        raise click.UsageError(f"--expert-cache-slots sizes --offload auto's cache, not {mode}'s")
     prepare_cpu_threads(opts["device"], [mode])
     from agentrt import Runtime, RuntimeConfig
     from agentrt.session.boundary_text import parse_overrides

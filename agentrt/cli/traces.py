@@ -228,6 +228,9 @@ def replay_cmd(
     from agentrt.replay.replay import endpoint_target, local_target, summary_table
     from agentrt.replay.replay import plot as draw
 
+    source = click.get_current_context().get_parameter_source("cache")
+    if endpoint and source is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--cache is for local replays: with --endpoint the server's runs")
     loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
     if endpoint:
         target = endpoint_target(endpoint, opts["model"], api_key)
@@ -285,6 +288,8 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
         if len(settings) > 1:
             click.echo(f"\n== {label} ==", err=True)
         setting = {**opts, "offload": offload, "split": split}
+        if offload not in (None, "auto"):  # (the slots size auto's cache)
+            setting["expert_cache_slots"] = None
         one = len(settings) == 1 or not plot
         stem = plot if one else _variant_path(plot, label.replace("/", "-"))
         results[label] = _ttft_setting(
