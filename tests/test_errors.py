@@ -198,3 +198,26 @@ def test_options_that_would_be_ignored_are_usage_errors(tmp_path):
         "replay", str(trace), "--endpoint", "http://127.0.0.1:9/v1", "--cache", "off"
     )
     assert remote.returncode == 2 and "--cache is for local replays" in remote.stderr
+
+
+def test_tokenizer_problems_are_one_line_and_name_the_option(tmp_path):
+    import shutil
+
+    from agentrt.errors import ChatTemplateError
+    from agentrt.models.tiny import ensure_tiny
+    from agentrt.session.chat import render
+    from agentrt.session.tokenizer import load_tokenizer
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelFormatError) as err:
+        load_tokenizer(broken)
+    assert "cannot load tokenizer" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ModelFormatError, match="--tokenizer DIR"):
+        load_tokenizer(tmp_path)
+    plain = shutil.copytree(ensure_tiny(), tmp_path / "plain")
+    tok = load_tokenizer(plain)
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="--chat-template FILE"):
+        render(tok, [{"role": "user", "content": "hi"}], None)

@@ -153,7 +153,10 @@ def render(
     `today`: the date a template that prints the date (`strftime_now`) sees;
     `reasoning_effort`: low, medium or high, for templates that take it (gpt-oss's)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError("the tokenizer has no chat template; pass chat_template=FILE")
+        raise ChatTemplateError(
+            "the tokenizer has no chat template: give one with --chat-template FILE "
+            "(Runtime.open(chat_template=FILE))"
+        )
     template = tokenizer.chat_template
     extra: dict[str, Any] = {}
     if reasoning_effort is not None:

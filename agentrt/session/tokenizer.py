@@ -31,6 +31,12 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLike | N
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelFormatError(f"tokenizer directory {path} does not exist")
+    known = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((path / name).is_file() for name in known):
+        raise ModelFormatError(
+            f"{path} has no tokenizer (tokenizer.json or tokenizer.model): give one with "
+            "--tokenizer DIR (Runtime.open(tokenizer=DIR))"
+        )
     try:
         if _declared_class(path) in _GENERIC:
             from transformers import PreTrainedTokenizerFast as cls
@@ -38,8 +44,9 @@ def load_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLike | N
             from transformers import AutoTokenizer as cls
         tokenizer = cls.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - any failure here is a malformed tokenizer dir
+        first = (str(exc).strip().splitlines() or [""])[0]  # (transformers' advice follows)
         raise ModelFormatError(
-            f"cannot load tokenizer from {path}: {type(exc).__name__}: {exc}"
+            f"cannot load tokenizer from {path}: {type(exc).__name__}: {first}"
         ) from None
     if chat_template is not None:
         tokenizer.chat_template = _read_template(Path(chat_template))
