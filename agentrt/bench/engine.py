@@ -120,10 +120,15 @@ def _peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
 
-def prefill(spec, device, dtype, kernels, lengths, chunk, repeat, seed) -> dict[str, Any]:
+def prefill(
+    spec, device, dtype, kernels, lengths, chunk, repeat, seed, note=lambda _: None
+) -> dict[str, Any]:
+    """Prefill tok/s per linear-attention kernel and prompt length (the median of `repeat`
+    timed runs after one warm-up); `note` hears of each row as it starts."""
     runs = []
     for kernel, engine in _engines(spec, device, dtype, kernels, chunk, seed):
         for length in lengths:
+            note(f"prefill: {length} tokens, {kernel} kernels, {repeat} run(s)")
             ids = random_ids(engine.cfg.vocab_size, length, seed)
             _time_prefill(engine, ids[: min(length, chunk)], device)  # warm-up (kernels, autotune)
             times = [_time_prefill(engine, ids, device) for _ in range(repeat)]

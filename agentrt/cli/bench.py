@@ -181,8 +181,9 @@ def bench_prefill(
         report = runs.popitem()[1] if len(runs) == 1 else {"bench": "prefill", "runs": runs}
         _report(report, json_out)
         return
+    note = lambda text: click.echo(f"agentrt: {text}", err=True)  # noqa: E731
     _report(
-        b.prefill(model, device, dtype, linear_attn, lengths, prefill_chunk, repeat, seed),
+        b.prefill(model, device, dtype, linear_attn, lengths, prefill_chunk, repeat, seed, note),
         json_out,
     )
 
