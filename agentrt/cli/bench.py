@@ -91,12 +91,11 @@ _expert_format_option = expert_format_option(
     show_default=True,
     help="Timed runs per row (the median is reported).",
 )
-@click.option(
+@csv_option(
     "--offload",
-    default="none",
-    show_default=True,
-    callback=csv_choice("none", "auto"),
-    help="none, auto, or both (none,auto). auto: routed experts in host memory behind a device "
+    ("none", "auto"),
+    "none",
+    "none, auto, or both (none,auto). auto: routed experts in host memory behind a device "
     "expert cache (with --vram-budget or --expert-cache-slots); each --prefill-plan is timed, "
     "and the same rows with every expert resident first (the floor's compute side; "
     "--no-resident leaves them out unless none is listed).",
@@ -131,13 +130,11 @@ _expert_format_option = expert_format_option(
     show_default=True,
     help="Tokens of the cached prefix before each suffix.",
 )
-@click.option(
+@csv_option(
     "--split",
-    default="on",
-    show_default=True,
-    callback=csv_choice("on", "off"),
-    help="With --offload auto: off: no missing expert runs on the CPU; on,off: both, one report "
-    "each (`runs`).",
+    ("on", "off"),
+    "on",
+    "With --offload auto: off: no missing expert runs on the CPU; on,off: both (`runs`).",
 )
 @click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
