@@ -155,6 +155,24 @@ def test_bench_prefill_cli_prints_json(tmp_path):
     report = json.loads((tmp_path / "p.json").read_text())
     assert [r["prompt_tokens"] for r in report["runs"]] == [64, 130]
     assert all(r["tok_s"] > 0 and r["backend"] == "torch" for r in report["runs"])
+    header = next(line for line in proc.stderr.splitlines() if "tok_s" in line)  # the table
+    assert header.split()[:3] == ["linear_attn", "backend", "prompt_tokens"]
+    assert "agentrt: prefill: 130 tokens" in proc.stderr  # (its progress)
+
+
+def test_summary_tables_show_each_rows_scalars_and_each_setting():
+    from agentrt.cli.tables import summary_tables
+
+    rows = [{"plan": "stream", "tok_s": 1234.5678, "all_s": [1.0], "gb": None}, {"plan": "x"}]
+    assert summary_tables({"runs": rows}).splitlines() == [
+        "  plan  tok_s  gb",
+        "-----------------",
+        "stream   1235   -",
+        "     x      -   -",
+    ]
+    both = summary_tables({"runs": {"split=on": {"runs": rows}, "split=off": {"rows": []}}})
+    assert both.startswith("[split=on]\n  plan") and "split=off" not in both
+    assert summary_tables({"bench": "bw", "cpu_gb_s": 40.0}) == ""
 
 
 def _top_share(size: str) -> float:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from agentrt.cli.main import main
@@ -21,8 +19,8 @@ from agentrt.cli.options import (
     prepare_cpu_threads,
     resolve_device,
     size_text,
-    write_json,
 )
+from agentrt.cli.tables import print_report as _report
 from agentrt.offload.config import PREFILL_PLANS
 
 
@@ -54,11 +52,6 @@ def _bench_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
-
-
-def _report(report: dict, json_out: str | None) -> None:
-    click.echo(json.dumps(report, indent=2))
-    write_json(json_out, report)
 
 
 _expert_format_option = expert_format_option(
