@@ -221,3 +221,19 @@ def test_tokenizer_problems_are_one_line_and_name_the_option(tmp_path):
     tok.chat_template = None
     with pytest.raises(ChatTemplateError, match="--chat-template FILE"):
         render(tok, [{"role": "user", "content": "hi"}], None)
+
+
+def test_group_options_and_declined_clears_answer_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from agentrt.cli import main
+    from agentrt.statecache.store import Store
+
+    bogus = invoke_cli("--bogus")
+    assert bogus.returncode == 2 and bogus.stderr.startswith("error: No such option '--bogus'")
+    Store(tmp_path / "state", 2**30).close()
+    args = ["cache", "clear", "--state-dir", str(tmp_path / "state")]
+    declined = CliRunner().invoke(main, args, input="n\n")
+    assert declined.exit_code == 1 and "nothing deleted" in declined.stderr
+    ended = CliRunner().invoke(main, args, input="")  # (end of input, as Ctrl-C: click's Abort)
+    assert ended.exit_code == 130 and "interrupted: nothing deleted" in ended.stderr

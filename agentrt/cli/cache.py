@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -98,9 +99,16 @@ def cache_gc(state_dir, max_gb, verify) -> None:
 def cache_clear(state_dir, yes) -> None:
     """Delete every stored checkpoint."""
     store = _open_store(state_dir)
-    if not yes and not click.confirm(f"delete all checkpoints in {store.path}?"):
+    try:
+        sure = yes or click.confirm(f"delete all checkpoints in {store.path}?")
+    except click.Abort:  # Ctrl-C (or the end of input) at the question
         store.close()
-        raise click.Abort()
+        click.echo("interrupted: nothing deleted", err=True)
+        sys.exit(130)
+    if not sure:
+        store.close()
+        click.echo("nothing deleted", err=True)
+        sys.exit(1)
     store.clear()
     store.close()
     click.echo("cleared")

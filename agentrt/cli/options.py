@@ -32,9 +32,7 @@ class AgentrtGroup(click.Group):
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
         except click.UsageError as exc:  # bad options or arguments: one line too, and where to look
-            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-            click.echo(f"error: {exc.format_message()} (see `{where} --help`)", err=True)
-            sys.exit(exc.exit_code)
+            _usage_error(exc, ctx)
         except OSError as exc:  # a path the user gave that cannot be read, written or made
             where = f": {exc.filename}" if exc.filename else ""
             click.echo(f"error: {exc.strerror or exc}{where}", err=True)
@@ -42,6 +40,26 @@ class AgentrtGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """The group's own options (`agentrt --bogus`): the same one-line usage errors."""
+        try:
+            return super().parse_args(ctx, args)
+        except _NO_ARGS:  # (no command: the help is shown)
+            raise
+        except click.UsageError as exc:
+            _usage_error(exc, ctx)
+
+
+# click >= 8.2 shows the help through this usage error when no command is given
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def _usage_error(exc: click.UsageError, ctx: click.Context):
+    """Print `exc` as one line naming the --help to read, and exit with its status (2)."""
+    where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+    click.echo(f"error: {exc.format_message()} (see `{where} --help`)", err=True)
+    sys.exit(exc.exit_code)
 
 
 def prepare_cpu_threads(device: str, offloads: list[str]) -> None:
