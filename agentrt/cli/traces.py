@@ -123,9 +123,9 @@ def trace_gen(seed, tokens, max_turns, out) -> None:
     t = generate(seed, tokens, max_turns)
     path = write_trace(t, out)
     click.echo(f"wrote {path}: {len(t.requests)} requests")
-    if estimated_tokens(t) < tokens:
+    if (reached := estimated_tokens(t)) < tokens:
         click.echo(
-            f"note: --max-turns {max_turns} ended the session at about {estimated_tokens(t)} "
+            f"note: --max-turns {max_turns} ended the session at about {reached} "
             f"tokens, short of --tokens {tokens}",
             err=True,
         )

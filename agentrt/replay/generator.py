@@ -172,7 +172,7 @@ def generate(seed: int = 0, target_tokens: int = 30_000, max_turns: int = 150) -
         {"role": "user", "content": _task(src)},
     ]
     requests = []
-    size = sum(len(m["content"]) for m in messages)
+    size = _chars(messages)
     for index in range(max_turns):
         if size / CHARS_PER_TOKEN >= target_tokens:
             break
@@ -181,7 +181,7 @@ def generate(seed: int = 0, target_tokens: int = 30_000, max_turns: int = 150) -
         requests.append(
             Request(f"gen{seed}-{index}", list(messages), TOOLS, max_tokens=512, response=response)
         )
-        messages = messages + [
+        turn = [
             {
                 "role": "assistant",
                 "content": "",
@@ -190,7 +190,7 @@ def generate(seed: int = 0, target_tokens: int = 30_000, max_turns: int = 150) -
             },
             {"role": "tool", "tool_call_id": call["id"], "content": output},
         ]
-        size += len(thought) + len(call["function"]["arguments"]) + len(output)
+        messages, size = messages + turn, size + _chars(turn)
     final = "I fixed the default handling for empty input and the test suite passes."
     response = Response(content=final)
     requests.append(

@@ -396,12 +396,12 @@ class Store:
         chunks a checkpoint being written needs and does not carry: `put_checkpoint`)."""
         if self.total_bytes() > (self.path / "data.mdb").stat().st_size:
             self._recount()  # a damaged total would otherwise evict everything, every write
-        now, removed, chunks = time.time(), 0, keep_chunks
+        now, removed = time.time(), 0
         ranked = sorted(self.list_records(), key=lambda kr: self.score(kr[1], now))
         for key, record in ranked:
             if self.total_bytes() <= target_bytes:
                 break
-            shared = chunks.intersection(record.chunk_keys) if chunks else ()
+            shared = keep_chunks.intersection(record.chunk_keys) if keep_chunks else ()
             if key == keep or (shared and self._last_holder(shared)):
                 continue
             removed += self.delete(key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -181,7 +182,7 @@ class Writer:
     def _store_touches(self) -> None:
         """Add the hits counted since the last time to their records, in one transaction."""
         with self._lock:
-            hits, self._touches = self._touches, type(self._touches)()
+            hits, self._touches = self._touches, Counter()
         if hits:
             self.store.touch(hits)
 
