@@ -553,3 +553,13 @@ def test_the_warm_up_prompt_runs_every_kind_of_prefill_piece(hf_checkpoints):
     eng._warm_up_prompt(state, ids[:150])
     assert state.num_tokens == 150
     assert all(start < c <= start + n for n, capture, start in pieces for c in capture)
+
+
+def test_bench_prefill_runs_each_resolved_kernel_once():
+    """`--linear-attn torch,auto,torch` on the CPU: auto resolves to torch, so one run (and no
+    ratio of a kernel against itself, whose key would hide another's)."""
+    from agentrt.bench.engine import prefill
+
+    report = prefill("tiny", "cpu", None, ["torch", "auto", "torch"], [16], 16, 1, 0)
+    assert [r["backend"] for r in report["runs"]] == ["torch"]
+    assert report["ratios"] == {}

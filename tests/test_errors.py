@@ -169,6 +169,9 @@ def test_unusable_state_dirs_are_one_line_errors(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == f"error: Not a directory: {under_file}"
 
 
+_DECODE_OFFLOAD = ["bench", "decode", "--device", "cpu", "--offload", "none"]
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -177,6 +180,13 @@ def test_unusable_state_dirs_are_one_line_errors(tmp_path):
         (["serve", "--port", "0"], "'--port'"),
         (["nosuch"], "No such command 'nosuch'"),
         (["bench", "prefill", "--offload", "auto", "--vram-budget", "12XB"], "'12XB' as a size"),
+        (_DECODE_OFFLOAD + ["--linear-attn", "torch"], "only auto with --offload"),
+        (_DECODE_OFFLOAD + ["--graphs", "on,off"], "one value only with --offload"),
+        (["bench", "statecache", "--linear-attn", "torch"], "only auto without --fidelity"),
+        (
+            ["bench", "prefill", "--offload", "auto", "--linear-attn", "torch,auto"],
+            "one value only with --offload auto",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_before_any_work(args, words):

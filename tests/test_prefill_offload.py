@@ -386,3 +386,7 @@ def test_bench_prefill_takes_lists_of_offload_and_split(tmp_path):
     assert list(runs) == ["split=on", "split=off"]
     assert [run["split"] for run in runs.values()] == [True, False]
     assert all(run["runs"] for run in runs.values())
+    # the resident rows run once, and both splits' floors use them
+    assert [r["plan"] for r in runs["split=off"]["runs"]] == ["stream"]
+    floors = [r["resident_s"] for run in runs.values() for r in run["runs"] if "resident_s" in r]
+    assert len(floors) == 2 and floors[0] == floors[1] > 0

@@ -488,3 +488,27 @@ def test_bench_ttft_runs_every_offload_and_split_setting(small_trace, tmp_path):
     settings = json.loads(out.read_text())["settings"]
     assert list(settings) == ["none", "auto", "auto/no-split"]
     assert all(len(s["reports"]["recorded"][0]["requests"]) == 2 for s in settings.values())
+
+
+def test_bench_ttft_keeps_finished_settings_when_a_later_one_is_cut(monkeypatch, tmp_path):
+    """With several settings, every save holds the settings already finished: a time limit
+    that cuts the second one short leaves the first one's result, labelled, in --json."""
+    from agentrt.cli import traces
+
+    out = tmp_path / "ttft.json"
+
+    def setting(traces_, variants, tokens, plot, requests, warmup, save, opts):
+        result = {"complete": True, "setting": traces.setting_of(opts)}
+        if opts["offload"] == "auto":
+            save({"complete": False, "setting": traces.setting_of(opts)})
+            raise KeyboardInterrupt
+        save(result)
+        return result
+
+    monkeypatch.setattr(traces, "_ttft_setting", setting)
+    args = ["bench", "ttft", str(tmp_path), "--device", "cpu", "--offload", "none,auto"]
+    invoke_cli(*args, "--expert-cache-slots", "10", "--json", str(out))
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["none"] == {"complete": True, "setting": settings["none"]["setting"]}
+    assert settings["none"]["setting"]["offload"] == "none"
+    assert settings["auto"]["complete"] is False

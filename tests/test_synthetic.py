@@ -173,6 +173,8 @@ def test_summary_tables_show_each_rows_scalars_and_each_setting():
     both = summary_tables({"runs": {"split=on": {"runs": rows}, "split=off": {"rows": []}}})
     assert both.startswith("[split=on]\n  plan") and "split=off" not in both
     assert summary_tables({"bench": "bw", "cpu_gb_s": 40.0}) == ""
+    later = summary_tables({"runs": [{"plan": "resident"}, {"plan": "auto", "vs_floor": 1.5}]})
+    assert later.splitlines()[0].split() == ["plan", "vs_floor"]  # (a column the first lacks)
 
 
 def _top_share(size: str) -> float:

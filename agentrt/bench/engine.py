@@ -24,6 +24,7 @@ from agentrt.engine.config import EngineConfig
 from agentrt.env import snapshot
 from agentrt.errors import InvalidArgumentError
 from agentrt.models import copy_model, torch_dtype
+from agentrt.models.kernels import resolve_backend
 from agentrt.models.registry import open_model
 
 # the file that marks a directory as a benchmark's scratch state (which it may empty again)
@@ -87,10 +88,12 @@ def _engines(
     seed: int,
     graphs: Sequence[str] = ("on",),
 ):
-    """Load once; yield (kernel, engine) for every kernel x CUDA-graph setting, sharing weights."""
+    """Load once; yield (kernel, engine) for every kernel x CUDA-graph setting, sharing weights;
+    a kernel that resolves to a backend already run (auto beside torch, say) runs once."""
     dtype = dtype or EngineConfig.default_dtype(device)
     source = open_model(spec, device, torch_dtype(dtype), seed=seed)
     for graph in graphs:
+        backends = set()
         for kernel in kernels:
             cfg = EngineConfig(
                 device=device,
@@ -99,7 +102,10 @@ def _engines(
                 linear_attn=kernel,
                 cuda_graphs=graph == "on",
             )
-            yield kernel, Engine(source.model, cfg)
+            backend = resolve_backend(kernel, torch.device(device))
+            if backend not in backends:
+                backends.add(backend)
+                yield kernel, Engine(source.model, cfg)
 
 
 def random_ids(vocab: int, length: int, seed: int) -> list[int]:
@@ -116,6 +122,11 @@ def _time_prefill(engine: Engine, ids: list[int], device: str) -> float:
     return time.perf_counter() - t0
 
 
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
@@ -130,6 +141,7 @@ def prefill(
         for length in lengths:
             note(f"prefill: {length} tokens, {kernel} kernels, {repeat} run(s)")
             ids = random_ids(engine.cfg.vocab_size, length, seed)
+            _reset_peak(device)
             _time_prefill(engine, ids[: min(length, chunk)], device)  # warm-up (kernels, autotune)
             times = [_time_prefill(engine, ids, device) for _ in range(repeat)]
             best = statistics.median(times)
@@ -179,6 +191,7 @@ def _decode_run(
     engine: Engine, kernel: str, prompt_len: int, tokens: int, seed: int, device: str
 ) -> dict:
     ids = random_ids(engine.cfg.vocab_size, prompt_len, seed)
+    _reset_peak(device)
     state = engine.new_state(capacity=prompt_len + tokens + 8)
     token = int(engine.prefill(state, ids).argmax())
     for _ in range(3):  # warm-up steps (and graph capture)

@@ -6,7 +6,8 @@ prefix prefilled once, its state restored before each timed suffix). Per row: se
 of `repeat`), tok/s, bytes copied, the CPU's share of the (token, expert) pairs, the plans the
 layers took, and the floor `max(routed missing expert bytes / B_P, resident compute time)`:
 B_P from the calibration profile, the resident time from the same rows with every expert on the
-device (run first, in the same invocation, unless `resident=False`). Ratios: each plan against
+device (run first, in the same invocation; `resident` may instead hand over an earlier run's
+resident rows, or be False: no resident floor). Ratios: each plan against
 the best fixed plan of the same row, and each suffix against `stream`.
 Synthetic models carry random weights with real shapes: figures say nothing about quality.
 """
@@ -49,7 +50,7 @@ def offload_prefill(
     split: bool = True,
     slots: int | None = None,
     tokenizer_dir: str | None = None,
-    resident: bool = True,
+    resident: bool | list[dict] = True,
     cpu_kernel: str = "auto",
     linear_attn: str = "auto",
     profile: bool = False,
@@ -73,7 +74,7 @@ def offload_prefill(
     link = _bulk_copy_bw(store, device)
     rows = _Rows(lengths, suffixes, prefix_len, ids, repeat, device, profile)
     runs = []
-    if resident:
+    if resident is True:
         print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
         resident_backend = make_resident(model, store, device)
         engine = _engine(model, device, dtype, chunk, linear_attn, resident_backend)
@@ -102,7 +103,7 @@ def offload_prefill(
         model.set_experts(load_sink(store))
         del engine, experts
         _free(device)
-    _add_floors(runs, link, store.expert_bytes)
+    _add_floors(runs, link, store.expert_bytes, resident if isinstance(resident, list) else [])
     report = {
         "bench": "prefill-offload",
         "model": spec,
@@ -278,9 +279,11 @@ def _per_run(before: dict | None, after: dict | None, repeat: int) -> dict:
     }
 
 
-def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int) -> None:
-    """Each offloaded row's floor and its time against it."""
-    resident = {(r["kind"], r["tokens"]): r["seconds"] for r in runs if r["plan"] == "resident"}
+def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int, earlier: list[dict]) -> None:
+    """Each offloaded row's floor and its time against it (`earlier`: resident rows timed by an
+    earlier run of the same invocation)."""
+    rows = [*earlier, *runs]
+    resident = {(r["kind"], r["tokens"]): r["seconds"] for r in rows if r["plan"] == "resident"}
     for r in runs:
         if r["plan"] == "resident":
             continue

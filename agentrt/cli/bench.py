@@ -16,6 +16,7 @@ from agentrt.cli.options import (
     csv_option,
     expert_format_option,
     json_option,
+    one_value,
     prepare_cpu_threads,
     resolve_device,
     size_text,
@@ -161,13 +162,13 @@ def bench_prefill(
     prepare_cpu_threads(device, offloads)
     device = resolve_device(device)
     if "auto" in offloads:
-        offload["linear_attn"] = linear_attn[0]
+        offload["linear_attn"] = one_value(linear_attn, "--linear-attn", "with --offload auto")
         offload["resident"] = offload["resident"] or "none" in offloads
         runs = {}
         for split in offload.pop("split"):
             args = (model, device, dtype, seed, lengths, prefill_chunk, repeat)
-            runs[f"split={split}"] = _offload_prefill(*args, {**offload, "split": split})
-            offload["resident"] = False  # (the resident rows once)
+            run = runs[f"split={split}"] = _offload_prefill(*args, {**offload, "split": split})
+            offload["resident"] = [r for r in run["runs"] if r["plan"] == "resident"]  # (once)
         report = runs.popitem()[1] if len(runs) == 1 else {"bench": "prefill", "runs": runs}
         _report(report, json_out)
         return
@@ -311,6 +312,8 @@ def bench_decode(
     if len(prompt_len) > 1 and not offload:
         raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
     if offload:
+        one_value(linear_attn, "--linear-attn", "with --offload", only_auto=True)
+        one_value(modes, "--graphs", "with --offload")
         prepare_cpu_threads(device, offload)
         from agentrt.bench import offload as bo
         from agentrt.session.options import packed_experts
@@ -430,11 +433,13 @@ def bench_statecache(model, device, dtype, linear_attn, seed, eager, json_out, l
         from agentrt.bench.fidelity import fidelity as run
 
         kwargs = dict(suffix=o["suffix"], generate=o["generate"], chunk=o["prefill_chunk"])
-        kwargs |= dict(note=note, runs=rounds or 3, linear_attn=linear_attn[0])
+        kwargs |= dict(note=note, runs=rounds or 3)
+        kwargs["linear_attn"] = one_value(linear_attn, "--linear-attn", "with --fidelity")
         result = run(model, dev, dtype, lengths, state_dir, seed, **kwargs)
     else:
         from agentrt.bench import statecache as b
 
+        one_value(linear_attn, "--linear-attn", "without --fidelity", only_auto=True)
         every = o["capture_every"]
         result = b.statecache(model, dev, dtype, lengths, state_dir, seed, every, rounds, note)
     _report(result, json_out)

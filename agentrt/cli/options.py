@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -403,9 +404,17 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
 
 
 def write_json(path: str | None, data) -> None:
+    """Write `data` as JSON to `path` (if given) whole or not at all: a command stopped during
+    the write leaves the previous file."""
     if path:
+        target, text = Path(path), json.dumps(data, indent=2) + "\n"
+        temp = target.with_name(f".{target.name}.tmp")
         try:
-            Path(path).write_text(json.dumps(data, indent=2) + "\n")
+            if target.exists() and not target.is_file():  # (/dev/stdout, a pipe)
+                target.write_text(text)
+                return
+            temp.write_text(text)
+            os.replace(temp, target)
         except OSError as exc:
             raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
 
@@ -425,3 +434,11 @@ json_option = click.option(
     callback=output_path,
     help="Also write the result as JSON to this file.",
 )
+
+
+def one_value(values: list[str], hint: str, where: str, only_auto: bool = False) -> str:
+    """The one value of a list option that `where` runs with (auto alone if `only_auto`)."""
+    if len(values) > 1 or (only_auto and values != ["auto"]):
+        what = "only auto" if only_auto else "one value only"
+        raise click.BadParameter(f"{what} {where}", param_hint=hint)
+    return values[0]

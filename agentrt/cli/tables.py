@@ -13,15 +13,26 @@ from agentrt.cli.options import write_json
 
 MAX_COLUMNS = 10
 SCALARS = (str, int, float, bool, type(None))
+OWN_TABLES = ("decode-offload", "prefill-offload")
 
 
 def print_report(report: dict[str, Any], json_out: str | None) -> None:
-    """The JSON on stdout (and in `json_out`), a summary table on stderr (`bench decode
-    --offload` prints its own)."""
+    """The JSON on stdout (and in `json_out`), a summary table on stderr (offloaded decode and
+    prefill print their own)."""
     click.echo(json.dumps(report, indent=2))
     write_json(json_out, report)
-    if report.get("bench") != "decode-offload" and (table := summary_tables(report)):
+    if report.get("bench") in OWN_TABLES or _of_own(report):
+        return
+    if table := summary_tables(report):
         click.echo(table, err=True)
+
+
+def _of_own(report: dict[str, Any]) -> bool:
+    """A report of several reports that each printed their own table."""
+    runs = report.get("runs")
+    return isinstance(runs, dict) and all(
+        isinstance(r, dict) and r.get("bench") in OWN_TABLES for r in runs.values()
+    )
 
 
 def summary_tables(report: dict[str, Any]) -> str:
@@ -32,7 +43,8 @@ def summary_tables(report: dict[str, Any]) -> str:
         return "\n\n".join(f"[{name}]\n{table}" for name, table in parts if table)
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         return ""
-    columns = [k for k, v in rows[0].items() if isinstance(v, SCALARS)][:MAX_COLUMNS]
+    keys = dict.fromkeys(k for row in rows for k, v in row.items() if isinstance(v, SCALARS))
+    columns = list(keys)[:MAX_COLUMNS]
     cells = [columns] + [[_cell(row.get(k)) for k in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = [

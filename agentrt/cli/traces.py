@@ -281,7 +281,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
         for split in splits
         if split == splits[0] or offload in (None, "auto")
     ]
-    results = {}
+    results, one_setting = {}, len(settings) == 1
     for offload, split in settings:
         parts = (offload, None if split == "on" else "no-split")
         label = "/".join(filter(None, parts)) or "default"
@@ -292,15 +292,18 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
             setting["expert_cache_slots"] = None
         one = len(settings) == 1 or not plot
         stem = plot if one else _variant_path(plot, label.replace("/", "-"))
-        results[label] = _ttft_setting(
-            traces, variants, max_tokens, stem, max_requests, warmup, json_out, setting
+        done = dict(results)  # (each save holds every finished setting and this one's part)
+        save = lambda report, label=label, done=done: write_json(  # noqa: E731
+            json_out, report if one_setting else {"settings": {**done, label: report}}
         )
-    if len(results) > 1:
-        write_json(json_out, {"settings": results})
+        results[label] = _ttft_setting(
+            traces, variants, max_tokens, stem, max_requests, warmup, save, setting
+        )
 
 
-def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, json_out, opts) -> dict:
-    """`bench ttft` for one expert placement: its result (also written to `json_out`)."""
+def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, save, opts) -> dict:
+    """`bench ttft` for one expert placement: its result, passed to `save` after every mode and
+    at the end."""
     from agentrt.bench import ttft as b
 
     rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
@@ -312,8 +315,9 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, json
         max_tokens,
         lambda traces_, target, label: _run_replay(traces_, target, max_tokens, label),
         warmup,
-        partial=lambda report: write_json(json_out, report),  # (kept if a time limit cuts in)
+        partial=lambda report: save({**report, "setting": setting_of(opts)}),  # (kept if cut)
     )
+    result["setting"] = setting_of(opts)
     for variant, reports in result["reports"].items():
         click.echo(f"\n[{variant}]")
         from agentrt.replay.replay import summary_table
@@ -328,9 +332,15 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, json
                 variant,
             )
     click.echo(json.dumps(result["ratios"], indent=2))
-    write_json(json_out, result)
+    save(result)
     rt.close()
     return result
+
+
+def setting_of(opts: dict) -> dict:
+    """The expert placement a `bench ttft` result was measured with."""
+    keys = ("offload", "split", "vram_budget", "expert_cache_slots")
+    return {k: opts.get(k) for k in keys}
 
 
 def _variant_path(plot: str, variant: str) -> str:
