@@ -40,6 +40,10 @@ def _bad_dir(tmp_path, hf_qwen3, case: str):
         (path / "model.safetensors").write_bytes(b"\x00" * 64)
     elif case == "wrong_shape":
         (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+    elif case == "odd_dtype":
+        (path / "config.json").write_text(json.dumps({**cfg, "dtype": "float64"}))
+    elif case == "index_names":
+        (path / "model.safetensors.index.json").write_text('{"weight_map": {"a": 1}}')
     return path, *{
         "missing": (ModelNotFoundError, "not found"),
         "no_config": (ModelFormatError, "config.json"),
@@ -48,12 +52,24 @@ def _bad_dir(tmp_path, hf_qwen3, case: str):
         "no_weights": (ModelFormatError, "safetensors"),
         "corrupt": (ModelFormatError, "cannot read"),
         "wrong_shape": (ModelFormatError, "shape"),
+        "odd_dtype": (ModelFormatError, "dtype 'float64' is not one of"),
+        "index_names": (ModelFormatError, "1 is no file name"),
     }[case]
 
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "no_config", "bad_json", "unknown_arch", "no_weights", "corrupt", "wrong_shape"],
+    [
+        "missing",
+        "no_config",
+        "bad_json",
+        "unknown_arch",
+        "no_weights",
+        "corrupt",
+        "wrong_shape",
+        "odd_dtype",
+        "index_names",
+    ],
 )
 def test_bad_model_dirs(tmp_path, hf_qwen3, case):
     path, exc_type, words = _bad_dir(tmp_path, hf_qwen3, case)

@@ -14,6 +14,7 @@ from util import open_engine, random_ids
 
 from agentrt.models import mxfp4
 from agentrt.models.config import ModelConfig
+from agentrt.session.runtime import Runtime
 
 # config.json of openai/gpt-oss-120b (as published; the fields this runtime reads)
 GPT_OSS_120B = {
@@ -211,3 +212,44 @@ def test_a_sink_scales_plain_attention_by_the_sigmoid_of_logsumexp_minus_sink():
     got = out[0] * torch.sigmoid(lse[0] - sinks[:, None])[..., None]
     want = sink_attention(q[0], k[0], v[0], torch.arange(length), sinks, 0, dim**-0.5)
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("extra_layer", "layer 99, which has none"),
+        ("float_blocks", "expected 4-d uint8"),
+        ("flat_scales", "expected 3-d uint8"),
+        ("flat_bias", "1-d in checkpoint, expected 2-d"),
+        ("int_weight", "dtype torch.int32 is not one agentrt loads"),
+    ],
+)
+@pytest.mark.parametrize("packed", [False, True])
+def test_malformed_mxfp4_checkpoints_are_refused_by_name(hf_gpt_oss, tmp_path, case, words, packed):
+    """Tensors of the wrong kind become a ModelFormatError naming them, whether the experts are
+    dequantized or stay packed (they were garbage weights, or an IndexError/KeyError)."""
+    from agentrt.errors import ModelFormatError
+    from agentrt.offload.config import OffloadConfig
+
+    _packed_checkpoint(hf_gpt_oss, tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    experts = "model.layers.1.mlp.experts."
+    if case == "extra_layer":
+        for part in ("blocks", "scales"):
+            extra = tensors[f"{experts}down_proj_{part}"].clone()
+            tensors[f"model.layers.99.mlp.experts.down_proj_{part}"] = extra
+    elif case == "float_blocks":
+        tensors[experts + "down_proj_blocks"] = tensors[experts + "down_proj_blocks"].float()
+    elif case == "flat_scales":
+        tensors[experts + "down_proj_scales"] = tensors[experts + "down_proj_scales"].flatten()
+    elif case == "flat_bias":
+        tensors[experts + "gate_up_proj_bias"] = tensors[experts + "gate_up_proj_bias"].flatten()
+    else:
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].int()
+    save_file(tensors, str(path))
+    offload = OffloadConfig(mode="auto", expert_cache_slots=6, packed_mxfp4=True)
+    with pytest.raises(ModelFormatError, match=words):
+        Runtime.open(
+            str(tmp_path / "m"), cache="off", tokenizer=None, offload=offload if packed else None
+        )

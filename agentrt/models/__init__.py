@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from agentrt.errors import AgentrtError
 from agentrt.models import layers, qwen3_5_moe
 from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
@@ -72,7 +73,15 @@ def build_empty(
         torch.set_default_dtype(previous)
     # (`to_empty`, less its `empty_like` on meta tensors: a Python reference op loading 1 s of
     # torch's symbolic-shape machinery)
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    try:
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
+            raise
+        raise AgentrtError(
+            f"not enough memory on {device} for the model's weights (vocab {cfg.vocab_size}, "
+            f"hidden {cfg.hidden_size}, {cfg.num_layers} layers): {str(exc).splitlines()[0]}"
+        ) from None
     if cfg.tie_word_embeddings:  # to_empty allocates separately: tie again
         model.lm_head.weight = model.embed_tokens.weight
     for name, param in model.named_parameters():

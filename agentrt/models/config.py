@@ -258,6 +258,7 @@ def _from_hf_dict(raw: dict) -> ModelConfig:
     return cfg
 
 
+DTYPES = ("float32", "bfloat16", "float16")
 _POSITIVE = (
     "vocab_size",
     "hidden_size",
@@ -291,5 +292,9 @@ def _validate(cfg: ModelConfig) -> None:
         raise ModelFormatError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.dense_layers and not cfg.intermediate_size:
         raise ModelFormatError("dense MLP layers need intermediate_size")
+    if cfg.torch_dtype not in DTYPES:
+        raise ModelFormatError(f"config.json: dtype {cfg.torch_dtype!r} is not one of {DTYPES}")
+    if cfg.is_hybrid and cfg.linear_conv_kernel_dim <= 0:
+        raise ModelFormatError("config.json: linear_conv_kernel_dim must be positive")
     if cfg.sliding_layers and cfg.sliding_window <= 0:
         raise ModelFormatError("sliding-window layers need a positive sliding_window")

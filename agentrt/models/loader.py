@@ -47,6 +47,9 @@ def checkpoint_files(path: Path) -> list[Path]:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelFormatError(f"malformed {index}: {exc}") from None
+        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n]
+        if bad:
+            raise ModelFormatError(f"malformed {index}: {bad[0]!r} is no file name beside it")
         files = [path / n for n in names]
     else:
         files = sorted(path.glob("*.safetensors"))
@@ -115,6 +118,8 @@ class WeightSink:
             raise ModelFormatError(
                 f"{name}: shape {tuple(src.shape)} in checkpoint, expected {tuple(dest.shape)}"
             )
+        if not src.dtype.is_floating_point or src.dtype.itemsize < 2:  # (ints, complex, fp8)
+            raise ModelFormatError(f"{name}: dtype {src.dtype} is not one agentrt loads")
         dest.data.copy_(src)
 
     def _expert_mask(self, layer: int) -> torch.Tensor:
@@ -128,6 +133,13 @@ class WeightSink:
         """Hold an MXFP4 `_blocks` / `_scales` tensor until its pair arrives, then dequantize."""
         from agentrt.models.mxfp4 import dequantize
 
+        self._expert_mask(layer)  # (a layer without experts fails here)
+        rank = 4 if part == "blocks" else 3  # [E, rows, groups(, 16)]
+        if tensor.dtype != torch.uint8 or tensor.dim() != rank:
+            raise ModelFormatError(
+                f"layer {layer} experts.{kind}_{part}: {tensor.dim()}-d {tensor.dtype}, "
+                f"expected {rank}-d uint8"
+            )
         pair = self.done.packed.setdefault((layer, kind), {})
         pair[part] = tensor
         if len(pair) < 2:
@@ -169,6 +181,11 @@ class WeightSink:
         if stacks is None:
             raise ModelFormatError(f"checkpoint has experts.{kind}; {self.cfg.arch} has none")
         dest = stacks[layer]
+        if tensor.dim() != dest.dim():
+            raise ModelFormatError(
+                f"layer {layer} experts.{kind}: {tensor.dim()}-d in checkpoint, "
+                f"expected {dest.dim()}-d"
+            )
         if self.layout is not None:
             tensor = self.layout(kind, tensor, packed)
         elif (
