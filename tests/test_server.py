@@ -495,3 +495,95 @@ def test_a_tool_without_a_description_gets_an_empty_one():
     }
     _, tools = schema.to_plain(schema.decode(json.dumps(body).encode()))
     assert tools[0]["function"] == {"name": "f", "description": ""}
+
+
+def test_a_stop_ends_the_running_waiting_and_later_jobs_at_once():
+    """`end_all` (a stop signal) ends the running job at its next token and every waiting or
+    later job at once, each with ShuttingDown (503 / a streamed error) and then DONE, so a
+    graceful shutdown does not wait for whole generations."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from agentrt.server.worker import DONE, EngineWorker, Job, ShuttingDown
+
+    started, tokens = threading.Event(), []
+
+    class Fake:
+        def chat_prepared(self, prepared, stream, should_stop, **kwargs):
+            started.set()
+            while not should_stop() and len(tokens) < 1000:
+                tokens.append(1)
+                yield SimpleNamespace(type="token")
+                time.sleep(0.01)
+            yield SimpleNamespace(type="done", result=prepared)
+
+        def prepare_ahead(self) -> bool:
+            return False
+
+    async def drain(job: Job) -> list:
+        items = []
+        while not items or items[-1] is not DONE:
+            items.append(await asyncio.wait_for(job.events.get(), 10))
+        return items
+
+    loop = asyncio.new_event_loop()
+    try:
+        worker = EngineWorker(Fake(), queue_size=4)
+        running, waiting, later = (Job(prepared=n, kwargs={}, loop=loop) for n in "abc")
+        worker.submit(running)
+        worker.submit(waiting)
+        assert started.wait(10)
+        worker.end_all()
+        worker.submit(later)
+        for job in (waiting, later):
+            items = loop.run_until_complete(drain(job))
+            assert isinstance(items[0], ShuttingDown) and items[1:] == [DONE] and job.finished
+        items = loop.run_until_complete(drain(running))
+        assert any(isinstance(item, ShuttingDown) for item in items) and len(tokens) < 1000
+        worker.stop()
+    finally:
+        loop.close()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_long_stream_and_the_server_promptly(tmp_path):
+    """`agentrt serve` stopped by SIGTERM during a long streamed generation: the stream ends with
+    an error event, the process exits 143 within seconds (not after the generation)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, AGENTRT_HOME=str(tmp_path / "home"))
+    cmd = [sys.executable, "-m", "agentrt.cli", "serve", "--device", "cpu", "--port", str(port)]
+    proc = subprocess.Popen(cmd + ["--cache", "off"], env=env, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.3)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body["max_tokens"] = 2000
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions", json.dumps(body).encode(), headers
+        )
+        with urllib.request.urlopen(request, timeout=60) as stream:
+            stream.readline()  # (the first chunk: generation under way)
+            proc.send_signal(signal.SIGTERM)
+            stopped = time.time()
+            rest = stream.read().decode()
+        assert "server shutting down" in rest
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.time() - stopped < 20
+    finally:
+        proc.kill()
+        proc.wait()

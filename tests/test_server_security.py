@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from agentrt.cli import main
 from agentrt.errors import InvalidArgumentError
 from agentrt.server import app as server_app
+from agentrt.server import serving
 from agentrt.server.app import ServerConfig, build_app, check_exposure, is_loopback
 
 KEY = "sk-agentrt-secret-4b1d"
@@ -62,7 +63,7 @@ def _serve_cli(monkeypatch, *args: str) -> tuple[click.testing.Result, list[Serv
     served: list[ServerConfig] = []
     monkeypatch.setattr("agentrt.cli.serve.open_runtime", lambda opts, **kw: _FakeRuntime())
     monkeypatch.setattr("agentrt.cli.serve._listen", lambda host, port: None)
-    monkeypatch.setattr(server_app, "serve", lambda rt, config, sock: served.append(config))
+    monkeypatch.setattr(serving, "serve", lambda rt, config, sock: served.append(config))
     return CliRunner().invoke(main, ["serve", *args]), served
 
 
@@ -123,11 +124,11 @@ def test_serve_warns_when_public_without_a_key(runtime, monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: calls.append(self.config))
-    server_app.serve(runtime, ServerConfig(host="0.0.0.0", insecure_no_auth=True))
+    serving.serve(runtime, ServerConfig(host="0.0.0.0", insecure_no_auth=True))
     assert calls[0].host == "0.0.0.0"
     assert "warning: serving on 0.0.0.0 with no API key" in capsys.readouterr().err
     with pytest.raises(InvalidArgumentError):
-        server_app.serve(runtime, ServerConfig(host="0.0.0.0"))
+        serving.serve(runtime, ServerConfig(host="0.0.0.0"))
     assert len(calls) == 1
 
 

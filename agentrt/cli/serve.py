@@ -79,7 +79,7 @@ def serve(
     Loopback only unless --api-key (or --insecure-no-auth) is given; no CORS unless --cors-origin.
     """
     from agentrt.server.app import ServerConfig, check_exposure
-    from agentrt.server.app import serve as run_server
+    from agentrt.server.serving import serve as run_server
 
     config = ServerConfig(
         host,

@@ -10,13 +10,10 @@ are sent unless `cors_origins` names the browser origins allowed to call the API
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import ipaddress
 import json
 import random
-import signal
-import sys
 import threading
 import time
 import uuid
@@ -34,7 +31,7 @@ from starlette.routing import Route
 from agentrt.errors import AgentrtError, InvalidArgumentError, PromptTooLongError
 from agentrt.server import anthropic, responses, schema
 from agentrt.server.schema import error
-from agentrt.server.worker import DONE, EngineWorker, Job, QueueFull
+from agentrt.server.worker import DONE, EngineWorker, Job, QueueFull, ShuttingDown
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 KEEPALIVE_S = 5.0  # an SSE comment goes out when nothing else has for this long
@@ -282,7 +279,7 @@ class ChatServer:
             return answer(400, str(exc), "messages", "context_length_exceeded")
         if isinstance(exc, AgentrtError):
             return answer(400, str(exc))
-        return answer(500, str(exc))
+        return answer(503 if isinstance(exc, ShuttingDown) else 500, str(exc))
 
     def _finish(self, result) -> None:
         self.metrics.add('requests_total|status="ok"')
@@ -366,6 +363,7 @@ class ChatServer:
                 elif isinstance(item, Exception):
                     self.metrics.add('requests_total|status="error"')
                     yield failure(str(item))
+                    return  # (nothing follows an error)
                 else:
                     if item.type == "done":
                         self._finish(item.result)
@@ -475,26 +473,3 @@ def _cors(config: ServerConfig) -> list[Middleware]:
             allow_headers=["*"],
         )
     ]
-
-
-def serve(runtime, config: ServerConfig, sock=None) -> None:
-    """Serve until stopped, on `sock` when given (bound before the model loaded)."""
-    import uvicorn
-
-    if check_exposure(config):
-        print(f"agentrt: warning: serving on {config.host} with no API key", file=sys.stderr)
-    app, server = build_app(runtime, config)
-    # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found: this
-    # one exits through the `finally` blocks (worker stopped, checkpoints flushed), not at once
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
-        options = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-        with contextlib.suppress(KeyboardInterrupt):  # (as uvicorn.run: Ctrl-C stops)
-            uvicorn.Server(options).run(sockets=None if sock is None else [sock])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        server.worker.stop()
-
-
-def _exit_on_signal(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)

@@ -7,6 +7,7 @@ When its queue is empty after a job, the worker prepares the engine for the next
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import traceback
@@ -22,6 +23,13 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(RuntimeError):
+    """What a job's client hears when the server stops before or while the job runs."""
+
+    def __init__(self) -> None:
+        super().__init__("server shutting down")
+
+
 @dataclass
 class Job:
     prepared: Any  # a `PreparedChat`
@@ -32,7 +40,14 @@ class Job:
     finished: bool = False
 
     def emit(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # (the loop closed: nobody is listening)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    def end(self) -> None:
+        """End a job that will not run (the server stops)."""
+        self.cancelled = self.finished = True
+        self.emit(ShuttingDown())
+        self.emit(DONE)
 
 
 class EngineWorker:
@@ -41,10 +56,14 @@ class EngineWorker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.thread = threading.Thread(target=self._loop, name="agentrt-engine", daemon=True)
         self.busy = False
+        self.closing = False
         self.running: Job | None = None
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if self.closing:
+            job.end()
+            return
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -53,25 +72,27 @@ class EngineWorker:
     def depth(self) -> int:
         return self.jobs.qsize() + int(self.busy)
 
-    def stop(self) -> None:
-        """Cancel waiting jobs and the running one, then end the thread."""
+    def end_all(self) -> None:
+        """A stop has begun: waiting jobs, later ones and the running one end with
+        `ShuttingDown` (the running one stops at its next token)."""
+        self.closing = True
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.cancelled = job.finished = True
-                job.emit(RuntimeError("server shutting down"))
-                job.emit(DONE)
-        self.current_cancel()
+                job.end()
+        running = self.running
+        if running is not None and not running.cancelled and not running.finished:
+            running.emit(ShuttingDown())
+            running.cancelled = True
+
+    def stop(self) -> None:
+        """End every job (`end_all`), then the thread."""
+        self.end_all()
         self.jobs.put(None)
         self.thread.join(timeout=30)
-
-    def current_cancel(self) -> None:
-        job = self.running
-        if job is not None:
-            job.cancelled = True
 
     def _loop(self) -> None:
         while True:
