@@ -587,3 +587,18 @@ def test_sigterm_ends_a_long_stream_and_the_server_promptly(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_request_without_a_limit_may_generate_to_the_context_end(server, monkeypatch):
+    """No max_tokens (chat completions) or max_output_tokens (responses): the generation may
+    run to the end of the context, as OpenAI's APIs do, not the Python API's 256. (The jobs
+    are ended unrun, as a stopping server does: 503.)"""
+    seen = []
+    monkeypatch.setattr(server.chat.worker, "submit", lambda job: (seen.append(job), job.end()))
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert server.raw("/v1/chat/completions", body.encode())[0] == 503
+    assert server.raw("/v1/chat/completions", _chat_body(max_tokens=3))[0] == 503
+    body = json.dumps({"model": "tiny", "input": "hi"})
+    assert server.raw("/v1/responses", body.encode())[0] == 503
+    context = server.chat.runtime.engine.max_context
+    assert [job.kwargs["max_tokens"] for job in seen] == [context, 3, context]

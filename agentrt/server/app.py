@@ -212,6 +212,8 @@ class ChatServer:
             return answer(exc.status, exc.message, exc.param, exc.code)
         except AgentrtError as exc:
             return self._failed(exc, answer)
+        # (no limit given: as OpenAI's APIs, up to the context's end, where generation stops)
+        kwargs.setdefault("max_tokens", self.runtime.engine.max_context)
         job = Job(prepared, kwargs, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
