@@ -1508,3 +1508,21 @@ def test_a_bf16_checkpoint_packs_layer_by_layer_as_it_loads():
     want = load_model(path, "cpu", torch.float32).experts.gate_up[store.layers[-1]]
     error = (store.gate_up(store.layers[-1]) - want).abs().max()
     assert error < 0.2 * want.abs().max()  # (MXFP4 rounding: at most a sixth of a block's peak)
+
+
+def test_bench_decode_keeps_the_settings_measured_when_one_cannot_open(tmp_path):
+    """A setting that cannot open (a budget too small for auto) is reported under `failed`; the
+    settings measured before and after it stay in the report."""
+    import json
+
+    from util import invoke_cli
+
+    out = tmp_path / "d.json"
+    args = ["bench", "decode", "--device", "cpu", "--offload", "none,auto,static"]
+    args += ["--vram-budget", "2MiB", "--tokens", "2", "--prompt-len", "8", "--json", str(out)]
+    result = invoke_cli(*args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [r["label"] for r in report["failed"]] == ["auto/split/lru"]
+    assert "leaves no room for experts" in report["failed"][0]["error"]
+    assert [r["label"] for r in report["runs"]][0] == "none" and len(report["runs"]) == 2

@@ -53,6 +53,7 @@ from agentrt.bench.offload_figures import (
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
+from agentrt.errors import AgentrtError
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
@@ -180,6 +181,7 @@ def offload_decode(
     dram_probe = dram_read_bandwidth()
     budget_bytes = parse_bytes(budget) if budget else None
     rounds: dict[tuple[str, int], list[dict]] = {}
+    failed: list[dict[str, str]] = []
     movable = [s for s in runs if s["offload"] != "layer"]
     order = [(s, n) for _ in range(repeat) for n in lengths for s in movable]
     order += [(s, n) for n in lengths for s in runs if s["offload"] == "layer"]
@@ -196,7 +198,16 @@ def offload_decode(
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured
         )
         prompt = ids[: length + steps]
-        run = _run(model, store, device, dtype, setting, config, prompt, length, tokens, graphs)
+        try:
+            run = _run(model, store, device, dtype, setting, config, prompt, length, tokens, graphs)
+        except (AgentrtError, torch.OutOfMemoryError) as exc:  # (the other settings still run)
+            failed.append({"label": name, "error": str(exc).splitlines()[0]})
+            print(f"agentrt: bench decode {name} failed: {failed[-1]['error']}", file=sys.stderr)
+            model.set_experts(load_sink(store))
+            _free(device)
+            if len(failed) == len(order):
+                raise
+            continue
         if py_profile:
             _append_profile(py_profile, run.pop("_py_profile"), name)
         run["within_budget"] = (
@@ -206,6 +217,7 @@ def offload_decode(
         )
         rounds.setdefault((run["label"], length), []).append(run)
     groups = {n: [_median_round(r) for (_, m), r in rounds.items() if m == n] for n in lengths}
+    groups = {n: group for n, group in groups.items() if group}
     results = [run for group in groups.values() for run in group]
     for group in groups.values():
         add_bounds(group, profile, store.expert_bytes)
@@ -248,6 +260,8 @@ def offload_decode(
         "runs": results,
         "ratios": all_ratios,
     }
+    if failed:
+        report["failed"] = failed
     if len(lengths) > 1:
         report["after_prompt"] = after_prompt(groups)
     print(summary_table(results), file=sys.stderr)
