@@ -512,3 +512,17 @@ def test_bench_ttft_keeps_finished_settings_when_a_later_one_is_cut(monkeypatch,
     assert settings["none"] == {"complete": True, "setting": settings["none"]["setting"]}
     assert settings["none"]["setting"]["offload"] == "none"
     assert settings["auto"]["complete"] is False
+
+
+def test_bench_ttft_runs_a_split_list_once_without_a_budget(monkeypatch, tmp_path):
+    """--split on,off changes nothing for the default placement without a budget: one run."""
+    from agentrt.cli import traces
+
+    ran = []
+    monkeypatch.setattr(traces, "_ttft_setting", lambda *a: ran.append(a[-1]["split"]) or {})
+    assert invoke_cli("bench", "ttft", str(tmp_path), "--split", "on,off").returncode == 0
+    assert ran == ["on"]
+    ran.clear()
+    budget = ["--vram-budget", "1GiB"]
+    assert invoke_cli("bench", "ttft", str(tmp_path), "--split", "on,off", *budget).returncode == 0
+    assert ran == ["on", "off"]

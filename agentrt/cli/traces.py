@@ -275,11 +275,12 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
     """Replay TRACES in every --cache mode with one loaded model per --offload/--split setting;
     TTFT per mode and ratios (several settings: one result each, under `settings`)."""
     offloads, splits = opts.pop("offload") or [None], opts.pop("split")
+    budgeted = opts.get("vram_budget") or opts.get("expert_cache_slots")
     settings = [  # (--split changes only what auto does, or a budget's default)
         (offload, split)
         for offload in offloads
         for split in splits
-        if split == splits[0] or offload in (None, "auto")
+        if split == splits[0] or offload == "auto" or (offload is None and budgeted)
     ]
     results, one_setting = {}, len(settings) == 1
     for offload, split in settings:
