@@ -826,7 +826,7 @@ def test_a_kv_growth_that_fails_leaves_the_cache_the_room_it_had(model_spec):
     experts, state = rt.engine.offload, rt.engine.new_state(rt.engine.live_capacity())
     slots = experts.cache.num_slots
 
-    def out_of_memory(self, num_tokens, used):
+    def out_of_memory(self, num_tokens, used, capacity=None):
         raise RuntimeError("CUDA out of memory")
 
     real, KVCache.reserve = KVCache.reserve, out_of_memory
@@ -1526,3 +1526,75 @@ def test_bench_decode_keeps_the_settings_measured_when_one_cannot_open(tmp_path)
     assert [r["label"] for r in report["failed"]] == ["auto/split/lru"]
     assert "leaves no room for experts" in report["failed"][0]["error"]
     assert [r["label"] for r in report["runs"]][0] == "none" and len(report["runs"]) == 2
+
+
+def test_kv_grows_to_what_the_budget_allows_when_doubling_does_not_fit(model_spec, reference):
+    """Under a budget the KV grows to double its size when that fits, else to the tokens needed
+    (in whole growth steps, or exactly): a prompt the budget can hold is never refused because
+    a doubled KV would not fit."""
+    ids, _, want_logits = reference
+    config, _ = _elastic_config(model_spec, 64, 12)
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    state = rt.engine.new_state(rt.engine.live_capacity())
+    long_ids = (ids * 4)[:100]
+    logits = rt.engine.prefill(state, long_ids, all_logits=True)
+    dense = Runtime.open(model_spec, cache="off")
+    want = dense.engine.prefill(dense.engine.new_state(), long_ids, all_logits=True)
+    assert (logits - want).abs().max().item() < 1e-4
+    assert all(64 < c.capacity < 128 for c in state.kv_caches())
+    rt.engine.offload.cache.check()
+
+
+def test_prepare_ahead_brings_back_experts_a_turn_without_decode_left_out(model_spec, reference):
+    """A turn that grew the KV (the expert pool rebuilt smaller) but ran no decode step (one
+    token) leaves the kept experts waiting; `prepare_ahead` copies them back between turns
+    even when the KV needs no growth, so the next turn does not start with an empty pool."""
+    ids, _, _ = reference
+    config, _ = _elastic_config(model_spec, 1024, 40)
+    rt = Runtime.open(model_spec, cache="prefix", offload=config, prefill_chunk=256)
+    cache = rt.engine.offload.cache
+    rt.generate(ids, max_tokens=30)  # decode fills the cache
+    rt.generate((ids * 40)[:1200], max_tokens=1)
+    assert cache.pending and cache.num_slots < 40
+    assert not rt.prepare_ahead()  # (no growth: room for a chunk is left)
+    assert not cache.pending and sum(o is not None for o in cache.owner) == cache.num_slots
+    cache.check()
+
+
+def test_a_request_allowed_the_whole_context_still_gets_kv_given_back(model_spec, reference):
+    """A short request whose limit is the whole context (a server request without max_tokens)
+    after a long session still gives the KV room back to the expert cache."""
+    from agentrt.engine.sampling import SamplingParams
+
+    ids, _, _ = reference
+    config, _ = _elastic_config(model_spec, 1024, 40)
+    rt = Runtime.open(model_spec, cache="prefix", offload=config, prefill_chunk=256)
+    cache = rt.engine.offload.cache
+    rt.generate((ids * 40)[:1500], max_tokens=4)
+    assert cache.num_slots < 40
+    params = SamplingParams(max_tokens=rt.engine.max_context)
+    for _ in rt.engine.stream(rt._live_state(), ids[:40], params, None, rt.reuse):
+        break  # (the KV is given back before the first token)
+    assert cache.num_slots == 40
+    cache.check()
+
+
+def test_a_pool_that_cannot_be_allocated_is_made_smaller_not_left_empty(model_spec, monkeypatch):
+    """Memory short of the budget when the pool is rebuilt (another process took it): the new
+    pool has half as many slots (then a quarter...), never none at all with every later
+    expert a miss."""
+    config, _ = _elastic_config(model_spec, 64, 40)
+    rt = Runtime.open(model_spec, cache="off", offload=config)
+    cache = rt.engine.offload.cache
+    real, failures = ExpertCache._new_pool, []
+
+    def short_of_memory(self, num_slots, policy):
+        if num_slots > 0 and not failures:
+            failures.append(num_slots)
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        real(self, num_slots, policy)
+
+    monkeypatch.setattr(ExpertCache, "_new_pool", short_of_memory)
+    rt.generate(list(range(10, 200)), max_tokens=2)
+    assert failures and cache.num_slots == failures[0] // 2 > 0
+    cache.check()

@@ -26,29 +26,39 @@ def make_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
     """KV about to outgrow the budget's KV reservation takes its room from the expert cache.
     The pool is freed, the KV grown, then a smaller pool made, between steps; the most valuable
     cached experts that fit the smaller pool are copied back at the next decode step (after the
-    request's first token), the others come back as misses. Too little room left for even one
-    token's experts is `PromptTooLongError`, before anything changes."""
+    request's first token), the others come back as misses. The KV grows to the first size
+    the budget allows of: double (fewer regrowths), `num_tokens` in whole growth steps,
+    `num_tokens`; none is `PromptTooLongError`, before anything changes."""
     if not _budgeted(experts):
         return
     caches = state.kv_caches()
     if all(cache.capacity >= num_tokens for cache in caches):
         return
-    kv = sum(cache.bytes_at(cache.grown_capacity(num_tokens)) for cache in caches)
-    try:
-        slots = experts.slots_for_kv(kv)
-    except InvalidArgumentError as exc:
-        msg = f"{num_tokens} tokens do not fit the VRAM budget: {exc}"
-        raise PromptTooLongError(msg) from None
-    if slots >= experts.cache.num_slots:
-        return  # within the reservation
+    capacity, slots = _fitting_size(experts, caches, num_tokens)
 
     def grow() -> None:
         for cache in caches:
-            cache.reserve(num_tokens, state.num_tokens)
+            cache.reserve(num_tokens, state.num_tokens, capacity)
+
+    if slots >= experts.cache.num_slots:
+        grow()  # within the reservation (at the size chosen: a later doubling might not be)
+        return
 
     # (its experts come back at the next decode step; a growth that fails, out of memory say,
     # leaves the pool what the KV it left allows)
     experts.cache.rebuild(slots, grow, lambda: _slots_left(experts, caches, slots))
+
+
+def _fitting_size(experts, caches, num_tokens: int) -> tuple[int, int]:
+    """(KV capacity, expert slots the budget leaves beside it) for `make_kv_room`."""
+    step = max(caches[0].grow_tokens, 1)
+    sizes = (caches[0].grown_capacity(num_tokens), -(-num_tokens // step) * step, num_tokens)
+    for capacity in dict.fromkeys(sizes):
+        try:
+            return capacity, experts.slots_for_kv(sum(c.bytes_at(capacity) for c in caches))
+        except InvalidArgumentError as exc:
+            short = exc
+    raise PromptTooLongError(f"{num_tokens} tokens do not fit the VRAM budget: {short}") from None
 
 
 def give_back_kv_room(experts, state: SequenceState, num_tokens: int) -> None:

@@ -158,13 +158,19 @@ class Engine:
         none of it. True if it grew."""
         horizon = horizon or self.config.prefill_chunk
         need = min(state.num_tokens + horizon, self.max_context)
-        if not state.num_tokens or not grow_ahead(self.offload, state, need):
+        if not state.num_tokens:
             return False
+        grew = grow_ahead(self.offload, state, need)
+        pending = self.offload is not None and bool(self.offload.cache.pending)
+        if not grew and not pending:
+            return False
+        if pending:  # (a resize by the last request, which ran no decode step to refill)
+            self.offload.cache.refill()
         if self.decode_graph is not None:
             self.decode_graph.prepare(state)
         self.prepare_prefill_graphs(state)
         self.synchronize()
-        return True
+        return grew
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if (
@@ -406,7 +412,10 @@ class Engine:
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
         # (a much shorter context: sized for the prompt and every token it may generate)
-        give_back_kv_room(self.offload, state, gen.prompt_tokens + params.max_tokens)
+        # (generation beyond a chunk grows the KV again: a limit of the whole context, a server
+        # request's default, must not keep every session's KV at its largest)
+        ahead = min(params.max_tokens, self.config.prefill_chunk)
+        give_back_kv_room(self.offload, state, gen.prompt_tokens + ahead)
         make_kv_room(self.offload, state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0

@@ -46,11 +46,12 @@ class KVCache:
         """Device bytes of keys and values at `capacity` positions."""
         return 2 * self.k.shape[0] * capacity * self.k.shape[2] * self.k.element_size()
 
-    def reserve(self, num_tokens: int, used: int) -> None:
-        """Make room for `num_tokens` positions, keeping the first `used` ones."""
+    def reserve(self, num_tokens: int, used: int, capacity: int | None = None) -> None:
+        """Make room for `num_tokens` positions, keeping the first `used` ones: `capacity` of
+        them if given (at least `num_tokens`), else `grown_capacity`."""
         if num_tokens <= self.capacity:
             return
-        new_cap = self.grown_capacity(num_tokens)
+        new_cap = max(capacity, num_tokens) if capacity else self.grown_capacity(num_tokens)
         k = self.k.new_zeros((self.k.shape[0], new_cap, self.k.shape[2]))
         v = torch.zeros_like(k)
         k[:, :used].copy_(self.k[:, :used])

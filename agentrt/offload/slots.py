@@ -63,7 +63,14 @@ class ExpertCache:
         for row in self.slot_of.values():
             row[:] = [-1] * len(row)
         self.slots, self.slot_rows = None, []  # the old pool's memory goes back first
-        self._new_pool(num_slots, self.policy.name)
+        while True:  # (memory short of the budget, another process's say: half as many slots)
+            try:
+                self._new_pool(num_slots, self.policy.name)
+                break
+            except torch.OutOfMemoryError:
+                if num_slots == 0:
+                    raise
+                num_slots //= 2
         self.resizes += num_slots > 0  # (`release` alone, or with the new pool of `rebuild`: one)
 
     def ranked(self) -> list[Key]:
@@ -88,7 +95,7 @@ class ExpertCache:
             if not done and failed is not None:
                 num_slots = failed()
             self.resize(num_slots)
-            self.pending = keep[:num_slots]
+            self.pending = keep[: self.num_slots]
 
     def worth_keeping(self) -> list[Key]:
         """What a resize should bring back: the experts still waiting for a refill (an earlier
