@@ -1024,7 +1024,7 @@ def test_a_shorter_context_gives_the_kv_room_back_to_the_expert_cache(model_spec
     rt = Runtime.open(model_spec, cache="off", offload=config)
     cache = rt.engine.offload.cache
     assert cache.num_slots == 40
-    long_prompt = (ids * (grow // len(ids) + 1))[: grow + 16]
+    long_prompt = (ids[::-1] * (grow // len(ids) + 1))[: grow + 16]  # (another session)
     rt.generate(long_prompt, max_tokens=2)
     assert cache.num_slots < 40
     assert rt.generate(ids, max_tokens=20) == want_tokens  # the short session
@@ -1573,7 +1573,7 @@ def test_a_request_allowed_the_whole_context_still_gets_kv_given_back(model_spec
     rt.generate((ids * 40)[:1500], max_tokens=4)
     assert cache.num_slots < 40
     params = SamplingParams(max_tokens=rt.engine.max_context)
-    for _ in rt.engine.stream(rt._live_state(), ids[:40], params, None, rt.reuse):
+    for _ in rt.engine.stream(rt._live_state(), ids[::-1][:40], params, None, rt.reuse):
         break  # (the KV is given back before the first token)
     assert cache.num_slots == 40
     cache.check()
@@ -1598,3 +1598,24 @@ def test_a_pool_that_cannot_be_allocated_is_made_smaller_not_left_empty(model_sp
     rt.generate(list(range(10, 200)), max_tokens=2)
     assert failures and cache.num_slots == failures[0] // 2 > 0
     cache.check()
+
+
+def test_a_session_cut_back_keeps_its_kv_and_its_reuse(model_spec, reference):
+    """A prompt shorter than the live sequence that shares most of itself with it (the same
+    session, its earlier reasoning dropped, say) is no new session: the KV is not given back,
+    and a model whose state can be cut back reuses the shared tokens."""
+    ids, _, _ = reference
+    config, _ = _elastic_config(model_spec, 1024, 40)
+    config = OffloadConfig(**{**config.__dict__, "vram_budget": config.vram_budget * 3})
+    rt = Runtime.open(model_spec, cache="prefix", offload=config, prefill_chunk=256)
+    cache = rt.engine.offload.cache
+    before, session = cache.num_slots, (ids * 100)[:3000]
+    rt.generate(session, max_tokens=4)
+    slots = cache.num_slots
+    assert rt._state.kv_caches()[0].capacity >= 3000 and slots < before
+    from agentrt.engine.sampling import SamplingParams
+
+    gen = rt.engine.generate(rt._live_state(), session[:1400], SamplingParams(2), rt.reuse)
+    assert cache.num_slots == slots
+    if not rt.engine.cfg.is_hybrid:
+        assert gen.cached_tokens == 1400 - 1

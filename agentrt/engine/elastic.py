@@ -5,6 +5,9 @@ or None: no offload, nothing to do) and a `SequenceState`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from agentrt.engine.reuse import common_prefix
 from agentrt.engine.state import SequenceState
 from agentrt.errors import InvalidArgumentError, PromptTooLongError
 
@@ -61,10 +64,14 @@ def _fitting_size(experts, caches, num_tokens: int) -> tuple[int, int]:
     raise PromptTooLongError(f"{num_tokens} tokens do not fit the VRAM budget: {short}") from None
 
 
-def give_back_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
+def give_back_kv_room(
+    experts, state: SequenceState, num_tokens: int, prompt_ids: Sequence[int] = ()
+) -> None:
     """KV that grew past its reservation goes back to the expert cache when a request of
-    `num_tokens` tokens (prompt and generation) is shorter than the live sequence (a new, shorter
-    session: a continuing one only grows) and needs less than half of the KV. The KV shrinks to
+    `num_tokens` tokens (prompt and generation) is shorter than the live sequence and needs
+    less than half of the KV, unless its prompt `prompt_ids` shares more than half of itself
+    with the live sequence (a continuing session cut back, its earlier reasoning dropped, say:
+    its KV is reused, not given back; a new, shorter session gives it). The KV shrinks to
     the request's size in whole growth steps, never below the reservation (which costs the
     cache nothing: smaller buffers would gain no slot and only be grown again), the live
     sequence is emptied if it was longer, the pool is rebuilt larger, and its experts are
@@ -74,6 +81,8 @@ def give_back_kv_room(experts, state: SequenceState, num_tokens: int) -> None:
         return
     if num_tokens > caches[0].capacity // 2 or num_tokens >= state.num_tokens:
         return  # (a session that grows on keeps its KV, and what was grown ahead for it)
+    if 2 * common_prefix(state.token_ids, prompt_ids) > len(prompt_ids) > 0:
+        return  # (the same session, cut back)
     step = max(caches[0].grow_tokens, 1)
     target = max(-(-num_tokens // step) * step, step, experts.kv_reserved)
     if target >= caches[0].capacity:

@@ -415,7 +415,7 @@ class Engine:
         # (generation beyond a chunk grows the KV again: a limit of the whole context, a server
         # request's default, must not keep every session's KV at its largest)
         ahead = min(params.max_tokens, self.config.prefill_chunk)
-        give_back_kv_room(self.offload, state, gen.prompt_tokens + ahead)
+        give_back_kv_room(self.offload, state, gen.prompt_tokens + ahead, prompt_ids)
         make_kv_room(self.offload, state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0
