@@ -411,9 +411,8 @@ class Engine:
         self.check_fits(gen.prompt_tokens)
         self._check_ids(prompt_ids)
         rng = make_generator(params.seed, self.device)
-        # (a much shorter context: sized for the prompt and every token it may generate)
-        # (generation beyond a chunk grows the KV again: a limit of the whole context, a server
-        # request's default, must not keep every session's KV at its largest)
+        # (a much shorter context: sized for the prompt and up to a chunk of generation, beyond
+        # which the KV grows again: a server request's default limit is the whole context)
         ahead = min(params.max_tokens, self.config.prefill_chunk)
         give_back_kv_room(self.offload, state, gen.prompt_tokens + ahead, prompt_ids)
         make_kv_room(self.offload, state, gen.prompt_tokens)  # before a restore grows the KV
