@@ -122,7 +122,7 @@ def _time_prefill(engine: Engine, ids: list[int], device: str) -> float:
     return time.perf_counter() - t0
 
 
-def _reset_peak(device: str) -> None:
+def reset_peak(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
 
@@ -141,7 +141,7 @@ def prefill(
         for length in lengths:
             note(f"prefill: {length} tokens, {kernel} kernels, {repeat} run(s)")
             ids = random_ids(engine.cfg.vocab_size, length, seed)
-            _reset_peak(device)
+            reset_peak(device)
             _time_prefill(engine, ids[: min(length, chunk)], device)  # warm-up (kernels, autotune)
             times = [_time_prefill(engine, ids, device) for _ in range(repeat)]
             best = statistics.median(times)
@@ -191,7 +191,7 @@ def _decode_run(
     engine: Engine, kernel: str, prompt_len: int, tokens: int, seed: int, device: str
 ) -> dict:
     ids = random_ids(engine.cfg.vocab_size, prompt_len, seed)
-    _reset_peak(device)
+    reset_peak(device)
     state = engine.new_state(capacity=prompt_len + tokens + 8)
     token = int(engine.prefill(state, ids).argmax())
     for _ in range(3):  # warm-up steps (and graph capture)

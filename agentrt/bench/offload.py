@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from agentrt.bench.engine import reset_peak
 from agentrt.bench.offload_figures import (
     add_bounds,
     add_ceilings,
@@ -274,8 +275,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     """One setting's timed decode of `tokens` steps (then, if `ids` holds more, those steps
     under cProfile, into the run's `_py_profile`)."""
     _free(device)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak(device)
     if setting["offload"] == "none":
         experts = make_resident(model, store, device)
     else:

@@ -291,7 +291,7 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
         setting = {**opts, "offload": offload, "split": split}
         if offload not in (None, "auto"):  # (the slots size auto's cache)
             setting["expert_cache_slots"] = None
-        one = len(settings) == 1 or not plot
+        one = one_setting or not plot
         stem = plot if one else _variant_path(plot, label.replace("/", "-"))
         done = dict(results)  # (each save holds every finished setting and this one's part)
         save = lambda report, label=label, done=done: write_json(  # noqa: E731
@@ -308,6 +308,7 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, save
     from agentrt.bench import ttft as b
 
     rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
+    placement = setting_of(opts)
     result = b.ttft(
         rt,
         lambda drop: _load_traces(traces, drop, None, max_requests),
@@ -316,9 +317,9 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, save
         max_tokens,
         lambda traces_, target, label: _run_replay(traces_, target, max_tokens, label),
         warmup,
-        partial=lambda report: save({**report, "setting": setting_of(opts)}),  # (kept if cut)
+        partial=lambda report: save({**report, "setting": placement}),  # (kept if cut)
     )
-    result["setting"] = setting_of(opts)
+    result["setting"] = placement
     for variant, reports in result["reports"].items():
         click.echo(f"\n[{variant}]")
         from agentrt.replay.replay import summary_table

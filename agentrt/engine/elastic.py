@@ -103,7 +103,7 @@ def give_back_kv_room(
 
 def grow_ahead(experts, state: SequenceState, num_tokens: int) -> bool:
     """Between requests: KV buffers that cannot hold `num_tokens` positions grow now (under a
-    budget taking their room from the expert cache, whose experts come back at once), so the
+    budget taking their room from the expert cache, whose experts the caller refills), so the
     next request that stays within them needs no new buffers (and no new decode graph for
     them). False when they hold it already, or when the budget cannot (that request will say
     so itself)."""
@@ -116,6 +116,4 @@ def grow_ahead(experts, state: SequenceState, num_tokens: int) -> bool:
         return False
     for cache in caches:  # (within the reservation, or without a budget: the buffers alone)
         cache.reserve(num_tokens, state.num_tokens)
-    if experts is not None and experts.cache.pending:
-        experts.cache.refill()
-    return True
+    return True  # (the caller brings the pool's experts back)

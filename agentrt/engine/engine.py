@@ -164,7 +164,7 @@ class Engine:
         pending = self.offload is not None and bool(self.offload.cache.pending)
         if not grew and not pending:
             return False
-        if pending:  # (a resize by the last request, which ran no decode step to refill)
+        if pending:  # (this growth's resize, or the last request's that ran no decode step)
             self.offload.cache.refill()
         if self.decode_graph is not None:
             self.decode_graph.prepare(state)
