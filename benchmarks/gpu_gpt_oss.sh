@@ -36,7 +36,8 @@ if has prefill; then
   timeout "${PREFILL_TIMEOUT:-400}" python3 -m agentrt.cli bench prefill --offload auto \
     --model "$M" --device cuda --vram-budget 16GiB --tokenizer "$TOK" --expert-format "$F" \
     --lengths "${LENGTHS:-4096,8192}" --prefill-chunk 8192 --repeat 1 \
-    --prefill-plan "${PLANS:-auto,stream}" --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+    --prefill-plan "${PLANS:-auto,stream}" ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
+    > "$OUT/prefill.log" 2>&1
   grep -A20 "^plan " "$OUT/prefill.log" || tail -20 "$OUT/prefill.log"
 fi
 if has ttft; then

@@ -231,6 +231,29 @@ def test_bench_prefill_profiles_only_when_asked():
     assert "profile" not in report["runs"][0] and report["profile_gb_s"]["copy"] > 0
 
 
+def test_bench_prefill_times_each_plan_with_each_staging_ring():
+    """`stagings` (layers of experts): each plan timed with each ring, named `PLAN@SIZE`, the
+    ring's size in the row, and ratios per ring; the CLI refuses a size that is not positive."""
+    from click.testing import CliRunner
+
+    from agentrt.bench.prefill import offload_prefill
+    from agentrt.cli.main import main
+
+    report = offload_prefill(
+        "tiny", "cpu", None, None, ["auto", "stream"], [32], [], 0, 32, repeat=1, slots=10,
+        resident=False, stagings=[0.5, 1],
+    )  # fmt: skip
+    runs = report["runs"]
+    assert [r["plan"] for r in runs] == ["auto@0.5", "auto@1", "stream@0.5", "stream@1"]
+    assert runs[1]["staging_gib"] == pytest.approx(2 * runs[0]["staging_gib"])
+    assert runs[3]["staging_gib"] == runs[1]["staging_gib"] > 0
+    assert {"cold32_auto@0.5_vs_best_fixed", "cold32_auto@1_vs_best_fixed"} <= set(report["ratios"])
+    args = ["bench", "prefill", "--offload", "auto", "--expert-cache-slots", "8", "--staging"]
+    for bad in ("0", "1,-2", "x", "nan"):
+        result = CliRunner().invoke(main, [*args, bad])
+        assert result.exit_code == 2 and "positive numbers" in result.output, result.output
+
+
 def test_native_rows_kernel_matches_the_fp32_experts():
     """Prefill's CPU experts in the native kernel (rows grouped by expert, each weight row read
     once): each row's weighted expert output, as an fp32 reference computes it."""

@@ -55,9 +55,11 @@ def offload_prefill(
     linear_attn: str = "auto",
     profile: bool = False,
     packed: bool = False,
+    stagings: list[float] | None = None,
 ) -> dict[str, Any]:
     """The report of `bench prefill --offload auto` (see the module docstring; `packed`: the
-    experts kept MXFP4)."""
+    experts kept MXFP4; `stagings`: staging ring sizes in layers of experts, each plan timed
+    with each, the rows' plans named `PLAN@SIZE` (None: the engine's default ring))."""
     from agentrt.bench.engine import machine
     from agentrt.bench.offload import load_offloadable, make_resident, text_ids
     from agentrt.offload.packed_load import load_sink
@@ -84,8 +86,9 @@ def offload_prefill(
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
     staging = 0
-    for plan in plans:
-        print(f"agentrt: bench prefill, plan {plan} ...", file=sys.stderr)
+    for plan, size in [(p, s) for p in plans for s in stagings or [None]]:
+        name = plan if size is None else f"{plan}@{size:g}"
+        print(f"agentrt: bench prefill, plan {name} ...", file=sys.stderr)
         config = OffloadConfig(
             mode="auto",
             split=split,
@@ -93,13 +96,14 @@ def offload_prefill(
             vram_budget=budget_bytes,
             expert_cache_slots=slots,
             cpu_kernel=cpu_kernel,
+            staging_bytes=None if size is None else _staging_bytes(store, size),
         )
         experts = install(model, store, device, config)
         filled = _fill_cache(experts, seed)
         engine = _engine(model, device, dtype, chunk, linear_attn, experts)
-        for run in rows.time(engine, plan, experts):
-            runs.append({**run, "cached_at_start": filled})
         staging = experts.prefill.staging_bytes
+        for run in rows.time(engine, name, experts):
+            runs.append({**run, "cached_at_start": filled, "staging_gib": staging / 2**30})
         model.set_experts(load_sink(store))
         del engine, experts
         _free(device)
@@ -127,6 +131,41 @@ def offload_prefill(
     }
     print(_table(runs), file=sys.stderr)
     return report
+
+
+def offload_prefill_options(spec, device, dtype, seed, lengths, chunk, repeat, o: dict) -> dict:
+    """`offload_prefill` with the options of `bench prefill` (`o`, by their CLI names)."""
+    from agentrt.session.options import packed_experts
+
+    return offload_prefill(
+        spec,
+        device,
+        dtype,
+        o["vram_budget"],
+        o["prefill_plan"],
+        lengths,
+        o["suffixes"],
+        o["prefix_len"],
+        chunk,
+        repeat=repeat,
+        seed=seed,
+        split=o["split"] == "on",
+        slots=o["expert_cache_slots"],
+        tokenizer_dir=o["tokenizer"],
+        resident=o["resident"],
+        cpu_kernel=o["cpu_kernel"],
+        linear_attn=o["linear_attn"],
+        profile=o["profile"],
+        packed=packed_experts(o["expert_format"], spec),
+        stagings=o["staging"],
+    )
+
+
+def _staging_bytes(store, layers: float) -> int:
+    """A staging ring of `layers` layers of experts (at least two parts: `offload.ring`)."""
+    if layers <= 0:
+        raise InvalidArgumentError(f"a staging ring holds more than 0 layers, got {layers:g}")
+    return round(layers * store.num_experts) * store.expert_bytes
 
 
 def _engine(model, device: str, dtype: str, chunk: int, linear_attn: str, offload=None) -> Engine:
@@ -177,7 +216,7 @@ class _Rows:
         """The rows of one engine, after a warm-up with every length (the first engine of the
         invocation compiles and tunes the kernels for each shape; `auto` measures its costs
         per size of chunk: two passes of each)."""
-        self._warm_up(engine, 2 if plan == "auto" else 1)
+        self._warm_up(engine, 2 if plan.split("@")[0] == "auto" else 1)
         out = []
         for length in self.lengths:
             state = engine.new_state()  # (KV grows as the engine grows it: elastic under a budget)
@@ -294,20 +333,23 @@ def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int, earlier: li
 
 
 def _ratios(runs: list[dict]) -> dict[str, float]:
-    """Per row: each plan against the best fixed plan, suffixes also against stream."""
+    """Per row and staging ring: each plan against the best fixed plan, suffixes also against
+    stream."""
     by_row: dict[tuple, dict[str, float]] = {}
     for r in runs:
-        by_row.setdefault((r["kind"], r["tokens"]), {})[r["plan"]] = r["seconds"]
+        plan, _, size = r["plan"].partition("@")
+        by_row.setdefault((r["kind"], r["tokens"], size), {})[plan] = r["seconds"]
     out = {}
-    for (kind, tokens), seconds in by_row.items():
+    for (kind, tokens, size), seconds in by_row.items():
         fixed = [seconds[p] for p in FIXED_PLANS if p in seconds]
+        ring = f"@{size}" if size else ""
         for plan, value in seconds.items():
             if plan == "resident":
                 continue
             if fixed:
-                out[f"{kind}{tokens}_{plan}_vs_best_fixed"] = value / min(fixed)
+                out[f"{kind}{tokens}_{plan}{ring}_vs_best_fixed"] = value / min(fixed)
             if kind == "suffix" and "stream" in seconds and plan != "stream":
-                out[f"{kind}{tokens}_{plan}_vs_stream"] = value / seconds["stream"]
+                out[f"{kind}{tokens}_{plan}{ring}_vs_stream"] = value / seconds["stream"]
     return out
 
 

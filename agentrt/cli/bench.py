@@ -14,6 +14,7 @@ from agentrt.cli.options import (
     csv_ints,
     csv_ints_or_empty,
     csv_option,
+    csv_sizes_or_none,
     expert_format_option,
     json_option,
     one_value,
@@ -130,6 +131,13 @@ _expert_format_option = expert_format_option(
     "on",
     "With --offload auto: off: no missing expert runs on the CPU; on,off: both (`runs`).",
 )
+@click.option(
+    "--staging",
+    default=None,
+    callback=csv_sizes_or_none,
+    help="With --offload auto: comma-separated staging ring sizes in layers of experts (e.g. "
+    "0.5,1,1.5), each plan timed with each (default: the engine's ring, half a layer).",
+)
 @click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
 @click.option(
@@ -180,32 +188,11 @@ def bench_prefill(
 
 
 def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict) -> dict:
-    from agentrt.bench.prefill import offload_prefill
-    from agentrt.session.options import packed_experts
+    from agentrt.bench.prefill import offload_prefill_options
 
     if o["vram_budget"] is None and o["expert_cache_slots"] is None:
         raise click.UsageError("--offload auto needs --vram-budget or --expert-cache-slots")
-    return offload_prefill(
-        model,
-        device,
-        dtype,
-        o["vram_budget"],
-        o["prefill_plan"],
-        lengths,
-        o["suffixes"],
-        o["prefix_len"],
-        chunk,
-        repeat=repeat,
-        seed=seed,
-        split=o["split"] == "on",
-        slots=o["expert_cache_slots"],
-        tokenizer_dir=o["tokenizer"],
-        resident=o["resident"],
-        cpu_kernel=o["cpu_kernel"],
-        linear_attn=o["linear_attn"],
-        profile=o["profile"],
-        packed=packed_experts(o["expert_format"], model),
-    )
+    return offload_prefill_options(model, device, dtype, seed, lengths, chunk, repeat, o)
 
 
 @bench.command("decode")

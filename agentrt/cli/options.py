@@ -133,6 +133,21 @@ def csv_ints(ctx, param, value: str) -> list[int]:
     return items
 
 
+def csv_sizes_or_none(ctx, param, value: str | None) -> list[float] | None:
+    """A comma-separated list of positive numbers (e.g. 0.5,1.5); empty or unset: None."""
+    if value is None or not value.strip():
+        return None
+    try:
+        items = [float(x) for x in csv_items(value)]
+    except ValueError:
+        items = []
+    if not items or min(items) <= 0 or not all(x < float("inf") for x in items):
+        raise click.BadParameter(
+            f"expected a comma-separated list of positive numbers, got {value!r}"
+        )
+    return items
+
+
 def size_text(ctx, param, value: str | None) -> str | None:
     """A size option (e.g. --vram-budget 16GiB) checked before any work; kept as written."""
     if value is not None:
