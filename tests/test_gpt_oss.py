@@ -253,3 +253,37 @@ def test_malformed_mxfp4_checkpoints_are_refused_by_name(hf_gpt_oss, tmp_path, c
         Runtime.open(
             str(tmp_path / "m"), cache="off", tokenizer=None, offload=offload if packed else None
         )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_grouped_mxfp4_tile_fits_sm90_shared_memory(dtype):
+    """The grouped MXFP4 kernel at the tile for its activations' dtype, compiled for sm_90 (no
+    GPU needed; skipped without Triton), uses no more shared memory than an H100 / H200 has
+    per block (232,448 bytes): Triton refuses to launch a kernel over it."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from agentrt.offload.mxfp4_rows import RowLayout, grouped_tile
+    from agentrt.offload.mxfp4_triton import grouped_kernel
+
+    block_m, block_n, block_b, warps = grouped_tile(
+        torch.float32 if dtype == "fp32" else torch.bfloat16
+    )
+    layout = RowLayout(2880, 2880)  # (gpt-oss-20b and -120b)
+    for part in (layout.gate_up, layout.down):
+        consts = dict(n_rows=part.rows, n_bytes=part.cols // 2, n_groups=part.groups)
+        consts.update(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b)
+        consts["PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
+        pointers = dict(rows_ptr="*u8", tiles_ptr="*i64", x_ptr=f"*{dtype}", out_ptr="*fp32")
+        scalars = dict(row_stride="i64", codes_at="i64", scales_at="i64", n_tiles="i32")
+        signature = {**pointers, **scalars, **dict.fromkeys(consts, "constexpr")}
+        try:
+            kernel = triton.compile(
+                ASTSource(grouped_kernel, signature, constexprs=consts),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": warps},
+            )
+        except Exception as exc:  # (a Triton without its CUDA toolchain)
+            pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+        assert kernel.metadata.shared <= 232448, (part, kernel.metadata.shared)

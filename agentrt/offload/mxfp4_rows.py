@@ -151,13 +151,17 @@ def grouped_reference(
 # the H200, gpt-oss-120b experts, an 8K-token chunk's runs: 13.3 ms for gate_up and down against
 # 22.8 ms at (64, 128, 64, 8) and 30.4 at (32, 128, 64, 4) (benchmarks/bench_mxfp4_grouped.py)
 GROUPED_TILE = (128, 256, 64, 8)
+# fp32 activations take twice the shared memory per step: 256 KiB at GROUPED_TILE, over sm_90's
+# 227 KiB (Triton refuses to launch it); half the bytes per step take 128 KiB
+GROUPED_TILE_FP32 = (128, 256, 32, 8)
 
 
-def grouped_tile() -> tuple[int, int, int, int]:
-    """`GROUPED_TILE`, or `AGENTRT_MXFP4_TILE` ("M,N,B,warps", for benchmarks comparing tiles)."""
+def grouped_tile(dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
+    """The tile for activations of `dtype` (`GROUPED_TILE`; `GROUPED_TILE_FP32` for 4-byte ones),
+    or `AGENTRT_MXFP4_TILE` ("M,N,B,warps", for benchmarks comparing tiles)."""
     text = setting("MXFP4_TILE")
     if not text:
-        return GROUPED_TILE
+        return GROUPED_TILE_FP32 if dtype.itemsize > 2 else GROUPED_TILE
     try:
         m, n, b, warps = (int(v) for v in text.split(","))
     except ValueError:
@@ -180,12 +184,12 @@ def grouped(
     """`grouped_reference` through the Triton kernel: one program per tile of M tokens of one
     expert and N outputs; it decodes the expert's codes B bytes at a time into x's dtype and
     multiplies with fp32 accumulation (`counts` come from the host: a prefill's plan has them;
-    `tile`: (M, N, B, warps), default `grouped_tile()`)."""
+    `tile`: (M, N, B, warps), default `grouped_tile(x.dtype)`)."""
     import triton
 
     from agentrt.offload.mxfp4_triton import grouped_kernel
 
-    block_m, block_n, block_b, warps = tile or grouped_tile()
+    block_m, block_n, block_b, warps = tile or grouped_tile(x.dtype)
     tile_slot, tile_start, tile_end, begin = [], [], [], 0
     for slot, count in zip(slots, counts, strict=True):
         for start in range(begin, begin + count, block_m):
