@@ -655,6 +655,27 @@ def test_native_cpu_kernel_in_bf16_graph_decode():
     assert errors["native"] <= 1.5 * errors["torch"] + 0.02, errors
 
 
+def test_uploads_read_pinned_memory_with_the_gpu_cores():
+    """Offloaded prefill's small transfers (`offload.uploads`): read by a kernel from pinned
+    memory, exact, into a slice of a larger tensor, the odd-sized one through the copy engines;
+    and the path is the kernel's (`direct`), not a fallback."""
+    from agentrt.offload.uploads import Uploads
+
+    uploads = Uploads(torch.device("cuda"))
+    assert uploads.direct
+    a, empty, c = uploads.tables([1, -2, 3], [], list(range(100_003)))
+    assert a.tolist() == [1, -2, 3] and empty.numel() == 0
+    assert torch.equal(c.cpu(), torch.arange(100_003))
+    src = torch.randn(33, 2880, dtype=torch.bfloat16).pin_memory()
+    out = torch.zeros(40, 2880, dtype=torch.bfloat16, device="cuda")
+    uploads.from_host(src, out[5:38])
+    assert torch.equal(out[5:38].cpu(), src) and not out[:5].any() and not out[38:].any()
+    odd = torch.arange(3, dtype=torch.uint8).pin_memory()
+    assert torch.equal(uploads.from_host(odd).cpu(), odd)
+    torch.cuda.synchronize()
+    assert uploads.direct
+
+
 def test_fast_offload_copies_match_torch():
     """Copies issued through cudaMemcpyAsync land where torch's would, on the given stream."""
     from agentrt.offload.copies import CudaCalls

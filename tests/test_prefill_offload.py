@@ -254,6 +254,30 @@ def test_bench_prefill_times_each_plan_with_each_staging_ring():
         assert result.exit_code == 2 and "positive numbers" in result.output, result.output
 
 
+def test_layer_tables_hold_each_parts_offsets_rows_experts_and_tiles():
+    """A layer's tables from one transfer: the sort positions as given, each part's cumulative
+    rows (int32), rows per expert, expert ids, and MXFP4 tiles as `tile_table` builds them."""
+    from agentrt.offload.mxfp4_rows import tile_table
+    from agentrt.offload.ring import Fill
+    from agentrt.offload.uploads import Uploads, layer_tables
+
+    counts = [5, 0, 130, 2, 0, 1]
+    parts = [Fill(3, [0, 1, 2], [0, 2]), Fill(3, [3, 4], []), Fill(3, [5], [0])]
+    position = [0, 6, 1, 3, 6, 5]
+    pos, tables = layer_tables(Uploads(torch.device("cpu")), position, parts, counts, 64)
+    assert pos.tolist() == position and len(tables) == 3
+    first = tables[0]
+    assert first.offsets.dtype == torch.int32 and first.offsets.tolist() == [5, 5, 135]
+    assert first.counts.tolist() == [5, 0, 130] and first.experts.tolist() == [0, 1, 2]
+    assert first.tiles.shape == (3, 4)
+    assert first.tiles.reshape(-1).tolist() == tile_table([0, 1, 2], [5, 0, 130], 64)
+    assert first.tiles.tolist() == [[0, 2, 2, 2], [0, 5, 69, 133], [5, 135, 135, 135]]
+    assert tables[1].counts.tolist() == [2, 0] and tables[1].offsets.tolist() == [2, 2]
+    assert tables[2].experts.tolist() == [5] and tables[2].tiles.tolist() == [[0], [0], [1]]
+    _, untiled = layer_tables(Uploads(torch.device("cpu")), position, parts, counts, None)
+    assert all(t.tiles is None for t in untiled)
+
+
 def test_native_rows_kernel_matches_the_fp32_experts():
     """Prefill's CPU experts in the native kernel (rows grouped by expert, each weight row read
     once): each row's weighted expert output, as an fp32 reference computes it."""

@@ -173,23 +173,10 @@ def grouped_tile(dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, in
     return m, n, b, warps
 
 
-def grouped(
-    rows: torch.Tensor,
-    slots: list[int],
-    counts: list[int],
-    part: Part,
-    x: torch.Tensor,
-    tile: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """`grouped_reference` through the Triton kernel: one program per tile of M tokens of one
-    expert and N outputs; it decodes the expert's codes B bytes at a time into x's dtype and
-    multiplies with fp32 accumulation (`counts` come from the host: a prefill's plan has them;
-    `tile`: (M, N, B, warps), default `grouped_tile(x.dtype)`)."""
-    import triton
-
-    from agentrt.offload.mxfp4_triton import grouped_kernel
-
-    block_m, block_n, block_b, warps = tile or grouped_tile(x.dtype)
+def tile_table(slots: list[int], counts: list[int], block_m: int) -> list[int]:
+    """The grouped kernel's tiles for runs of `counts` rows (in order) of the experts in
+    `slots`: each tile's slot, first row and its run's end row, as one list (slots, then
+    starts, then ends)."""
     tile_slot, tile_start, tile_end, begin = [], [], [], 0
     for slot, count in zip(slots, counts, strict=True):
         for start in range(begin, begin + count, block_m):
@@ -197,13 +184,38 @@ def grouped(
             tile_start.append(start)
             tile_end.append(begin + count)
         begin += count
+    return tile_slot + tile_start + tile_end
+
+
+def grouped(
+    rows: torch.Tensor,
+    slots: list[int],
+    counts: list[int],
+    part: Part,
+    x: torch.Tensor,
+    tile: tuple[int, int, int, int] | None = None,
+    tiles: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`grouped_reference` through the Triton kernel: one program per tile of M tokens of one
+    expert and N outputs; it decodes the expert's codes B bytes at a time into x's dtype and
+    multiplies with fp32 accumulation (`counts` come from the host: a prefill's plan has them;
+    `tile`: (M, N, B, warps), default `grouped_tile(x.dtype)`; `tiles`: their `tile_table` as
+    `[3, n]` on the device already, else it is built and copied here)."""
+    import triton
+
+    from agentrt.offload.mxfp4_triton import grouped_kernel
+
+    block_m, block_n, block_b, warps = tile or grouped_tile(x.dtype)
     out = torch.empty(x.shape[0], part.rows, dtype=torch.float32, device=x.device)
-    if not tile_slot:
+    if tiles is None:
+        table = tile_table(slots, counts, block_m)
+        tiles = torch.tensor(table, dtype=torch.int64).view(3, -1)
+        if x.is_cuda:  # (from pinned memory: the copy does not hold the host up)
+            tiles = tiles.pin_memory().to(x.device, non_blocking=True)
+    n_tiles = tiles.shape[1]
+    if not n_tiles:
         return out
-    tiles = torch.tensor([tile_slot, tile_start, tile_end], dtype=torch.int64)
-    if x.is_cuda:  # (from pinned memory: the copy does not hold the host up)
-        tiles = tiles.pin_memory().to(x.device, non_blocking=True)
-    grid = (len(tile_slot), triton.cdiv(part.rows, block_n))
+    grid = (n_tiles, triton.cdiv(part.rows, block_n))
     grouped_kernel[grid](
         rows,
         tiles,
@@ -212,7 +224,7 @@ def grouped(
         rows.stride(0),
         part.codes,
         part.scales,
-        len(tile_slot),
+        n_tiles,
         part.rows,
         part.cols // 2,
         part.groups,

@@ -24,9 +24,11 @@ def _matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor
     return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x)
 
 
-def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor):
+def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor, tiles=None):
     slots = list(range(len(counts)))
-    return (grouped if rows.is_cuda else grouped_reference)(rows, slots, counts, part, x)
+    if not rows.is_cuda:
+        return grouped_reference(rows, slots, counts, part, x)
+    return grouped(rows, slots, counts, part, x, tiles=tiles)
 
 
 def token_experts(
@@ -45,24 +47,36 @@ def token_experts(
 
 
 def part_ffn(
-    store: ExpertStore, buf: torch.Tensor, counts: list[int], x, scale, biases=None
+    store: ExpertStore, buf: torch.Tensor, counts: list[int], x, scale, biases=None, tables=None
 ) -> torch.Tensor:
     """A prefill part's experts, `buf[i]` with `counts[i]` consecutive rows of `x [T, H]` each:
     gate/up (+ biases), the activation times the routing weights `scale [T, 1]`, down (+
-    biases, scaled) -> `[T, H]` in x's dtype (as `pairs.grouped_ffn` computes unpacked)."""
+    biases, scaled) -> `[T, H]` in x's dtype (as `pairs.grouped_ffn` computes unpacked).
+    `tables`: the part's `uploads.PartTables` (on the device already), or None."""
     layout = store.layout
-    h = _grouped(buf, counts, layout.gate_up, x)  # [T, 2I] fp32
+    tiles = tables.tiles if tables is not None else None
+    h = _grouped(buf, counts, layout.gate_up, x, tiles)  # [T, 2I] fp32
     if biases is not None:  # (each row's expert from the host's counts: no device sync)
-        owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        if x.is_cuda:
-            owner = owner.pin_memory().to(x.device, non_blocking=True)
+        owner = _owners(counts, x.device, tables)
         up_bias, down_bias = (b.index_select(0, owner) for b in biases)
         h = h + up_bias
     hidden = store.act(h.to(x.dtype)) * scale
-    y = _grouped(buf, counts, layout.down, hidden)  # [T, H] fp32
+    y = _grouped(buf, counts, layout.down, hidden, tiles)  # [T, H] fp32
     if biases is not None:
         y = y + down_bias * scale
     return y.to(x.dtype)
+
+
+def _owners(counts: list[int], device: torch.device, tables=None) -> torch.Tensor:
+    """Each row's position in the part (`counts[i]` rows of each), on `device` (from the
+    tables' rows per expert where given: no transfer)."""
+    if tables is not None:
+        index = torch.arange(len(counts), device=device)
+        return torch.repeat_interleave(index, tables.counts, output_size=sum(counts))
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    if device.type == "cuda":
+        owner = owner.pin_memory().to(device, non_blocking=True)
+    return owner
 
 
 def resident_ffn(store: ExpertStore, layer: int, block: torch.Tensor, x, ids, weights):

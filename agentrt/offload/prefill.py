@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
+from agentrt.offload.mxfp4_rows import grouped_tile
 from agentrt.offload.packed import part_ffn, resident_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
 from agentrt.offload.planner import (
@@ -46,6 +47,7 @@ from agentrt.offload.ring import Fill, StagingRing
 from agentrt.offload.slots import ExpertCache
 from agentrt.offload.stats import PrefillTotals
 from agentrt.offload.store import ExpertStore
+from agentrt.offload.uploads import PartTables, Uploads, layer_tables
 
 CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
 # each streamed layer forgets this share of the overhead measured for plans that wait for the
@@ -79,6 +81,7 @@ class PrefillStreamer:
         self.copy_stream = copy_stream
         self.ring = StagingRing(store, staging_bytes, self.device, copy_stream, calls)
         self.calls = self.ring.calls  # raw CUDA copies (`copies.CudaCalls`), or None: torch's
+        self.uploads = Uploads(self.device)  # (small transfers, not behind the expert copies)
         self._stream = 0  # the current stream's handle, taken once per layer (with `calls`)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
@@ -174,12 +177,12 @@ class PrefillStreamer:
         self._observe_exposed(layer, routed_at)
         parts, plan = self._layer_plan(layer, counts_h)
         self._plan_ahead(layer, counts_h, predicted_h)
-        order, ys, cpu_rows = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
+        order, ys, cpu_rows, tables = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
         x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
         self._count(layer, plan, counts_h, flat.numel())  # (before parts fill free slots)
-        begin, offsets = 0, self._offsets(parts, counts_h)
-        for fill, offs in zip(parts, offsets, strict=True):
-            begin = self._run_part(fill, counts_h, ys, begin, offs)
+        begin = 0
+        for fill, part_tables in zip(parts, tables, strict=True):
+            begin = self._run_part(fill, counts_h, ys, begin, part_tables)
         if plan.cpu:
             self._run_cpu(layer, plan, counts_h, x_cpu, ys, cpu_rows)
         out = unsort(ys.out, order, top_k).sum(1)
@@ -326,22 +329,8 @@ class PrefillStreamer:
             self.overheads[self.bucket] *= OVERHEAD_DECAY
         return choice, ()
 
-    def _offsets(self, parts: list[Fill], counts: list[int]) -> list[torch.Tensor]:
-        """Each part's grouped-GEMM offsets (the cumulative rows of its experts), on the device
-        in one copy."""
-        flat: list[int] = []
-        for fill in parts:
-            total = 0
-            for expert in fill.experts:
-                total += counts[expert]
-                flat.append(total)
-        offs = torch.tensor(flat, dtype=torch.int32)
-        if self.on_cuda:
-            offs = offs.pin_memory().to(self.device, non_blocking=True)
-        return list(offs.split([len(fill.experts) for fill in parts]))
-
     def _run_part(
-        self, fill: Fill, counts: list[int], ys: Sorted, begin: int, offs: torch.Tensor
+        self, fill: Fill, counts: list[int], ys: Sorted, begin: int, tables: PartTables
     ) -> int:
         """Wait for the part's copies, bring its hits in from their slots, run it; returns the
         sorted row after its rows."""
@@ -353,7 +342,7 @@ class PrefillStreamer:
         self._admit_free(fill, buf)
         end = begin + sum(rows)
         if end > begin:
-            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows, offs, fill)
+            self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows, tables, fill)
         self.ring.release(fill)
         return end
 
@@ -392,23 +381,22 @@ class PrefillStreamer:
             cache.slot_rows[slot].copy_(buf[pos])
             self.totals.admitted += 1
 
-    def _grouped_ffn(self, weights, ys: Sorted, begin: int, end: int, rows, offs, fill) -> None:
+    def _grouped_ffn(self, weights, ys: Sorted, begin: int, end: int, rows, tables, fill) -> None:
         """The part's experts over sorted rows [begin, end): gate/up (+ biases), the
         activation scaled by the routing weights, down (+ biases, scaled) (one grouped GEMM
         each, or a loop where torch has none)."""
         s, x = self.store, ys.x_sorted[begin:end]
+        biases = part_biases(s, fill.layer, fill.experts, x.device, tables.experts)
         if s.packed:
             scale = ys.scale[begin:end].unsqueeze(1)
-            biases = part_biases(s, fill.layer, fill.experts, x.device)
-            ys.out[begin:end] = part_ffn(s, weights, rows, x, scale, biases)
+            ys.out[begin:end] = part_ffn(s, weights, rows, x, scale, biases, tables)
             return
         gate_up = weights[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = weights[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
         scale = ys.scale[begin:end].unsqueeze(1)
-        biases = part_biases(s, fill.layer, fill.experts, x.device)
         if self._grouped is not None:
             try:
-                parts = (self._grouped, x, gate_up, down, offs, scale, s.act, biases)
+                parts = (self._grouped, x, gate_up, down, tables.offsets, scale, s.act, biases)
                 ys.out[begin:end] = grouped_ffn(*parts)
                 return
             except RuntimeError:  # (a dtype or layout this torch build's kernel lacks)
@@ -419,7 +407,8 @@ class PrefillStreamer:
 
     def _sorted(self, x, flat, weights, parts, plan, counts, top_k):
         """Pairs sorted by their expert's position (the parts' experts in order, then the CPU
-        experts): the sort order, the sorted inputs and output buffer, the CPU rows' range."""
+        experts): the sort order, the sorted inputs and output buffer, the CPU rows' range, the
+        parts' tables (`uploads.layer_tables`: one transfer for the layer)."""
         num = self.store.num_experts
         position = [num] * num  # (experts without tokens sort nowhere: they have no pairs)
         at = 0
@@ -430,15 +419,15 @@ class PrefillStreamer:
         for expert in cpu_order(plan.cpu, counts):
             position[expert] = at
             at += 1
-        pos = torch.tensor(position, dtype=torch.long)
-        pos = pos.pin_memory().to(x.device, non_blocking=True) if self.on_cuda else pos
+        block_m = grouped_tile(x.dtype)[0] if self.store.packed and self.on_cuda else None
+        pos, tables = layer_tables(self.uploads, position, parts, counts, block_m)
         order = torch.argsort(pos[flat], stable=True)
         x_sorted = x.index_select(0, order // top_k)
         scale = weights.reshape(-1).index_select(0, order).to(x.dtype)
         cpu_pairs = sum(counts[e] for e in plan.cpu)
         total = flat.numel()
         ys = Sorted(x_sorted, scale, torch.empty_like(x_sorted))
-        return order, ys, (total - cpu_pairs, total)
+        return order, ys, (total - cpu_pairs, total), tables
 
     def _cpu_inputs(self, ys: Sorted, rows: tuple[int, int]):
         """The CPU rows' hidden states and routing weights, on their way to the host (queued
@@ -465,7 +454,7 @@ class PrefillStreamer:
         with torch.inference_mode():
             run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
         seconds = time.perf_counter() - t0
-        ys.out[rows[0] : rows[1]] = out.to(self.device, non_blocking=True)
+        self.uploads.from_host(out, ys.out[rows[0] : rows[1]])
         self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
 
     def _observe_cpu(self, num_experts: int, pairs: int, seconds: float) -> None:

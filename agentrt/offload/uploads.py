@@ -1,0 +1,134 @@
+"""The small host->device transfers of offloaded prefill, kept out of the copy engines' queue: a
+layer's index tables (the pairs' sort positions, each part's grouped-GEMM offsets, rows per
+expert, expert ids and MXFP4 tiles) and the CPU experts' outputs.
+
+A `cudaMemcpyAsync` from pinned memory runs on a copy engine, and the engines run host->device
+copies in the order they were queued, whatever their stream: a table of a few hundred bytes
+queued after the next parts' expert copies (tens of MB each) waits for them, and the compute
+that needs it waits too (an H100's timeline of a gpt-oss-120b chunk: copies and compute busy
+together a quarter of the time, the compute idle behind each part's copies). Here the GPU's
+cores read the pinned buffer instead (`host_read`), so the transfer runs when the compute
+stream reaches it. Where that cannot run (no Triton, or a first launch fails) the copy engines
+are used, as before.
+
+Owns: the pinned sources until the kernels reading them have run; the layer's tables.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from agentrt.offload.mxfp4_rows import tile_table
+from agentrt.offload.ring import Fill
+
+
+class Uploads:
+    """Host->device transfers through the GPU's cores (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.direct = self.on_cuda and _host_read() is not None
+        self._held: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+
+    def tables(self, *lists: list[int]) -> list[torch.Tensor]:
+        """`lists` as int64 tensors on the device, from one transfer."""
+        sizes = [len(values) for values in lists]
+        flat = [v for values in lists for v in values]
+        host = torch.tensor(flat, dtype=torch.int64, pin_memory=self.on_cuda)
+        if not self.on_cuda:
+            return list(host.split(sizes))
+        return list(self.from_host(host).split(sizes))
+
+    def from_host(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A pinned, contiguous `src` into `out` (default: a new device tensor), queued on the
+        current stream."""
+        if out is None:
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        if self.direct and src.numel():
+            try:
+                self._read(src, out)
+                return out
+            except Exception as exc:  # (a Triton or driver that cannot read pinned memory)
+                self.direct = False
+                _warn(exc)
+        out.copy_(src, non_blocking=True)
+        return out
+
+    def _read(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        nbytes = src.numel() * src.element_size()
+        if not (src.is_pinned() and src.is_contiguous() and out.is_contiguous()) or nbytes % 4:
+            out.copy_(src, non_blocking=True)
+            return
+        words = nbytes // 4
+        _host_read().launch(src.view(-1).view(torch.int32), out.view(-1).view(torch.int32), words)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._held.append((event, src))  # (its memory is read until the kernel has run)
+        while self._held and self._held[0][0].query():
+            self._held.popleft()
+
+
+@dataclass(frozen=True)
+class PartTables:
+    """One part's tables on the device: its grouped-GEMM offsets (cumulative rows, int32), rows
+    per expert, expert ids (its biases), and MXFP4 tiles `[3, n]` (packed stores; else None)."""
+
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    experts: torch.Tensor
+    tiles: torch.Tensor | None
+
+
+def layer_tables(
+    uploads: Uploads,
+    position: list[int],
+    parts: list[Fill],
+    counts: list[int],
+    block_m: int | None,
+) -> tuple[torch.Tensor, list[PartTables]]:
+    """The layer's sort positions (per expert) and each part's tables, from one transfer
+    (`block_m`: the MXFP4 grouped kernel's tokens per tile; None: no tiles)."""
+    lists: list[list[int]] = [position]
+    for fill in parts:
+        rows = [counts[e] for e in fill.experts]
+        offsets, total = [], 0
+        for r in rows:
+            total += r
+            offsets.append(total)
+        tiles = tile_table(list(range(len(rows))), rows, block_m) if block_m else []
+        lists += [offsets, rows, list(fill.experts), tiles]
+    pos, *rest = uploads.tables(*lists)
+    out = []
+    for i in range(len(parts)):
+        offsets, rows, experts, tiles = rest[4 * i : 4 * i + 4]
+        grid = tiles.view(3, -1) if block_m else None
+        out.append(PartTables(offsets.to(torch.int32), rows, experts, grid))
+    return pos, out
+
+
+_KERNEL: list = []
+
+
+def _host_read():
+    """The `host_read` module, or None without Triton."""
+    if not _KERNEL:
+        try:
+            from agentrt.offload import host_read
+        except Exception:  # (no Triton: a CPU-only torch)
+            host_read = None
+        _KERNEL.append(host_read)
+    return _KERNEL[0]
+
+
+def _warn(exc: Exception) -> None:
+    import sys
+
+    print(
+        f"agentrt: small prefill transfers go through the copy engines "
+        f"(the GPU cannot read pinned memory here: {str(exc).splitlines()[0][:200]})",
+        file=sys.stderr,
+    )
