@@ -281,3 +281,14 @@ def test_both_apis_render_a_conversation_to_the_same_tokens():
     req = anthropic_schema.decode(json.dumps(body).encode())
     via_messages = rt.prepare(*anthropic_schema.to_plain(req)).prompt_ids
     assert via_messages == rt.prepare(chat_with_call("toolu_1"), TOOLS).prompt_ids
+
+
+def test_count_tokens_counts_a_conversation_longer_than_the_context(server, client):
+    """count_tokens answers for a conversation past the model's context (a client counts to
+    decide when to compact it), while a message for it is refused as too long."""
+    context = server.chat.runtime.engine.max_context
+    long = [{"role": "user", "content": "!?" * (context // 2 + 1000)}]  # (a token per byte)
+    counted = client.messages.count_tokens(model="tiny", messages=long)
+    assert counted.input_tokens > context
+    with pytest.raises(anthropic.BadRequestError, match="context"):
+        client.messages.create(model="tiny", max_tokens=2, messages=long)

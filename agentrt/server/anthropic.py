@@ -9,6 +9,7 @@ import json
 import random
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -230,7 +231,8 @@ async def count_tokens(server, request: Request) -> Response:
         return error(401, "invalid or missing API key")
     try:
         req = requests.decode(await server._body(request), requests.CountRequest)
-        prepared = await asyncio.to_thread(server.runtime.prepare, *requests.to_plain(req))
+        count = partial(server.runtime.prepare, check_fits=False)  # (a client counts to compact)
+        prepared = await asyncio.to_thread(count, *requests.to_plain(req))
     except BadRequest as exc:
         return error(exc.status, exc.message)
     except AgentrtError as exc:

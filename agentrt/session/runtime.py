@@ -34,7 +34,6 @@ from agentrt.session.chat import (
 )
 from agentrt.session.harmony import HarmonyParser, harmony_forced, is_harmony, template_messages
 from agentrt.session.options import (
-    CACHE_MODES,
     RuntimeConfig,
     cache_config,
     check_cache,
@@ -89,10 +88,7 @@ class Runtime:
     def set_cache(self, mode: str, state_cache: StateCacheConfig | None = None) -> None:
         """Switch the reuse mode (closing the previous state cache); the live state is emptied
         (its buffers, and the CUDA graphs captured on them, are kept)."""
-        if mode not in CACHE_MODES:
-            raise InvalidArgumentError(
-                f"cache must be one of {', '.join(CACHE_MODES)}, got {mode!r}"
-            )
+        check_cache(mode)
         self.reuse.close()
         if self._state is not None:
             self._state.reset()
@@ -238,13 +234,15 @@ class Runtime:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         reasoning_effort: str | None = None,
+        *,
+        check_fits: bool = True,
     ) -> PreparedChat:
-        """Validate, render and tokenize a chat request (checks it fits the context); no model work.
-
-        `tool_choice`: "auto" (default), "none" (tool-call markup is returned as content),
-        "required" or {"type": "function", "function": {"name": N}} (the reply is started as a
-        tool call, for that tool when named). `reasoning_effort`: low, medium or high, for chat
-        templates that take it (gpt-oss's; others ignore it); default the runtime's."""
+        """Validate, render and tokenize a chat request (checks it fits the context unless
+        `check_fits` is False: counting only); no model work. `tool_choice`: "auto" (default),
+        "none" (tool-call markup is returned as content), "required" or {"type": "function",
+        "function": {"name": N}} (the reply is started as a tool call, for that tool when named).
+        `reasoning_effort`: low, medium or high, for chat templates that take it (gpt-oss's;
+        others ignore it); default the runtime's."""
         started = time.perf_counter()
         tok = self._require_tokenizer()
         msgs = normalize_messages(messages)
@@ -255,7 +253,8 @@ class Runtime:
         prompt = render(tok, msgs, tools, today=self.today, reasoning_effort=effort)
         forced = harmony_forced(tool_choice) if self.harmony else forced_tool_text(tok, tool_choice)
         prompt_ids = self.generated.encode(prompt + forced)
-        self.engine.check_fits(len(prompt_ids))
+        if check_fits:
+            self.engine.check_fits(len(prompt_ids))
         if self.harmony:  # (the parser reads the channels; nothing opens in reasoning)
             return PreparedChat(prompt_ids, False, tools, tool_choice, forced, started, True)
         reasoning = opens_in_reasoning(generation_suffix(tok, msgs, tools, prompt)) and not forced
