@@ -57,6 +57,7 @@ from agentrt.offload.slots import ExpertCache
 from agentrt.offload.split import Bandwidths, q_star
 from agentrt.offload.stats import Totals
 from agentrt.offload.store import ExpertStore
+from agentrt.offload.uploads import Uploads
 
 PREFILL_PAIRS = 64  # above this many (token, expert) pairs a step is treated as prefill
 # with measured bandwidths, every PROBE_EVERY-th decision that would send no miss to the CPU
@@ -116,6 +117,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}
+        self.uploads = Uploads(self.device)  # (a captured step's small host->device transfers)
         self._copy_timing: tuple | None = None  # (start event, end event, bytes) of the last copies
         self._events = _EventRing() if self.on_cuda else None
         # follow measured bandwidths (auto mode, on a GPU where both sides are measured; CPU-only
@@ -140,6 +142,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             routers=self.routers,
             cpu_kernel=self.cpu_kernel or self.packed_cpu,
             calls=self.fast,
+            uploads=self.uploads,
         )
 
     def buffers_key(self) -> tuple[int, ...]:

@@ -8,7 +8,9 @@ import triton.language as tl
 BLOCK = 1024  # words per program
 
 
-@triton.jit(do_not_specialize=["n"])
+# (no specialisation: one compiled variant for every alignment and length, loaded at start-up,
+# never inside a CUDA-graph capture)
+@triton.jit(do_not_specialize=["src_ptr", "dst_ptr", "n"])
 def copy_words(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """`dst[:n] = src[:n]` (32-bit words)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -25,11 +25,12 @@ class CapturedDecode:
         if self.routers is not None and layer in self.next_layer:
             io.pred_h.copy_(self._predict(layer, x, io.pred_h.numel()), non_blocking=True)
         self.recorder.cut(lambda _pos: self._host_step(layer, io))
-        io.cpu_d.copy_(io.cpu_h, non_blocking=True)
+        # (read by the GPU's cores: copies would queue behind the next layer's prefetches)
+        self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
         if layer in self.cpu_layers:
             return io.cpu_d.to(x.dtype).unsqueeze(0)
-        io.slot_d.copy_(io.slot_h, non_blocking=True)
-        io.gw_d.copy_(io.gw_h, non_blocking=True)
+        self.uploads.from_host(io.slot_h, io.slot_d, hold=False)
+        self.uploads.from_host(io.gw_h, io.gw_d, hold=False)
         s = self.store
         if s.packed:
             ys = token_experts(s, layer, self.cache.slots, io.slot_d, x, ids[0])

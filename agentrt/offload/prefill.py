@@ -73,6 +73,7 @@ class PrefillStreamer:
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel=None,
         calls: CudaCalls | None = None,
+        uploads: Uploads | None = None,
     ) -> None:
         self.store, self.cache, self.bw = store, cache, bandwidths
         self.split, self.plan, self.adaptive = split, plan, adaptive
@@ -81,7 +82,7 @@ class PrefillStreamer:
         self.copy_stream = copy_stream
         self.ring = StagingRing(store, staging_bytes, self.device, copy_stream, calls)
         self.calls = self.ring.calls  # raw CUDA copies (`copies.CudaCalls`), or None: torch's
-        self.uploads = Uploads(self.device)  # (small transfers, not behind the expert copies)
+        self.uploads = uploads or Uploads(self.device)  # (small transfers: not behind copies)
         self._stream = 0  # the current stream's handle, taken once per layer (with `calls`)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))

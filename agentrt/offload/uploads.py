@@ -1,6 +1,7 @@
-"""The small host->device transfers of offloaded prefill, kept out of the copy engines' queue: a
-layer's index tables (the pairs' sort positions, each part's grouped-GEMM offsets, rows per
-expert, expert ids and MXFP4 tiles) and the CPU experts' outputs.
+"""The small host->device transfers of offloaded experts, kept out of the copy engines' queue: a
+prefill layer's index tables (the pairs' sort positions, each part's grouped-GEMM offsets, rows
+per expert, expert ids and MXFP4 tiles) and its CPU experts' outputs, and in captured decode a
+layer's slots, weights and CPU experts' sum (queued behind the next layer's prefetches else).
 
 A `cudaMemcpyAsync` from pinned memory runs on a copy engine, and the engines run host->device
 copies in the order they were queued, whatever their stream: a table of a few hundred bytes
@@ -33,6 +34,11 @@ class Uploads:
         self.on_cuda = device.type == "cuda"
         self.direct = self.on_cuda and _host_read() is not None
         self._held: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        if self.direct:  # (compiled and loaded now: a first launch may not run in a capture)
+            probe = torch.arange(4, dtype=torch.int32, pin_memory=True)
+            if not torch.equal(self.from_host(probe, hold=False).cpu(), probe):
+                self.direct = False
+                _warn(RuntimeError("a test transfer read wrong values"))
 
     def tables(self, *lists: list[int]) -> list[torch.Tensor]:
         """`lists` as int64 tensors on the device, from one transfer."""
@@ -43,14 +49,17 @@ class Uploads:
             return list(host.split(sizes))
         return list(self.from_host(host).split(sizes))
 
-    def from_host(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def from_host(
+        self, src: torch.Tensor, out: torch.Tensor | None = None, hold: bool = True
+    ) -> torch.Tensor:
         """A pinned, contiguous `src` into `out` (default: a new device tensor), queued on the
-        current stream."""
+        current stream (`hold`: keep `src` until the read has run; False for buffers that live
+        as long as the engine, as inside a CUDA-graph capture, where no event may be queried)."""
         if out is None:
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
         if self.direct and src.numel():
             try:
-                self._read(src, out)
+                self._read(src, out, hold)
                 return out
             except Exception as exc:  # (a Triton or driver that cannot read pinned memory)
                 self.direct = False
@@ -58,13 +67,15 @@ class Uploads:
         out.copy_(src, non_blocking=True)
         return out
 
-    def _read(self, src: torch.Tensor, out: torch.Tensor) -> None:
+    def _read(self, src: torch.Tensor, out: torch.Tensor, hold: bool) -> None:
         nbytes = src.numel() * src.element_size()
         if not (src.is_pinned() and src.is_contiguous() and out.is_contiguous()) or nbytes % 4:
             out.copy_(src, non_blocking=True)
             return
         words = nbytes // 4
         _host_read().launch(src.view(-1).view(torch.int32), out.view(-1).view(torch.int32), words)
+        if not hold:
+            return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._held.append((event, src))  # (its memory is read until the kernel has run)
