@@ -238,6 +238,7 @@ def test_bench_prefill_times_each_plan_with_each_staging_ring():
 
     from agentrt.bench.prefill import offload_prefill
     from agentrt.cli.main import main
+    from agentrt.errors import InvalidArgumentError
 
     report = offload_prefill(
         "tiny", "cpu", None, None, ["auto", "stream"], [32], [], 0, 32, repeat=1, slots=10,
@@ -248,6 +249,8 @@ def test_bench_prefill_times_each_plan_with_each_staging_ring():
     assert runs[1]["staging_gib"] == pytest.approx(2 * runs[0]["staging_gib"])
     assert runs[3]["staging_gib"] == runs[1]["staging_gib"] > 0
     assert {"cold32_auto@0.5_vs_best_fixed", "cold32_auto@1_vs_best_fixed"} <= set(report["ratios"])
+    with pytest.raises(InvalidArgumentError, match="holds no expert"):  # (before any build)
+        offload_prefill("tiny", "cpu", None, None, ["auto"], [32], [], 0, 32, stagings=[1, 0.01])
     args = ["bench", "prefill", "--offload", "auto", "--expert-cache-slots", "8", "--staging"]
     for bad in ("0", "1,-2", "x", "nan"):
         result = CliRunner().invoke(main, [*args, bad])
@@ -274,6 +277,8 @@ def test_layer_tables_hold_each_parts_offsets_rows_experts_and_tiles():
     assert first.tiles.tolist() == [[0, 2, 2, 2], [0, 5, 69, 133], [5, 135, 135, 135]]
     assert tables[1].counts.tolist() == [2, 0] and tables[1].offsets.tolist() == [2, 2]
     assert tables[2].experts.tolist() == [5] and tables[2].tiles.tolist() == [[0], [0], [1]]
+    views = [pos] + [t for part in tables for t in (part.counts, part.experts, part.tiles)]
+    assert all(v.storage_offset() % 2 == 0 for v in views)  # (16-byte aligned int64 starts)
     _, untiled = layer_tables(Uploads(torch.device("cpu")), position, parts, counts, None)
     assert all(t.tiles is None for t in untiled)
 

@@ -66,9 +66,12 @@ def offload_prefill(
 
     dtype = dtype or EngineConfig.default_dtype(device)
     longest = max([*lengths, prefix_len + max(suffixes, default=0)])
-    context = config_of(spec).max_position_embeddings
+    context, experts = config_of(spec).max_position_embeddings, config_of(spec).num_experts
     if longest >= context:  # (before minutes of building the model)
         raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
+    for size in stagings or []:
+        if round(size * experts) < 1:
+            raise InvalidArgumentError(f"a staging ring of {size:g} layers holds no expert")
     model, store, cfg = load_offloadable(spec, device, dtype, seed, packed)
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
     kernel = cpu_kernel_for(cpu_kernel, store)
@@ -163,8 +166,6 @@ def offload_prefill_options(spec, device, dtype, seed, lengths, chunk, repeat, o
 
 def _staging_bytes(store, layers: float) -> int:
     """A staging ring of `layers` layers of experts (at least two parts: `offload.ring`)."""
-    if layers <= 0:
-        raise InvalidArgumentError(f"a staging ring holds more than 0 layers, got {layers:g}")
     return round(layers * store.num_experts) * store.expert_bytes
 
 

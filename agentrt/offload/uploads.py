@@ -33,7 +33,7 @@ class Uploads:
         self.device = device
         self.on_cuda = device.type == "cuda"
         self.direct = self.on_cuda and _host_read() is not None
-        self._held: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._held: deque[list] = deque()  # [event after the read, its pinned source]
         if self.direct:  # (compiled and loaded now: a first launch may not run in a capture)
             probe = torch.arange(4, dtype=torch.int32, pin_memory=True)
             if not torch.equal(self.from_host(probe, hold=False).cpu(), probe):
@@ -41,13 +41,19 @@ class Uploads:
                 _warn(RuntimeError("a test transfer read wrong values"))
 
     def tables(self, *lists: list[int]) -> list[torch.Tensor]:
-        """`lists` as int64 tensors on the device, from one transfer."""
-        sizes = [len(values) for values in lists]
-        flat = [v for values in lists for v in values]
+        """`lists` as int64 tensors on the device, from one transfer (each starts 16-byte
+        aligned, so the kernels reading them compile one variant whatever the layout)."""
+        flat: list[int] = []
+        starts = []
+        for values in lists:
+            starts.append(len(flat))
+            flat += values
+            flat += [0] * (len(flat) % 2)
         host = torch.tensor(flat, dtype=torch.int64, pin_memory=self.on_cuda)
-        if not self.on_cuda:
-            return list(host.split(sizes))
-        return list(self.from_host(host).split(sizes))
+        dev = self.from_host(host) if self.on_cuda else host
+        return [
+            dev[start : start + len(values)] for start, values in zip(starts, lists, strict=True)
+        ]
 
     def from_host(
         self, src: torch.Tensor, out: torch.Tensor | None = None, hold: bool = True
@@ -57,30 +63,37 @@ class Uploads:
         as long as the engine, as inside a CUDA-graph capture, where no event may be queried)."""
         if out is None:
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-        if self.direct and src.numel():
-            try:
-                self._read(src, out, hold)
-                return out
-            except Exception as exc:  # (a Triton or driver that cannot read pinned memory)
-                self.direct = False
-                _warn(exc)
-        out.copy_(src, non_blocking=True)
+        nbytes = src.numel() * src.element_size()
+        readable = src.is_pinned() and src.is_contiguous() and out.is_contiguous()
+        if not (
+            self.direct and nbytes and readable and nbytes % 4 == 0 and self._read(src, out, hold)
+        ):
+            out.copy_(src, non_blocking=True)
         return out
 
-    def _read(self, src: torch.Tensor, out: torch.Tensor, hold: bool) -> None:
-        nbytes = src.numel() * src.element_size()
-        if not (src.is_pinned() and src.is_contiguous() and out.is_contiguous()) or nbytes % 4:
-            out.copy_(src, non_blocking=True)
-            return
-        words = nbytes // 4
-        _host_read().launch(src.view(-1).view(torch.int32), out.view(-1).view(torch.int32), words)
-        if not hold:
-            return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._held.append((event, src))  # (its memory is read until the kernel has run)
-        while self._held and self._held[0][0].query():
+    def _read(self, src: torch.Tensor, out: torch.Tensor, hold: bool) -> bool:
+        """The kernel's read of `src` into `out`; False where it could not be queued (then the
+        copy engines are used from now on)."""
+        entry: list = [None, src]
+        if hold:  # (its memory is read until the kernel has run: held before the launch)
+            self._held.append(entry)
+        try:
+            with torch.cuda.device(self.device):  # (Triton launches on the current device)
+                words = src.numel() * src.element_size() // 4
+                _host_read().launch(
+                    src.view(-1).view(torch.int32), out.view(-1).view(torch.int32), words
+                )
+        except Exception as exc:  # (a Triton or driver that cannot read pinned memory)
+            self.direct = False
+            _warn(exc)
+            return False
+        finally:
+            if hold:
+                entry[0] = torch.cuda.Event()
+                entry[0].record(torch.cuda.current_stream(self.device))
+        while self._held and self._held[0][0] is not None and self._held[0][0].query():
             self._held.popleft()
+        return True
 
 
 @dataclass(frozen=True)
