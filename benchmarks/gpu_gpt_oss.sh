@@ -7,7 +7,8 @@
 # expert resident, the bound's t_gpu; 61 GB of device memory for the 120b). Copy
 # ../shared/data/tokenizers/gpt-oss into .tok/ first (with the Qwen3 tokenizer beside it the
 # carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, kernel (the packed CPU
-# kernel on its own: bench_cpu_mxfp4.py), decode, prefill, ttft.
+# kernel on its own: bench_cpu_mxfp4.py), decode, prefill, timeline (profile_prefill_timeline.py),
+# ttft.
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -39,6 +40,12 @@ if has prefill; then
     --prefill-plan "${PLANS:-auto,stream}" ${PREFILL_ARGS:-} --json "$OUT/prefill.json" \
     > "$OUT/prefill.log" 2>&1
   grep -A20 "^plan " "$OUT/prefill.log" || tail -20 "$OUT/prefill.log"
+fi
+if has timeline; then  # one 8K chunk's device timeline (copies and compute overlapping or not)
+  timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/profile_prefill_timeline.py "$M" 8192 auto \
+    16GiB "$F" > "$OUT/timeline.json" 2> "$OUT/timeline.err"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); r.pop('plans'); \
+r.pop('top_kernels_ms'); print(json.dumps(r))" "$OUT/timeline.json" || tail -5 "$OUT/timeline.err"
 fi
 if has ttft; then
   MODEL=$M TOK=$TOK TEMPLATE=$TOK/chat_template.jinja VARIANTS=dropped PREFILL_CHUNK=8192 \

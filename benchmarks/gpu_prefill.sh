@@ -2,7 +2,8 @@
 # Offloaded prefill on the GPU machine: the prefill GPU tests, then `agentrt bench prefill
 # --offload auto` with the qwen3.5-35b-a3b-shaped synthetic model under a 16 GiB budget, and
 # (STEPS=...,ttft) the TTFT replay of the reasoning-dropped sample traces under the same budget,
-# (long) a 64K-token prompt, (decode) offloaded decode after a 512- and a 32K-token prefill.
+# (long) a 64K-token prompt, (decode) offloaded decode after a 512- and a 32K-token prefill,
+# (timeline) one 8K chunk's device timeline (benchmarks/profile_prefill_timeline.py).
 # Carry .whl .tok .traces-dev (benchmarks/gpu_ttft.sh prepare) and .triton-cache.tgz if present.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,6 +23,13 @@ if has prefill; then
     --prefill-plan "${PLANS:-auto,stream,routed,predicted}" ${PREFILL_ARGS:-} \
     --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
   grep -A40 "^plan " "$OUT/prefill.log" || tail -30 "$OUT/prefill.log"
+fi
+if has timeline; then  # one 8K chunk's device timeline (copies and compute overlapping or not)
+  timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/profile_prefill_timeline.py \
+    synthetic:qwen3.5-35b-a3b 8192 "${TIMELINE_PLAN:-auto}" 16GiB model \
+    > "$OUT/timeline.json" 2> "$OUT/timeline.err"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); r.pop('plans'); \
+r.pop('top_kernels_ms'); print(json.dumps(r))" "$OUT/timeline.json" || tail -5 "$OUT/timeline.err"
 fi
 if has ttft; then
   VARIANTS=dropped NAME=ttft_offload PREFILL_CHUNK=8192 TTFT_ARGS="--vram-budget 16GiB ${TTFT_ARGS:-}" \
