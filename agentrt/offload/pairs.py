@@ -53,16 +53,12 @@ def grouped_ffn(grouped, x, gate_up, down, offs, scale, act=PLAIN, biases=None):
     return grouped(hidden, down.transpose(1, 2), offs=offs) + down_bias * scale
 
 
-def part_biases(store, layer: int, experts: list[int], device, index=None):
-    """The biases of `experts` of `layer` in that order, on `device` (None: no biases; `index`:
-    the experts on the device already)."""
-    both = store.biases(layer, device)
+def part_biases(store, layer: int, index: torch.Tensor):
+    """The biases of the experts `index` (on the device) of `layer`, in that order (None: no
+    biases)."""
+    both = store.biases(layer, index.device)
     if both is None:
         return None
-    if index is None:
-        index = torch.tensor(experts)
-        if torch.device(device).type == "cuda":  # (from pinned memory: the copy does not block)
-            index = index.pin_memory().to(device, non_blocking=True)
     return both[0].index_select(0, index), both[1].index_select(0, index)
 
 

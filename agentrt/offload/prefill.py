@@ -73,7 +73,7 @@ class PrefillStreamer:
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel=None,
         calls: CudaCalls | None = None,
-        uploads: Uploads | None = None,
+        uploads: Uploads,
     ) -> None:
         self.store, self.cache, self.bw = store, cache, bandwidths
         self.split, self.plan, self.adaptive = split, plan, adaptive
@@ -82,7 +82,7 @@ class PrefillStreamer:
         self.copy_stream = copy_stream
         self.ring = StagingRing(store, staging_bytes, self.device, copy_stream, calls)
         self.calls = self.ring.calls  # raw CUDA copies (`copies.CudaCalls`), or None: torch's
-        self.uploads = uploads or Uploads(self.device)  # (small transfers: not behind copies)
+        self.uploads = uploads  # (small transfers, not queued behind the expert copies)
         self._stream = 0  # the current stream's handle, taken once per layer (with `calls`)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
@@ -387,7 +387,7 @@ class PrefillStreamer:
         activation scaled by the routing weights, down (+ biases, scaled) (one grouped GEMM
         each, or a loop where torch has none)."""
         s, x = self.store, ys.x_sorted[begin:end]
-        biases = part_biases(s, fill.layer, fill.experts, x.device, tables.experts)
+        biases = part_biases(s, fill.layer, tables.experts)
         if s.packed:
             scale = ys.scale[begin:end].unsqueeze(1)
             ys.out[begin:end] = part_ffn(s, weights, rows, x, scale, biases, tables)

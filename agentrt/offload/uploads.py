@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -119,10 +120,7 @@ def layer_tables(
     lists: list[list[int]] = [position]
     for fill in parts:
         rows = [counts[e] for e in fill.experts]
-        offsets, total = [], 0
-        for r in rows:
-            total += r
-            offsets.append(total)
+        offsets = list(accumulate(rows))
         tiles = tile_table(list(range(len(rows))), rows, block_m) if block_m else []
         lists += [offsets, rows, list(fill.experts), tiles]
     pos, *rest = uploads.tables(*lists)
@@ -152,7 +150,7 @@ def _warn(exc: Exception) -> None:
     import sys
 
     print(
-        f"agentrt: small prefill transfers go through the copy engines "
+        f"agentrt: small host->device transfers of offloaded experts go through the copy engines "
         f"(the GPU cannot read pinned memory here: {str(exc).splitlines()[0][:200]})",
         file=sys.stderr,
     )
