@@ -10,7 +10,7 @@ that needs it waits too (an H100's timeline of a gpt-oss-120b chunk: copies and 
 together a quarter of the time, the compute idle behind each part's copies). Here the GPU's
 cores read the pinned buffer instead (`host_read`), so the transfer runs when the compute
 stream reaches it. Where that cannot run (no Triton, or a first launch fails) the copy engines
-are used, as before.
+are used, as before; `AGENTRT_HOST_READ=0` asks for them (to compare the two).
 
 Owns: the pinned sources until the kernels reading them have run; the layer's tables.
 """
@@ -23,6 +23,7 @@ from itertools import accumulate
 
 import torch
 
+from agentrt.env import switched_off
 from agentrt.offload.mxfp4_rows import tile_table
 from agentrt.offload.ring import Fill
 
@@ -33,7 +34,7 @@ class Uploads:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.on_cuda = device.type == "cuda"
-        self.direct = self.on_cuda and _host_read() is not None
+        self.direct = self.on_cuda and not switched_off("HOST_READ") and _host_read() is not None
         self._held: deque[list] = deque()  # [event after the read, its pinned source]
         if self.direct:  # (compiled and loaded now: a first launch may not run in a capture)
             probe = torch.arange(4, dtype=torch.int32, pin_memory=True)
