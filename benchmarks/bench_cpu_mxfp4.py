@@ -2,7 +2,10 @@
 intermediate 2880, biases, clamped SwiGLU; 12.6 MiB per expert): agentrt's native kernel
 (`agentrt/offload/cpu_mxfp4.py`) against dequantize-then-torch (what runs without it), cycling
 through 16 experts (202 MiB: beyond the caches), and prefill's rows call for 1, 4 and 16 rows of
-one expert. Prints JSON: ms per expert and GB/s of packed rows read per path, with the thread
+one expert. Also one expert posted to the pool after the pool has been idle for 0 to 50 ms
+(its threads spin `AGENTRT_POOL_SPIN_MS`, 20 by default, then sleep: what a sparse CPU share
+in decode pays to wake them), by the pool's own clock. Prints JSON: ms per expert and GB/s of
+packed rows read per path, with the thread
 count (`OMP_NUM_THREADS` sets the native kernel's; its pool, graph decode's, has one fewer),
 and the native kernel's largest difference from fp32 math on the dequantized weights (relative
 to the output's largest value).
@@ -50,6 +53,21 @@ def _rows_call(kernel, rows: int) -> float:
     return _time(lambda _i: kernel.run_rows(0, [0], counts, xs, scale, out), 8)
 
 
+def _after_idle(kernel, x: torch.Tensor, out: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per idle gap (ms before each call): the pool's seconds for one expert, median and
+    largest of 16 calls, in ms."""
+    report = {}
+    for gap_ms in (0, 5, 10, 20, 50):
+        took = []
+        for i in range(16):
+            time.sleep(gap_ms / 1e3)
+            kernel.start_experts(0, [i % EXPERTS], [1.0], x, out)
+            took.append(kernel.finish() * 1e3)
+        took.sort()
+        report[f"gap_{gap_ms}"] = {"median": round(took[8], 3), "max": round(took[-1], 3)}
+    return report
+
+
 def main() -> None:
     store = _store()
     kernel = mxfp4_kernel(store)
@@ -70,6 +88,7 @@ def main() -> None:
             "ms": round(s * 1e3, 2),
             "gb_s": round(store.expert_bytes / s / 1e9, 2),
         }
+        report["native_pool_after_idle_ms"] = _after_idle(kernel, x, out)
         for rows in (1, 4, 16):
             report[f"native_rows_{rows}"] = {"ms": round(_rows_call(kernel, rows) * 1e3, 2)}
     _, gate_up, down = store.expert_views(0)

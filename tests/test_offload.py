@@ -791,6 +791,32 @@ def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     assert proc.stdout.split() == ["ok"] * 4
 
 
+def test_native_kernel_pool_whose_threads_sleep_at_once_computes_the_same_bits(monkeypatch):
+    """With no spin (`AGENTRT_POOL_SPIN_MS=0`) every wait of the pool, its threads' and the
+    caller's, goes through the condition variable: the same bits as the OpenMP path, call
+    after call. The setting reads milliseconds; a bad value keeps the default, with a warning."""
+    import os
+    import subprocess
+    import sys
+
+    from agentrt.offload.cpu_kernel import SPIN_S, pool_spin_s
+
+    _native_or_skip()
+    env = {**os.environ, "AGENTRT_POOL_SPIN_MS": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", POOL_CHECK], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok"] * 3
+    monkeypatch.setenv("AGENTRT_POOL_SPIN_MS", "5")
+    assert pool_spin_s() == 0.005
+    for bad in ("-1", "soon", "1e9"):
+        monkeypatch.setenv("AGENTRT_POOL_SPIN_MS", bad)
+        assert pool_spin_s() == SPIN_S
+    monkeypatch.delenv("AGENTRT_POOL_SPIN_MS")
+    assert pool_spin_s() == SPIN_S
+
+
 def test_a_refill_keeps_the_ranking_a_later_resize_goes_by():
     """Experts a resize brought back (`refill`) rank as they did before it, so a second resize
     before decode touches them keeps the most valuable ones, with either policy; a rebuild

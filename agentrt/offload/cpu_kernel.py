@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.env import home_dir, switched_off, variable
+from agentrt.env import home_dir, setting, switched_off, variable
 from agentrt.errors import AgentrtError
 from agentrt.host.cputhreads import busy_helpers, usable_cores
 from agentrt.host.private import FILE_MODE, private_dir
@@ -73,12 +73,42 @@ _GUARDS: dict[int, _Guard] = {}  # library handle -> its guard
 _GUARDS_LOCK = threading.Lock()
 
 
+# How long the pool's idle threads (and a caller waiting for them) spin before they sleep. A
+# decode whose CPU share is sparse posts a call every few layers, 5-20 ms apart: with a 2 ms
+# spin each call found the pool asleep and paid for waking it (one expert after 20 ms idle:
+# +1.3-2.1 ms on one thread of the 2-core dev machine, none with 20 ms of spin; on an H100
+# host such calls read 2.2 GB/s against 30.7 for calls layer after layer). The pool only runs
+# decode's CPU experts, so its threads spin while a decode runs and sleep 20 ms after it.
+SPIN_S = 0.02
+
+
+def pool_spin_s() -> float:
+    """Seconds the pool's idle threads spin before they sleep: `AGENTRT_POOL_SPIN_MS`
+    (milliseconds, for comparisons), else `SPIN_S`."""
+    value = (setting("POOL_SPIN_MS") or "").strip()
+    if not value:
+        return SPIN_S
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= 10_000:
+        print(
+            f"agentrt: AGENTRT_POOL_SPIN_MS={value!r} is not a number of milliseconds from 0 "
+            f"to 10000; the CPU kernel's threads spin {SPIN_S * 1e3:g} ms",
+            file=sys.stderr,
+        )
+        return SPIN_S
+    return ms / 1e3
+
+
 class PoolCalls:
     """Calls posted to a native kernel's thread pool (`threadpool.c`), shared by the kernels:
     `_post` posts one under the library's lock (on `active_threads` of the pool) and keeps its
     arguments alive, `finish` waits for it and releases them. `pooled`: whether graph decode's
     host steps use the pool (4 or more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`:
-    one fewer than torch's (a core for the caller)."""
+    one fewer than torch's (a core for the caller). The pool's threads spin `pool_spin_s()`
+    after a call before they sleep."""
 
     def _init_pool(self, lib: ctypes.CDLL) -> None:
         """Bind the library's pool (`agentrt_pool_wait`, `agentrt_pool_schedule`; the kernel
@@ -87,6 +117,8 @@ class PoolCalls:
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
         self._schedule = lib.agentrt_pool_schedule
         self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
+        lib.agentrt_pool_spin.argtypes, lib.agentrt_pool_spin.restype = [ctypes.c_double], None
+        lib.agentrt_pool_spin(pool_spin_s())
         with _GUARDS_LOCK:
             self._guard = _GUARDS.setdefault(lib._handle, _Guard())
         threads = min(torch.get_num_threads(), usable_cores())

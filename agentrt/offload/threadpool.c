@@ -8,7 +8,7 @@
    up no one for the rest of a fixed share), and wait for each other between phases; a task
    may take fewer threads than the pool has (the caller leaves cores to other busy threads). Waits spin
    briefly (a host step is shorter than a sleep and wake-up), then sleep on a condition
-   variable. One task at a time (pool_start returns -2 otherwise, -1 where the threads cannot
+   variable (how long they spin: agentrt_pool_spin, 20 ms by default). One task at a time (pool_start returns -2 otherwise, -1 where the threads cannot
    be made). */
 #include <stdint.h>
 #include <immintrin.h>
@@ -36,6 +36,7 @@ static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed ou
 static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
 static double pool_started_at = 0.0, pool_seconds = 0.0;
 static unsigned pool_made_at = 0;  /* the generation when the threads were made */
+static double pool_spin_s = 0.02;  /* how long a wait spins before it sleeps */
 /* atomic: odd while pool_posted is being written (a seqlock): a thread that sits a task out
    is not waited for, so the next task may be posted while it still reads the last one */
 static unsigned pool_seq = 0;
@@ -46,12 +47,12 @@ static double pool_now(void) {
 static int pool_holds(unsigned* addr, unsigned value, int equal) {
     return (__atomic_load_n(addr, __ATOMIC_ACQUIRE) == value) == equal;
 }
-/* wait until (*addr == value) == equal: spin up to 2 ms, then sleep */
+/* wait until (*addr == value) == equal: spin up to pool_spin_s, then sleep */
 static void pool_await(unsigned* addr, unsigned value, int equal) {
     double t0 = pool_now();
     for (int i = 1; !pool_holds(addr, value, equal); i++) {
         _mm_pause();
-        if ((i & 1023) == 0 && pool_now() - t0 > 0.002) {
+        if ((i & 1023) == 0 && pool_now() - t0 > pool_spin_s) {
             pthread_mutex_lock(&pool_mu);
             while (!pool_holds(addr, value, equal)) pthread_cond_wait(&pool_cv, &pool_mu);
             pthread_mutex_unlock(&pool_mu);
@@ -184,3 +185,5 @@ static double pool_wait(void) {
    task and return its seconds; set the items per claim of later tasks (0: fixed shares) */
 double agentrt_pool_wait(void) { return pool_wait(); }
 void agentrt_pool_schedule(int chunk) { pool_chunk = chunk; }
+/* how long later waits spin before they sleep (seconds; waits already sleeping keep sleeping) */
+void agentrt_pool_spin(double seconds) { pool_spin_s = seconds; }
