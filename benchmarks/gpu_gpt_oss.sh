@@ -8,7 +8,8 @@
 # ../shared/data/tokenizers/gpt-oss into .tok/ first (with the Qwen3 tokenizer beside it the
 # carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, kernel (the packed CPU
 # kernel on its own: bench_cpu_mxfp4.py), decode, prefill, timeline (profile_prefill_timeline.py),
-# ttft.
+# ttft. Decode: OFFLOADS, TOKENS, REPEAT, and SPINS (e.g. 2,20: one invocation per spin of the
+# CPU kernel's pool, AGENTRT_POOL_SPIN_MS).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -26,12 +27,18 @@ if has kernel; then
   timeout 120 python3 benchmarks/bench_cpu_mxfp4.py > "$OUT/cpu_mxfp4.json" 2>&1
   tr -d ' \n' < "$OUT/cpu_mxfp4.json"; echo
 fi
-if has decode; then
-  timeout "${DECODE_TIMEOUT:-400}" python3 -m agentrt.cli bench decode --model "$M" --device cuda \
-    --vram-budget 16GiB --offload "${OFFLOADS:-none,auto,static,layer}" --tokenizer "$TOK" --expert-format "$F" \
-    --prompt-len 256 --tokens "${TOKENS:-32}" --repeat 1 --json "$OUT/decode.json" \
-    > "$OUT/decode.log" 2>&1
-  grep -v '^ \|^{\|^}' "$OUT/decode.log" | tail -16
+if has decode; then  # SPINS: one invocation per CPU-pool spin in ms (AGENTRT_POOL_SPIN_MS)
+  for SPIN in $(echo "${SPINS:-default}" | tr ',' ' '); do
+    NAME=decode; [ "$SPIN" = default ] || NAME=decode_spin$SPIN
+    [ "$SPIN" = default ] && unset AGENTRT_POOL_SPIN_MS || export AGENTRT_POOL_SPIN_MS=$SPIN
+    echo "== decode, pool spin $SPIN"
+    timeout "${DECODE_TIMEOUT:-400}" python3 -m agentrt.cli bench decode --model "$M" --device cuda \
+      --vram-budget 16GiB --offload "${OFFLOADS:-none,auto,static,layer}" --tokenizer "$TOK" \
+      --expert-format "$F" --prompt-len 256 --tokens "${TOKENS:-32}" --repeat "${REPEAT:-1}" \
+      --json "$OUT/$NAME.json" > "$OUT/$NAME.log" 2>&1
+    grep -v '^ \|^{\|^}' "$OUT/$NAME.log" | tail -16
+  done
+  unset AGENTRT_POOL_SPIN_MS
 fi
 if has prefill; then
   timeout "${PREFILL_TIMEOUT:-400}" python3 -m agentrt.cli bench prefill --offload auto \
