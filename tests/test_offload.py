@@ -794,7 +794,9 @@ def test_native_kernel_pool_computes_the_same_bits_as_its_openmp_path():
 def test_native_kernel_pool_whose_threads_sleep_at_once_computes_the_same_bits(monkeypatch):
     """With no spin (`AGENTRT_POOL_SPIN_MS=0`) every wait of the pool, its threads' and the
     caller's, goes through the condition variable: the same bits as the OpenMP path, call
-    after call. The setting reads milliseconds; a bad value keeps the default, with a warning."""
+    after call. `rest` (a prefill begins) sends the threads to sleep until the next posted call
+    makes them spin again. The setting reads milliseconds; a bad value keeps the default, with a
+    warning."""
     import os
     import subprocess
     import sys
@@ -808,6 +810,28 @@ def test_native_kernel_pool_whose_threads_sleep_at_once_computes_the_same_bits(m
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["ok"] * 3
+    rest = (
+        "from agentrt.offload.cpu_kernel import native_experts\n"
+        "import torch\n"
+        "k = native_experts()\n"
+        "k.pool_threads = 2\n"
+        "b = torch.bfloat16\n"
+        "gu, dn = [torch.zeros(8, 4, dtype=b)], [torch.zeros(4, 4, dtype=b)]\n"
+        "x, out = torch.zeros(4, dtype=b), torch.zeros(4)\n"
+        "print(k._spin(0.005))\n"  # (the setting then: 5 ms, from the environment)
+        "k.rest()\n"
+        "k.rest()\n"
+        "print(k._spin(0.0))\n"  # (resting: 0)
+        "k.start(gu, dn, [1.0], x, out)\n"
+        "k.finish()\n"
+        "print(k._spin(0.0), k._guard.resting)\n"  # (a posted call: 5 ms again)
+    )
+    env["AGENTRT_POOL_SPIN_MS"] = "5"
+    proc = subprocess.run(
+        [sys.executable, "-c", rest], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0.005", "0.0", "0.005", "False"]
     monkeypatch.setenv("AGENTRT_POOL_SPIN_MS", "5")
     assert pool_spin_s() == 0.005
     for bad in ("-1", "soon", "1e9"):

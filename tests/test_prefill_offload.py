@@ -316,7 +316,7 @@ def test_native_rows_kernel_matches_the_fp32_experts():
 def test_bf16_prefill_with_native_cpu_experts_stays_close_to_dense():
     """bf16 on the CPU with the native kernel: the split's CPU experts (few rows each) run in
     it, and the logits are as close to the fp32 model as the dense bf16 model's (the kernel
-    sums in fp32, so it may be closer)."""
+    sums in fp32, so it may be closer). The kernel's decode pool rests meanwhile."""
     from agentrt.offload.cpu_kernel import native_experts
 
     if native_experts() is None:
@@ -335,10 +335,13 @@ def test_bf16_prefill_with_native_cpu_experts_stays_close_to_dense():
         cpu_bandwidth=1.0,
     )
     rt = Runtime.open("tiny", cache="off", dtype="bfloat16", prefill_chunk=48, offload=config)
-    assert rt.engine.offload.prefill.cpu_kernel is not None
+    kernel = rt.engine.offload.prefill.cpu_kernel
+    assert kernel is not None
+    kernel._guard.resting = False
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - ref).abs().max().item() <= 1.5 * noise.max().item()
     assert rt.engine.offload.prefill.totals.cpu > 0
+    assert kernel._guard.resting  # (decode's pool sent to sleep while prefill ran)
 
 
 def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeypatch):

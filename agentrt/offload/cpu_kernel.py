@@ -62,6 +62,7 @@ class _Guard:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.args: tuple | None = None  # what a posted call reads (kept alive until finish)
+        self.resting = False  # the pool's threads sent to sleep until the next posted call
         os.register_at_fork(after_in_child=self._forget_calls)
 
     def _forget_calls(self) -> None:
@@ -78,7 +79,8 @@ _GUARDS_LOCK = threading.Lock()
 # spin each call found the pool asleep and paid for waking it (one expert after 20 ms idle:
 # +1.3-2.1 ms on one thread of the 2-core dev machine, none with 20 ms of spin; on an H100
 # host such calls read 2.2 GB/s against 30.7 for calls layer after layer). The pool only runs
-# decode's CPU experts, so its threads spin while a decode runs and sleep 20 ms after it.
+# decode's CPU experts, so its threads spin while a decode runs and sleep 20 ms after it, or
+# as soon as a prefill begins (`PoolCalls.rest`).
 SPIN_S = 0.02
 
 
@@ -108,7 +110,7 @@ class PoolCalls:
     arguments alive, `finish` waits for it and releases them. `pooled`: whether graph decode's
     host steps use the pool (4 or more threads, and `AGENTRT_CPU_POOL` not 0); `pool_threads`:
     one fewer than torch's (a core for the caller). The pool's threads spin `pool_spin_s()`
-    after a call before they sleep."""
+    after a call before they sleep, unless `rest` sent them to sleep."""
 
     def _init_pool(self, lib: ctypes.CDLL) -> None:
         """Bind the library's pool (`agentrt_pool_wait`, `agentrt_pool_schedule`; the kernel
@@ -117,10 +119,12 @@ class PoolCalls:
         self._wait.argtypes, self._wait.restype = [], ctypes.c_double
         self._schedule = lib.agentrt_pool_schedule
         self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
-        lib.agentrt_pool_spin.argtypes, lib.agentrt_pool_spin.restype = [ctypes.c_double], None
-        lib.agentrt_pool_spin(pool_spin_s())
+        self._spin = lib.agentrt_pool_spin
+        self._spin.argtypes, self._spin.restype = [ctypes.c_double], ctypes.c_double
         with _GUARDS_LOCK:
             self._guard = _GUARDS.setdefault(lib._handle, _Guard())
+        if not self._guard.resting:
+            self._spin(pool_spin_s())
         threads = min(torch.get_num_threads(), usable_cores())
         self.pool_threads = max(1, threads - 1)  # (a core for the caller)
         self.pooled = threads >= 4 and not switched_off("CPU_POOL")
@@ -130,12 +134,23 @@ class PoolCalls:
         """The library's lock: every call of every object bound to it takes turns."""
         return self._guard.lock
 
+    def rest(self) -> None:
+        """Send the pool's idle threads to sleep now rather than after their spin (a prefill
+        begins: its CPU experts run on torch's OpenMP team, whose cores spinning pool threads
+        would hold); the next posted call makes them spin again."""
+        if not self._guard.resting:
+            self._guard.resting = True
+            self._spin(0.0)
+
     def _post(self, start, make) -> None:
         """Under the lock, `make()` -> (C arguments, what must stay alive), then
         `start(*arguments, pool_threads)`; `finish` must follow. Raises OSError (and turns
         `pooled` off) where the pool's threads cannot be made."""
         guard = self._guard
         guard.lock.acquire()
+        if guard.resting:  # (a decode begins: the pool spins between its calls again)
+            guard.resting = False
+            self._spin(pool_spin_s())
         try:
             args, alive = make()
             guard.args = (args, alive, threading.get_ident())

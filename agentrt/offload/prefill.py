@@ -144,6 +144,8 @@ class PrefillStreamer:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
         if layer == self.layers[0]:  # a new pass: what an earlier one queued serves nothing
             self.ring.drop()  # (one stopped part-way, even where this first layer is resident)
+            if self.cpu_kernel is not None:  # (decode's pool: asleep while the OpenMP team runs)
+                self.cpu_kernel.rest()
         start = self._resident_start(layer)
         if start is not None:
             return self._run_resident(layer, start, x, ids, weights)

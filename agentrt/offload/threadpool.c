@@ -185,5 +185,10 @@ static double pool_wait(void) {
    task and return its seconds; set the items per claim of later tasks (0: fixed shares) */
 double agentrt_pool_wait(void) { return pool_wait(); }
 void agentrt_pool_schedule(int chunk) { pool_chunk = chunk; }
-/* how long later waits spin before they sleep (seconds; waits already sleeping keep sleeping) */
-void agentrt_pool_spin(double seconds) { pool_spin_s = seconds; }
+/* how long waits spin before they sleep (seconds; 0 sends the spinning ones to sleep at their
+   next check; waits already sleeping keep sleeping); returns the setting it replaces */
+double agentrt_pool_spin(double seconds) {
+    double before = pool_spin_s;
+    pool_spin_s = seconds;
+    return before;
+}
