@@ -66,7 +66,8 @@ def offload_prefill(
 
     dtype = dtype or EngineConfig.default_dtype(device)
     longest = max([*lengths, prefix_len + max(suffixes, default=0)])
-    context, experts = config_of(spec).max_position_embeddings, config_of(spec).num_experts
+    shape = config_of(spec)
+    context, experts = shape.max_position_embeddings, shape.num_experts
     if longest >= context:  # (before minutes of building the model)
         raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
     for size in stagings or []:

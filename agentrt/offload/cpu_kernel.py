@@ -63,6 +63,7 @@ class _Guard:
         self.lock = threading.Lock()
         self.args: tuple | None = None  # what a posted call reads (kept alive until finish)
         self.resting = False  # the pool's threads sent to sleep until the next posted call
+        self.spin_s: float | None = None  # their spin (`pool_spin_s()`, read once per library)
         os.register_at_fork(after_in_child=self._forget_calls)
 
     def _forget_calls(self) -> None:
@@ -123,8 +124,9 @@ class PoolCalls:
         self._spin.argtypes, self._spin.restype = [ctypes.c_double], ctypes.c_double
         with _GUARDS_LOCK:
             self._guard = _GUARDS.setdefault(lib._handle, _Guard())
-        if not self._guard.resting:
-            self._spin(pool_spin_s())
+            if self._guard.spin_s is None:  # (the library's first binding)
+                self._guard.spin_s = pool_spin_s()
+                self._spin(self._guard.spin_s)
         threads = min(torch.get_num_threads(), usable_cores())
         self.pool_threads = max(1, threads - 1)  # (a core for the caller)
         self.pooled = threads >= 4 and not switched_off("CPU_POOL")
@@ -150,7 +152,7 @@ class PoolCalls:
         guard.lock.acquire()
         if guard.resting:  # (a decode begins: the pool spins between its calls again)
             guard.resting = False
-            self._spin(pool_spin_s())
+            self._spin(guard.spin_s)
         try:
             args, alive = make()
             guard.args = (args, alive, threading.get_ident())

@@ -8,8 +8,8 @@
    up no one for the rest of a fixed share), and wait for each other between phases; a task
    may take fewer threads than the pool has (the caller leaves cores to other busy threads). Waits spin
    briefly (a host step is shorter than a sleep and wake-up), then sleep on a condition
-   variable (how long they spin: agentrt_pool_spin, 20 ms by default). One task at a time (pool_start returns -2 otherwise, -1 where the threads cannot
-   be made). */
+   variable (how long they spin: agentrt_pool_spin, 20 ms by default). One task at a time
+   (pool_start returns -2 otherwise, -1 where the threads cannot be made). */
 #include <stdint.h>
 #include <immintrin.h>
 #include <pthread.h>
@@ -36,7 +36,7 @@ static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed ou
 static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
 static double pool_started_at = 0.0, pool_seconds = 0.0;
 static unsigned pool_made_at = 0;  /* the generation when the threads were made */
-static double pool_spin_s = 0.02;  /* how long a wait spins before it sleeps */
+static double pool_spin_s = 0.02;  /* atomic: how long a wait spins before it sleeps */
 /* atomic: odd while pool_posted is being written (a seqlock): a thread that sits a task out
    is not waited for, so the next task may be posted while it still reads the last one */
 static unsigned pool_seq = 0;
@@ -49,10 +49,12 @@ static int pool_holds(unsigned* addr, unsigned value, int equal) {
 }
 /* wait until (*addr == value) == equal: spin up to pool_spin_s, then sleep */
 static void pool_await(unsigned* addr, unsigned value, int equal) {
-    double t0 = pool_now();
+    double t0 = pool_now(), spin;
     for (int i = 1; !pool_holds(addr, value, equal); i++) {
         _mm_pause();
-        if ((i & 1023) == 0 && pool_now() - t0 > pool_spin_s) {
+        if ((i & 1023) != 0) continue;
+        __atomic_load(&pool_spin_s, &spin, __ATOMIC_RELAXED);
+        if (pool_now() - t0 > spin) {
             pthread_mutex_lock(&pool_mu);
             while (!pool_holds(addr, value, equal)) pthread_cond_wait(&pool_cv, &pool_mu);
             pthread_mutex_unlock(&pool_mu);
@@ -188,7 +190,7 @@ void agentrt_pool_schedule(int chunk) { pool_chunk = chunk; }
 /* how long waits spin before they sleep (seconds; 0 sends the spinning ones to sleep at their
    next check; waits already sleeping keep sleeping); returns the setting it replaces */
 double agentrt_pool_spin(double seconds) {
-    double before = pool_spin_s;
-    pool_spin_s = seconds;
+    double before;
+    __atomic_exchange(&pool_spin_s, &seconds, &before, __ATOMIC_RELAXED);
     return before;
 }
