@@ -238,6 +238,37 @@ def test_static_decode_step_matches_eager(ckpt):
         assert (got - expected).abs().max().item() < 1e-4
 
 
+def test_decode_graph_capture_is_tried_again_before_decode_turns_eager(ckpt, capsys):
+    """A capture that fails once is tried again (graphs stay on); one that keeps failing turns
+    the engine's decode graphs off with a message, and later steps do not try again."""
+    from agentrt.engine import cuda_graph
+
+    eng = open_engine(ckpt)
+    state = eng.new_state()
+    eng.prefill(state, random_ids(20, seed=3))
+
+    class Flaky(cuda_graph.DecodeGraph):
+        failures = 1
+
+        def _capture(self, state, key):
+            self.tries = getattr(self, "tries", 0) + 1
+            if self.tries <= self.failures:
+                raise RuntimeError("capture invalidated\nsecond line")
+            return cuda_graph._Captured(key, None, None, None, None)
+
+    graph = Flaky(eng.model, torch.device("cpu"))
+    assert graph._current_for(state) is not None and graph.enabled and graph.tries == 2
+    err = capsys.readouterr().err
+    assert "capture invalidated); capturing again" in err and "second line" not in err
+    graph = Flaky(eng.model, torch.device("cpu"))
+    graph.failures = 99
+    assert graph._current_for(state) is None and not graph.enabled
+    assert (
+        graph.tries == cuda_graph.CAPTURE_ATTEMPTS and "decoding eagerly" in capsys.readouterr().err
+    )
+    assert graph._current_for(state) is None and graph.tries == cuda_graph.CAPTURE_ATTEMPTS
+
+
 def test_static_prefill_matches_eager(ckpt):
     """The CUDA-graph form of prefill (prompt padded to a bucket, positions and real length in
     device tensors, padding masked out of KV and linear-attention state) gives the logits,

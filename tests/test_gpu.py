@@ -479,6 +479,19 @@ def test_offloaded_decode_on_cuda_matches_resident(name, model):
         assert (a - b).abs().max().item() < 1e-3, tok
     graph = rt.engine.decode_graph
     assert graph.enabled and len(graph.current.pieces.graphs) > 1
+    # the captured form run eagerly (a capture's warm-up: each cut's host step at once)
+    from agentrt.engine.cuda_graph import EagerCuts, _cutters, _recording
+
+    for cache in state_b.kv_caches():
+        cache.reserve(state_b.num_tokens + 1, state_b.num_tokens)
+    pos = torch.tensor([state_b.num_tokens], device="cuda")
+    cutters = _cutters(rt.engine.model)
+    cuts = EagerCuts(torch.device("cuda"), state_b.num_tokens, cutters)
+    with _recording(cutters, cuts), torch.inference_mode():
+        b = graph._static_step(state_b, torch.tensor([330], device="cuda"), pos)
+    state_b.token_ids.append(330)
+    a = resident.engine.decode_step(state_a, 330)
+    assert (a - b).abs().max().item() < 1e-3
     # a short suffix prefill: experts routed a few tokens each (the CPU's share of the split)
     more = list(range(400, 412))
     a = resident.engine.prefill(state_a, more, all_logits=True)

@@ -19,9 +19,10 @@ buffers and, in the next piece, copies the host's results back, so each replay i
 
 from __future__ import annotations
 
+import gc
 import sys
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,9 @@ from agentrt.models.kv import KVCache
 from agentrt.models.layers import CausalLM, Span
 
 HostStep = Callable[[int], None]  # called with the position being decoded
+# A capture that fails is tried again this many times in all before decode falls back to eager
+# steps for the engine (a transient failure must not cost the rest of the session its graphs)
+CAPTURE_ATTEMPTS = 2
 
 
 @dataclass
@@ -73,6 +77,24 @@ class Pieces:
 
 
 @dataclass
+class EagerCuts:
+    """Stands in for `Pieces` while the captured form of a step runs eagerly (the warm-up before
+    its capture): each cut waits for the GPU work queued before it and runs its host step at once,
+    as a replay would. So every kernel the capture records has run (loaded, compiled, tuned)
+    before the capture begins. Host steps run with no recorder set, as in a replay (a layer on
+    the CPU calls the routed experts eagerly)."""
+
+    device: torch.device
+    position: int
+    cutters: list
+
+    def cut(self, host: HostStep) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        with _recording(self.cutters, None):
+            host(self.position)
+
+
+@dataclass
 class _Captured:
     key: tuple[int, ...]
     pieces: Pieces
@@ -111,18 +133,23 @@ class DecodeGraph:
         self.current = None  # release the previous graph's pool first
         token = torch.zeros(1, dtype=torch.long, device=self.device)
         pos = torch.full((1,), state.num_tokens, dtype=torch.long, device=self.device)
-        _warm_up(state, self.device, lambda: self._static_step(state, token, pos))
+        cutters = _cutters(self.model)
+        on_cuda = self.device.type == "cuda"
+        eager = EagerCuts(self.device, state.num_tokens, cutters) if on_cuda else None
+        with _recording(cutters, eager):  # the captured form, run eagerly (CPU: the plain step)
+            _warm_up(state, self.device, lambda: self._static_step(state, token, pos))
+        for module in cutters:  # (what they time in a warm-up, first calls included, is no guide)
+            getattr(module, "warmed_up", lambda: None)()
         torch.cuda.synchronize(self.device)
+        gc.collect()  # (nothing the collector frees may run its finaliser inside the capture)
         torch.cuda.empty_cache()
         pieces = Pieces(self.device)
-        cutters = _cutters(self.model)
-        for module in cutters:
-            module.recorder = pieces
         try:
-            logits = _record(pieces, lambda: self._static_step(state, token, pos))
-        finally:
-            for module in cutters:
-                module.recorder = None
+            with _recording(cutters, pieces), _collector_off():
+                logits = _record(pieces, lambda: self._static_step(state, token, pos))
+        except Exception:
+            abandon_pool(self.device, pieces.pool)
+            raise
         return _Captured(key, pieces, token, pos, logits)
 
     def prepare(self, state: SequenceState) -> None:
@@ -137,17 +164,23 @@ class DecodeGraph:
         if not self.enabled:
             return None
         key = _buffers_key(state) + self.model.experts.buffers_key()  # (offloaded: the pool)
-        try:
-            if self.current is None or self.current.key != key:
+        if self.current is not None and self.current.key == key:
+            return self.current
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            try:
                 self.current = self._capture(state, key)
-        except Exception as exc:  # noqa: BLE001 - any capture problem: fall back to eager decode
-            self.enabled, self.current = False, None
-            print(
-                f"agentrt: CUDA graph capture failed ({type(exc).__name__}: {exc}); "
-                "decoding eagerly",
-                file=sys.stderr,
-            )
-        return self.current
+                return self.current
+            except Exception as exc:  # noqa: BLE001 - any capture problem: retry, then eager
+                self.current = None
+                last = attempt == CAPTURE_ATTEMPTS
+                line = (str(exc).strip().splitlines() or [""])[0]
+                print(
+                    f"agentrt: CUDA graph capture failed ({type(exc).__name__}: {line}); "
+                    + ("decoding eagerly" if last else "capturing again"),
+                    file=sys.stderr,
+                )
+        self.enabled = False
+        return None
 
     def step(self, state: SequenceState, token_id: int) -> torch.Tensor | None:
         """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off).
@@ -199,6 +232,47 @@ def _record(pieces: Pieces, step: Callable[[], torch.Tensor]) -> torch.Tensor:
             return step()
         finally:
             pieces.end()
+
+
+def abandon_pool(device: torch.device, pool: object) -> None:
+    """After a failed capture into `pool`: close the allocator's recording into it (torch closes
+    it only after a successful capture; left open, it refuses later captures into the pool)."""
+    if device.type != "cuda" or pool is None:
+        return
+    torch.cuda.synchronize(device)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            end(index, pool)
+        except RuntimeError:  # it was closed after all
+            pass
+
+
+@contextmanager
+def _recording(cutters: list, recorder: object) -> Iterator[None]:
+    """`recorder` (Pieces, EagerCuts or None) set on every cutter for the block."""
+    saved = [module.recorder for module in cutters]
+    for module in cutters:
+        module.recorder = recorder
+    try:
+        yield
+    finally:
+        for module, previous in zip(cutters, saved, strict=True):
+            module.recorder = previous
+
+
+@contextmanager
+def _collector_off() -> Iterator[None]:
+    """The cycle collector off for the block: a collection inside a capture may free a tensor
+    or an event whose release calls what a capture forbids."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _cutters(model: CausalLM) -> list:
@@ -408,30 +482,13 @@ class PrefillGraphs:
         try:
             replay, logits = self._record(step)
         except Exception:  # noqa: BLE001 - compile or tune eagerly, then record again
-            self._abandon_pool()
+            abandon_pool(self.device, self.pool)  # (later graphs record into a new pool)
+            self.pool = None
             self.cold_captures += 1
             _warm_up(state, self.device, step)
             replay, logits = self._record(step)
         taken = [c.slots for c in state.linear_caches()] if slots else []
         return _CapturedPrefill(replay, ids, span, logits, taken)
-
-    def _abandon_pool(self) -> None:
-        """After a failed recording: later graphs record into a new memory pool. The failed
-        capture ended without closing the allocator's recording into the old pool (torch ends
-        it only after a successful capture), which would refuse the next capture into it."""
-        if self.device.type != "cuda":
-            return
-        torch.cuda.synchronize(self.device)
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is not None and self.pool is not None:
-            index = (
-                self.device.index if self.device.index is not None else torch.cuda.current_device()
-            )
-            try:
-                end(index, self.pool)
-            except RuntimeError:  # it was closed after all
-                pass
-        self.pool = None
 
     def _record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """Capture `step` as a CUDA graph: (replay, the output tensor each replay refills)."""

@@ -127,6 +127,11 @@ class CapturedDecode:
         _, gate_up, down = self.store.expert_views(layer)
         return [gate_up[e] for e in cpu], [down[e] for e in cpu]
 
+    def warmed_up(self) -> None:
+        """After a captured step's eager warm-up: its layer times (first calls, compilation) do
+        not size the prefetches."""
+        self._period, self._host_start = None, None
+
     def _measure_period(self, layer: int, now: float) -> None:
         """Follow the time from the previous MoE layer's host step to this one's (a layer's
         time), which sizes the prefetches; look up the current stream at a token's first."""
