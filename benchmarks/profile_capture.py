@@ -2,7 +2,8 @@
 per-layer shapes as the full one), one prompt, checkpoints every EVERY tokens. Times, as medians
 of 3 (each on a prompt with its own first token, so no checkpoint is found stored):
 plain prefill; prefill with the cuts only (linear states recorded, nothing saved); prefill and
-the saves (device->host copies queued, as `bench statecache` does); then a torch profile of one
+the saves (device->host copies queued, as `bench statecache` does), interleaved over ROUNDS
+rounds (every run's time is printed, and the save runs' phases); then a torch profile of one
 such run. Prints JSON, then the profile table.
 
     python benchmarks/profile_capture.py [tokens] [layers] [every]     (default 8192 8 2000)
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,6 +30,7 @@ from agentrt.statecache import Boundaries, StateCache  # noqa: E402
 from agentrt.statecache.config import StateCacheConfig  # noqa: E402
 from agentrt.statecache.manager import layout_for  # noqa: E402
 
+ROUNDS = 5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script only
 
 
@@ -87,16 +90,19 @@ def main() -> None:
         state.reset()
         engine.prefill(state, ids, capture=positions)
 
-    loop: dict[str, list[float]] = {"host": [], "gpu": []}
+    loop: dict[str, list[float]] = {"prefill": [], "host": [], "gpu": [], "drain": []}
 
     def saves(ids):
-        cuts(ids)
-        begin = event()
         t0 = time.perf_counter()
+        cuts(ids)
+        sync()
+        t1 = time.perf_counter()
+        loop["prefill"].append(t1 - t0)  # (the same work as `cuts`: its own spread)
+        begin = event()
         for pos in positions:
             at, conv, rec = state.capture_for(pos)
             cache.save(ids, pos, "message_end", state.kv_caches(), conv, rec, at=at)
-        loop["host"].append(time.perf_counter() - t0)
+        loop["host"].append(time.perf_counter() - t1)
         end = event()
         if begin is not None:
             end.synchronize()
@@ -105,22 +111,32 @@ def main() -> None:
     plain(prompt(0))
     saves(prompt(1))  # warm-up of every path
     cache.flush()
-    out: dict[str, float | int] = {"tokens": tokens, "layers": layers}
+    for values in loop.values():
+        values.clear()
+    out: dict[str, float | int | list] = {"tokens": tokens, "layers": layers}
     out["checkpoints"] = len(positions)
     first = iter(range(10, 10_000))  # a new first token for every run
-    for name, fn in (("plain", plain), ("cuts", cuts), ("cuts_and_saves", saves)):
-        runs = []
-        for _ in range(3):
+    runs: dict[str, list[float]] = {"plain": [], "cuts": [], "cuts_and_saves": []}
+    for _ in range(ROUNDS):  # interleaved: a drift of the host's speed hits each alike
+        for name, fn in (("plain", plain), ("cuts", cuts), ("cuts_and_saves", saves)):
             ids = prompt(next(first))
-            runs.append(timed(lambda fn=fn, ids=ids: fn(ids)))
+            runs[name].append(timed(lambda fn=fn, ids=ids: fn(ids)))
+            t0 = time.perf_counter()
             cache.flush()
-        out[f"{name}_s"] = sorted(runs)[1]
+            if name == "cuts_and_saves":
+                loop["drain"].append(time.perf_counter() - t0)
+    for name, values in runs.items():
+        out[f"{name}_s"] = median(values)
+        out[f"{name}_runs_s"] = [round(v, 4) for v in values]
     out["cuts_overhead"] = out["cuts_s"] / out["plain_s"] - 1
     out["saves_overhead"] = out["cuts_and_saves_s"] / out["plain_s"] - 1
-    # the save loop after the prefill: host time queueing, device time from its first to its
-    # last queued copy (medians of the timed runs)
-    out["save_loop_host_s"] = sorted(loop["host"][-3:])[1]
-    out["save_loop_gpu_s"] = sorted(loop["gpu"][-3:])[1] if loop["gpu"] else 0.0
+    # the save runs' phases: the prefill with cuts, the save loop's host time queueing, the
+    # device time from its first to its last queued copy, the writer's drain after the run
+    for name, values in loop.items():
+        if not values:  # (no device timing on the CPU)
+            continue
+        out[f"save_run_{name}_s"] = median(values)
+        out[f"save_run_{name}_runs_s"] = [round(v, 4) for v in values]
     print(json.dumps(out, indent=2))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with profile(activities=activities) as prof:

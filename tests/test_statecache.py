@@ -796,6 +796,7 @@ def test_bench_statecache_cli_reports_restores_that_match_recompute(tmp_path):
     assert run["kv_chunk_bytes"] > 0 and run["writer_mib_s"] > 0
     low, high = run["capture_overhead_many_range"]
     assert low <= run["capture_overhead_many"] <= high
+    assert 0 < run["save_handover_many_s"] < run["prefill_capture_many_s"]
     assert run["restored_vs_recomputed_max_abs_diff"] < 1e-4  # fp32 on the CPU
 
 
