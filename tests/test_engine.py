@@ -253,13 +253,16 @@ def test_decode_graph_capture_is_tried_again_before_decode_turns_eager(ckpt, cap
         def _capture(self, state, key):
             self.tries = getattr(self, "tries", 0) + 1
             if self.tries <= self.failures:
-                raise RuntimeError("capture invalidated\nsecond line")
+                exc = RuntimeError("capture invalidated\nsecond line")
+                exc.add_note("in piece 3 of the step")
+                raise exc
             return cuda_graph._Captured(key, None, None, None, None)
 
     graph = Flaky(eng.model, torch.device("cpu"))
     assert graph._current_for(state) is not None and graph.enabled and graph.tries == 2
     err = capsys.readouterr().err
-    assert "capture invalidated); capturing again" in err and "second line" not in err
+    assert "capture invalidated, in piece 3 of the step); capturing again" in err
+    assert "second line" not in err
     graph = Flaky(eng.model, torch.device("cpu"))
     graph.failures = 99
     assert graph._current_for(state) is None and not graph.enabled

@@ -79,10 +79,9 @@ class Pieces:
 @dataclass
 class EagerCuts:
     """Stands in for `Pieces` while the captured form of a step runs eagerly (the warm-up before
-    its capture): each cut waits for the GPU work queued before it and runs its host step at once,
-    as a replay would. So every kernel the capture records has run (loaded, compiled, tuned)
-    before the capture begins. Host steps run with no recorder set, as in a replay (a layer on
-    the CPU calls the routed experts eagerly)."""
+    its capture): each cut waits for the GPU work queued before it and runs its host step at once
+    with no recorder set, as a replay would. So every kernel the capture records has run
+    (loaded, compiled, tuned) before the capture begins."""
 
     device: torch.device
     position: int
@@ -147,15 +146,15 @@ class DecodeGraph:
         try:
             with _recording(cutters, pieces), _collector_off():
                 logits = _record(pieces, lambda: self._static_step(state, token, pos))
-        except Exception:
+        except Exception as exc:
             abandon_pool(self.device, pieces.pool)
+            exc.add_note(f"in piece {len(pieces.graphs)} of the step")  # (the layer it failed in)
             raise
         return _Captured(key, pieces, token, pos, logits)
 
     def prepare(self, state: SequenceState) -> None:
-        """Capture the step for `state`'s buffers now unless done (between requests: the
-        next decode step then replays at once); KV for position `state.num_tokens` must be
-        reserved."""
+        """Capture the step for `state`'s buffers now unless done (between requests: the next
+        decode step then replays at once); KV for position `state.num_tokens` must be reserved."""
         self._current_for(state)
 
     def _current_for(self, state: SequenceState) -> _Captured | None:
@@ -174,6 +173,7 @@ class DecodeGraph:
                 self.current = None
                 last = attempt == CAPTURE_ATTEMPTS
                 line = (str(exc).strip().splitlines() or [""])[0]
+                line += "".join(f", {note}" for note in getattr(exc, "__notes__", ()))
                 print(
                     f"agentrt: CUDA graph capture failed ({type(exc).__name__}: {line}); "
                     + ("decoding eagerly" if last else "capturing again"),
