@@ -71,7 +71,7 @@ def offload_prefill(
     if longest >= context:  # (before minutes of building the model)
         raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
     for size in stagings or []:
-        if round(size * experts) < 1:
+        if _staging_experts(size, experts) < 1:
             raise InvalidArgumentError(f"a staging ring of {size:g} layers holds no expert")
     model, store, cfg = load_offloadable(spec, device, dtype, seed, packed)
     ids = text_ids(cfg.vocab_size, longest + max(suffixes, default=0), None, tokenizer_dir)
@@ -167,7 +167,12 @@ def offload_prefill_options(spec, device, dtype, seed, lengths, chunk, repeat, o
 
 def _staging_bytes(store, layers: float) -> int:
     """A staging ring of `layers` layers of experts (at least two parts: `offload.ring`)."""
-    return round(layers * store.num_experts) * store.expert_bytes
+    return _staging_experts(layers, store.num_experts) * store.expert_bytes
+
+
+def _staging_experts(layers: float, num_experts: int) -> int:
+    """Experts a staging ring of `layers` layers holds."""
+    return round(layers * num_experts)
 
 
 def _engine(model, device: str, dtype: str, chunk: int, linear_attn: str, offload=None) -> Engine:

@@ -172,13 +172,7 @@ class DecodeGraph:
             except Exception as exc:  # noqa: BLE001 - any capture problem: retry, then eager
                 self.current = None
                 last = attempt == CAPTURE_ATTEMPTS
-                line = (str(exc).strip().splitlines() or [""])[0]
-                line += "".join(f", {note}" for note in getattr(exc, "__notes__", ()))
-                print(
-                    f"agentrt: CUDA graph capture failed ({type(exc).__name__}: {line}); "
-                    + ("decoding eagerly" if last else "capturing again"),
-                    file=sys.stderr,
-                )
+                _failed("CUDA graph", exc, "decoding eagerly" if last else "capturing again")
         self.enabled = False
         return None
 
@@ -232,6 +226,13 @@ def _record(pieces: Pieces, step: Callable[[], torch.Tensor]) -> torch.Tensor:
             return step()
         finally:
             pieces.end()
+
+
+def _failed(what: str, exc: Exception, then: str) -> None:
+    """One line on stderr for a failed capture: the error's first line and its notes."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    line += "".join(f", {note}" for note in getattr(exc, "__notes__", ()))
+    print(f"agentrt: {what} capture failed ({type(exc).__name__}: {line}); {then}", file=sys.stderr)
 
 
 def abandon_pool(device: torch.device, pool: object) -> None:
@@ -457,11 +458,7 @@ class PrefillGraphs:
         except Exception as exc:  # noqa: BLE001 - any capture problem: prefill eagerly
             self.enabled, self.key = False, None
             self.graphs.clear()
-            print(
-                f"agentrt: prefill graph capture failed ({type(exc).__name__}: {exc}); "
-                "prefilling eagerly",
-                file=sys.stderr,
-            )
+            _failed("prefill graph", exc, "prefilling eagerly")
             return False
 
     def _capture(self, state: SequenceState, size: int, slots: int) -> _CapturedPrefill:
