@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -476,6 +477,39 @@ def test_a_bad_endpoint_url_is_named(url):
 
     with pytest.raises(InvalidArgumentError, match="must be an http"):
         endpoint_target(url, "m")
+
+
+def test_bench_ttft_makes_each_modes_state_directory_inside_state_dir(tmp_path, monkeypatch):
+    """--state-dir and --state-max-gb reach every mode's (and the warm-up's) state cache: a
+    fresh directory inside --state-dir, removed after the mode, with the size cap given."""
+    from agentrt.bench import ttft as b
+    from agentrt.cli import traces
+
+    seen = []
+
+    class Rt:
+        reuse, model_name, cache = None, "tiny", "off"
+        engine = SimpleNamespace(device="cpu")
+
+        def set_cache(self, mode, config=None):
+            if config is not None:
+                seen.append((mode, config.state_dir, config.max_bytes, config.state_dir.is_dir()))
+
+        def close(self):
+            pass
+
+    trace = generate(seed=3, target_tokens=1000, max_turns=2)
+    monkeypatch.setattr(traces, "open_runtime", lambda opts, require_tokenizer: Rt())
+    monkeypatch.setattr(traces, "_load_traces", lambda paths, drop, truncate, n: [trace])
+    monkeypatch.setattr(traces, "_run_replay", lambda *a: {})
+    monkeypatch.setattr(b, "_report", lambda *a, **k: {"reports": {}, "ratios": {}})
+    root = tmp_path / "states"
+    args = ["bench", "ttft", str(tmp_path), "--cache", "semantic,off", "--state-dir", str(root)]
+    assert invoke_cli(*args, "--state-max-gb", "3", "--warmup", "1").returncode == 0
+    assert [mode for mode, *_ in seen] == ["semantic", "semantic", "off"]  # warm-up first
+    assert all(d.parent == root and cap == 3 * 2**30 and made for _, d, cap, made in seen)
+    assert len({d for _, d, *_ in seen}) == 3 and not any(root.iterdir())
+    assert oct(root.stat().st_mode & 0o777) == "0o700"
 
 
 def test_bench_ttft_runs_every_offload_and_split_setting(small_trace, tmp_path):

@@ -3,6 +3,11 @@ bw` (host memory and PCIe bandwidths)."""
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +18,16 @@ from agentrt.models import torch_dtype
 
 
 def ttft(
-    rt, load, modes, variants, max_tokens, run, warmup: int = 8, partial=None
+    rt,
+    load,
+    modes,
+    variants,
+    max_tokens,
+    run,
+    warmup: int = 8,
+    partial=None,
+    state=None,
+    state_root=None,
 ) -> dict[str, Any]:
     """Replay the same traces in every cache mode (fresh state directory each) on one runtime.
 
@@ -21,21 +35,19 @@ def ttft(
     First, untimed, the first `warmup` requests of the first trace run once in semantic mode
     (kernel compilation and autotuning, CUDA-graph capture, pinned buffers), so that one-time
     start-up costs land in no mode's figures. `partial(report)` hears the report so far after
-    each mode (a run cut short by a time limit keeps the modes it finished).
+    each mode (a run cut short by a time limit keeps the modes it finished). `state`: the
+    state cache's settings (a `StateCacheConfig`; None: its defaults) but its directory; each
+    mode's fresh one is made inside `state_root` (None: the system's temporary directory).
     """
-    import tempfile
-    from pathlib import Path
-
     import msgspec
 
     from agentrt.replay.replay import local_target
-    from agentrt.statecache.config import StateCacheConfig
 
     if warmup:
         first = load(False)[0]
         first = msgspec.structs.replace(first, requests=first.requests[:warmup])
-        with tempfile.TemporaryDirectory(prefix="agentrt-warmup-") as state_dir:
-            rt.set_cache("semantic", StateCacheConfig(state_dir=Path(state_dir)))
+        with _fresh_cache(state, state_root, "agentrt-warmup-") as config:
+            rt.set_cache("semantic", config)
             run([first], local_target(rt), "warm-up")
             rt.set_cache("off")
     reports: dict[str, list[dict]] = {}
@@ -43,8 +55,8 @@ def ttft(
         traces = load(variant == "dropped")
         reports[variant] = []
         for mode in modes:
-            with tempfile.TemporaryDirectory(prefix="agentrt-ttft-") as state_dir:
-                rt.set_cache(mode, StateCacheConfig(state_dir=Path(state_dir)))
+            with _fresh_cache(state, state_root, "agentrt-ttft-") as config:
+                rt.set_cache(mode, config)
                 rep = run(traces, local_target(rt), f"{variant}/{mode}")
                 cache = getattr(rt.reuse, "cache", None)
                 if cache is not None:  # hits per tier, drops, write errors: what TTFT hides
@@ -56,6 +68,19 @@ def ttft(
                 so_far = {v: list(reps) for v, reps in reports.items()}  # (a snapshot)
                 partial(_report(rt, max_tokens, warmup, so_far, complete=False))
     return _report(rt, max_tokens, warmup, reports, complete=True)
+
+
+@contextmanager
+def _fresh_cache(state, root, prefix: str) -> Iterator[Any]:
+    """`state` (a `StateCacheConfig` or None: the defaults) on a fresh, empty state directory,
+    made inside `root` (None: the system's temporary directory) and removed after."""
+    from agentrt.host.private import private_dir
+    from agentrt.statecache.config import StateCacheConfig
+
+    root = private_dir(root) if root is not None else None
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=root) as state_dir:
+        base = state or StateCacheConfig()
+        yield dataclasses.replace(base, state_dir=Path(state_dir))
 
 
 def _report(rt, max_tokens: int, warmup: int, reports, complete: bool) -> dict[str, Any]:

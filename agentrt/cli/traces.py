@@ -273,7 +273,10 @@ def replay_cmd(
 @json_option
 def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_out, **opts) -> None:
     """Replay TRACES in every --cache mode with one loaded model per --offload/--split setting;
-    TTFT per mode and ratios (several settings: one result each, under `settings`)."""
+    TTFT per mode and ratios (several settings: one result each, under `settings`).
+
+    Every mode starts from an empty state cache: a fresh directory, made inside --state-dir
+    when given (else in the system's temporary directory) and removed after the mode."""
     offloads, splits = opts.pop("offload") or [None], opts.pop("split")
     budgeted = opts.get("vram_budget") or opts.get("expert_cache_slots")
     settings = [  # (--split changes only what auto does, or a budget's default)
@@ -306,6 +309,7 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, save
     """`bench ttft` for one expert placement: its result, passed to `save` after every mode and
     at the end."""
     from agentrt.bench import ttft as b
+    from agentrt.session.options import cache_config
 
     rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
     placement = setting_of(opts)
@@ -318,6 +322,8 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, save
         lambda traces_, target, label: _run_replay(traces_, target, max_tokens, label),
         warmup,
         partial=lambda report: save({**report, "setting": placement}),  # (kept if cut)
+        state=cache_config(None, None, opts.get("state_max_gb")),
+        state_root=opts.get("state_dir"),
     )
     result["setting"] = placement
     for variant, reports in result["reports"].items():
