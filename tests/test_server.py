@@ -602,3 +602,34 @@ def test_a_request_without_a_limit_may_generate_to_the_context_end(server, monke
     assert server.raw("/v1/responses", body.encode())[0] == 503
     context = server.chat.runtime.engine.max_context
     assert [job.kwargs["max_tokens"] for job in seen] == [context, 3, context]
+
+
+def test_requests_without_a_seed_draw_theirs_from_the_servers_seed():
+    """`serve --seed`: requests that name no seed get one drawn in arrival order from the
+    runtime's seed, so they sample differently from each other, and a server started again
+    with the same seed answers the same requests the same way; a request's own seed wins."""
+    from starlette.testclient import TestClient
+
+    from agentrt import Runtime
+    from agentrt.server.app import ServerConfig, build_app
+
+    rt = Runtime.open("tiny", cache="off", seed=5)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+    def replies(**extra) -> list[str]:
+        app, chat = build_app(rt, ServerConfig())
+        try:
+            with TestClient(app) as http:
+                answers = [
+                    http.post("/v1/chat/completions", json={**body, **extra}) for _ in range(3)
+                ]
+                return [json.dumps(a.json()["choices"][0]["message"]) for a in answers]
+        finally:
+            chat.worker.stop()
+
+    try:
+        first = replies()
+        assert replies() == first and len(set(first)) > 1
+        assert len(set(replies(seed=11))) == 1
+    finally:
+        rt.close()

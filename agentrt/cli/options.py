@@ -254,7 +254,8 @@ def model_options(fn=None, *, cache_list: bool = False):
             type=int,
             default=0,
             show_default=True,
-            help="Sampling / synthetic-weights seed.",
+            help="Seed of synthetic weights and of sampling (a server draws the seeds of "
+            "requests that name none from it, in arrival order).",
         ),
         click.option(
             "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."

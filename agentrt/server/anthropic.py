@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import uuid
 from collections.abc import Iterator
 from functools import partial
@@ -201,7 +200,7 @@ def _answer(status: int, message: str, param=None, code=None) -> JSONResponse:
 
 def _decode(body: bytes) -> tuple[requests.MessagesRequest, tuple, dict[str, Any]]:
     req = requests.decode(body)
-    return req, requests.to_plain(req), requests.sampling(req, random.getrandbits(31))
+    return req, requests.to_plain(req), requests.sampling(req)
 
 
 async def messages(server, request: Request) -> Response:

@@ -291,13 +291,13 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def sampling(req: MessagesRequest, seed: int) -> dict[str, Any]:
+def sampling(req: MessagesRequest) -> dict[str, Any]:
     """`Runtime.chat_prepared` keyword arguments of a request (Anthropic's default
-    temperature is 1)."""
+    temperature is 1; no seed: the server draws one)."""
     return {
         "max_tokens": req.max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "stop": req.stop_sequences or None,
-        "seed": seed,
+        "seed": None,
     }

@@ -156,6 +156,10 @@ class ChatServer:
         self.metrics = Metrics()
         self.model_name = runtime.model_name
         self.created = int(time.time())
+        # seeds of requests that name none: drawn in arrival order from the runtime's seed
+        # (`--seed`), so a server restarted with the same seed answers the same requests,
+        # sent in the same order, the same way; each request still samples its own way
+        self.seeds = random.Random(runtime.seed)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -186,7 +190,7 @@ class ChatServer:
     def _kwargs(self, req: schema.ChatRequest) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "stop": req.stop,
-            "seed": req.seed if req.seed is not None else random.getrandbits(31),
+            "seed": req.seed,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
         }
@@ -214,6 +218,8 @@ class ChatServer:
             return self._failed(exc, answer)
         # (no limit given: as OpenAI's APIs, up to the context's end, where generation stops)
         kwargs.setdefault("max_tokens", self.runtime.engine.max_context)
+        if kwargs.get("seed") is None:
+            kwargs["seed"] = self.seeds.getrandbits(31)
         job = Job(prepared, kwargs, asyncio.get_running_loop())
         try:
             self.worker.submit(job)

@@ -6,7 +6,6 @@ output items, usage with cached tokens) and its server-sent event sequence. Requ
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -240,7 +239,7 @@ class EventStream:
 
 def _decode(body: bytes) -> tuple[requests.ResponsesRequest, tuple, dict[str, Any]]:
     req = requests.decode(body)
-    return req, requests.to_plain(req), requests.sampling(req, random.getrandbits(31))
+    return req, requests.to_plain(req), requests.sampling(req)
 
 
 async def create(server, request: Request) -> Response:

@@ -230,12 +230,13 @@ def _text(content, where: str) -> str:
     return "".join(texts)
 
 
-def sampling(req: ResponsesRequest, seed: int) -> dict[str, Any]:
-    """`Runtime.chat_prepared` keyword arguments of a request."""
+def sampling(req: ResponsesRequest) -> dict[str, Any]:
+    """`Runtime.chat_prepared` keyword arguments of a request (no seed: the server draws
+    one)."""
     kwargs: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "seed": seed,
+        "seed": None,
     }
     if req.max_output_tokens is not None:
         kwargs["max_tokens"] = req.max_output_tokens
