@@ -224,6 +224,10 @@ def test_options_that_would_be_ignored_are_usage_errors(tmp_path):
         "replay", str(trace), "--endpoint", "http://127.0.0.1:9/v1", "--cache", "off"
     )
     assert remote.returncode == 2 and "--cache is for local replays" in remote.stderr
+    args = ["replay", str(trace), "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"]
+    remote = invoke_cli(*args, "--device", "cpu", "--state-dir", str(tmp_path), "--seed", "1")
+    assert remote.returncode == 2
+    assert "--device, --state-dir, --seed are for local replays" in remote.stderr
 
 
 def test_tokenizer_problems_are_one_line_and_name_the_option(tmp_path):

@@ -228,9 +228,8 @@ def replay_cmd(
     from agentrt.replay.replay import endpoint_target, local_target, summary_table
     from agentrt.replay.replay import plot as draw
 
-    source = click.get_current_context().get_parameter_source("cache")
-    if endpoint and source is not click.core.ParameterSource.DEFAULT:
-        raise click.UsageError("--cache is for local replays: with --endpoint the server's runs")
+    if endpoint:
+        _refuse_local_options(click.get_current_context(), opts)
     loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
     if endpoint:
         target = endpoint_target(endpoint, opts["model"], api_key)
@@ -241,6 +240,24 @@ def replay_cmd(
     write_json(json_out, rep)
     if plot:
         draw([rep], plot)
+
+
+def _refuse_local_options(ctx: click.Context, opts: dict) -> None:
+    """With --endpoint the server's model and settings answer: options of a local runtime given
+    on the command line (all of `model_options` but --model, the name sent) would be ignored."""
+    given = [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name in opts
+        and param.name != "model"
+        and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        verb = "is" if len(given) == 1 else "are"
+        raise click.UsageError(
+            f"{', '.join(given)} {verb} for local replays: with --endpoint the server's "
+            "settings apply (--model is the model name sent to it)"
+        )
 
 
 @bench.command("ttft")
