@@ -199,6 +199,12 @@ _DECODE_OFFLOAD = ["bench", "decode", "--device", "cpu", "--offload", "none"]
         (_DECODE_OFFLOAD + ["--linear-attn", "torch"], "only auto with --offload"),
         (_DECODE_OFFLOAD + ["--graphs", "on,off"], "one value only with --offload"),
         (["bench", "statecache", "--linear-attn", "torch"], "only auto without --fidelity"),
+        # options that would be ignored: usage errors naming them
+        (["bench", "decode", "--split", "off", "--repeat", "2"], "--split, --repeat are used"),
+        (["bench", "prefill", "--tokenizer", "t"], "--tokenizer is used only with --offload auto"),
+        (["bench", "prefill", "--eager"], "No such option '--eager'"),
+        (["bench", "statecache", "--suffix", "8"], "--suffix is used only with --fidelity"),
+        (["bench", "statecache", "--fidelity", "--capture-every", "8"], "only without --fid"),
         (
             ["bench", "prefill", "--offload", "auto", "--linear-attn", "torch,auto"],
             "one value only with --offload auto",

@@ -1,5 +1,5 @@
-"""`agentrt bench prefill|decode|accuracy|statecache|soak|bw` (JSON reports; `bench ttft` is in
-`traces.py`, beside replay)."""
+"""`agentrt bench prefill|decode|accuracy|soak|bw` (JSON reports; `bench ttft` is in `traces.py`,
+beside replay, and `bench statecache` in `bench_state.py`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from agentrt.cli.options import (
     csv_option,
     csv_sizes_or_none,
     expert_format_option,
+    given,
     json_option,
     one_value,
+    only_with,
     prepare_cpu_threads,
     resolve_device,
     size_text,
@@ -31,7 +33,10 @@ def bench() -> None:
     """Benchmarks that print JSON (see BENCHMARKS.md)."""
 
 
-def _bench_options(fn):
+def model_bench_options(fn=None, *, eager: bool = True):
+    """The options every model benchmark takes (`eager`: --eager too, for those that decode)."""
+    if fn is None:
+        return lambda f: model_bench_options(f, eager=eager)
     options = [
         click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
@@ -46,11 +51,11 @@ def _bench_options(fn):
             help="Comma-separated list of kernels to compare: auto, torch, fla.",
         ),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option(
-            "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
-        ),
         json_option,
     ]
+    if eager:
+        flag = "Do not capture the decode step in a CUDA graph."
+        options.insert(-1, click.option("--eager", is_flag=True, help=flag))
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -64,7 +69,7 @@ _expert_format_option = expert_format_option(
 
 
 @bench.command("prefill")
-@_bench_options
+@model_bench_options(eager=False)
 @click.option(
     "--lengths",
     default="2048,8192",
@@ -96,13 +101,17 @@ _expert_format_option = expert_format_option(
     "--no-resident leaves them out unless none is listed).",
 )
 @click.option(
-    "--vram-budget", default=None, callback=size_text, help="With --offload auto: e.g. 16GiB."
+    "--vram-budget",
+    default=None,
+    callback=size_text,
+    help="With --offload auto (its default then): e.g. 16GiB.",
 )
 @click.option(
     "--expert-cache-slots",
     type=click.IntRange(min=1),
     default=None,
-    help="With --offload auto: the expert cache's size in experts (overrides --vram-budget).",
+    help="With --offload auto (its default then): the expert cache's size in experts "
+    "(overrides --vram-budget).",
 )
 @click.option(
     "--prefill-plan",
@@ -154,7 +163,6 @@ def bench_prefill(
     dtype,
     linear_attn,
     seed,
-    eager,
     json_out,
     lengths,
     prefill_chunk,
@@ -167,6 +175,10 @@ def bench_prefill(
     from agentrt.bench import engine as b
 
     offloads = offload.pop("offload")
+    if not given(["offload"]) and (offload["vram_budget"] or offload["expert_cache_slots"]):
+        offloads = ["auto"]  # (as the runtime's default)
+    if "auto" not in offloads:
+        only_with(list(offload), "with --offload auto")
     prepare_cpu_threads(device, offloads)
     device = resolve_device(device)
     if "auto" in offloads:
@@ -195,8 +207,14 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
     return offload_prefill_options(model, device, dtype, seed, lengths, chunk, repeat, o)
 
 
+_DECODE_OFFLOAD_ONLY = (
+    "split", "expert_policy", "prefetch", "text", "tokenizer", "repeat", "cpu_kernel",
+    "expert_format", "py_profile",
+)  # fmt: skip
+
+
 @bench.command("decode")
-@_bench_options
+@model_bench_options
 @click.option(
     "--prompt-len",
     default="512",
@@ -236,7 +254,10 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
     "For --offload auto: comma-separated next-layer prefetch settings, on and/or off.",
 )
 @click.option(
-    "--vram-budget", default=None, callback=size_text, help="Device-memory budget, e.g. 16GiB."
+    "--vram-budget",
+    default=None,
+    callback=size_text,
+    help="Device-memory budget, e.g. 16GiB (without --offload: --offload auto).",
 )
 @click.option(
     "--text",
@@ -294,8 +315,9 @@ def bench_decode(
     against static: host memory (the missing experts' bytes at the fastest host read seen) and
     the layer chain (CPU experts between a token's GPU pieces, copies overlapping)."""
     modes = ["off"] if eager else graphs
-    if py_profile and not offload:
-        raise click.BadParameter("only with --offload", param_hint="--py-profile")
+    offload = offload or (["auto"] if vram_budget else None)  # (a budget: as the runtime's)
+    if not offload:
+        only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
     if len(prompt_len) > 1 and not offload:
         raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
     if offload:
@@ -338,7 +360,7 @@ def bench_decode(
 
 
 @bench.command("accuracy")
-@_bench_options
+@model_bench_options
 @click.option("--length", type=click.IntRange(min=2), default=300, show_default=True)
 def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, length) -> None:
     """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
@@ -347,89 +369,6 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     _report(
         b.accuracy(model, resolve_device(device), dtype, linear_attn, length, seed, eager), json_out
     )
-
-
-@bench.command("statecache")
-@_bench_options
-@click.option(
-    "--lengths",
-    default="8192,32768,65536",
-    show_default=True,
-    callback=csv_ints,
-    help="Comma-separated prefix lengths.",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False),
-    default="bench-state",
-    show_default=True,
-    help="Scratch state directory: new, empty, or made by an earlier run (emptied first; any "
-    "other is refused).",
-)
-@click.option(
-    "--capture-every",
-    type=click.IntRange(min=1),
-    default=2000,
-    show_default=True,
-    help="Spacing of the boundaries in the many-checkpoints prefill.",
-)
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Timing rounds per length (default: 7 up to 8K tokens, 3 up to 32K, then 1); with "
-    "--fidelity, random prompts per length (default 3).",
-)
-@click.option(
-    "--fidelity",
-    is_flag=True,
-    help="Instead of timings: a turn from a restored checkpoint against the same turn "
-    "recomputed, beside the engine's own noise (other chunk sizes), one pass and, for small "
-    "models, fp32 on the CPU: |delta logit|, KL, top-1 and greedy agreement, per capture design.",
-)
-@click.option(
-    "--suffix",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="With --fidelity: tokens prefilled after the checkpoint.",
-)
-@click.option(
-    "--generate",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="With --fidelity: greedy tokens generated from each state.",
-)
-@click.option(
-    "--prefill-chunk",
-    type=click.IntRange(min=2),
-    default=2048,
-    show_default=True,
-    help="With --fidelity: the engine's chunk (the noise floor runs half and twice this).",
-)
-def bench_statecache(model, device, dtype, linear_attn, seed, eager, json_out, lengths, **o):
-    """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead;
-    with --fidelity, how exactly a restored checkpoint continues."""
-    dev, state_dir, rounds = resolve_device(device), o["state_dir"], o["rounds"]
-
-    def note(text: str) -> None:
-        click.echo(text, err=True)
-
-    if o["fidelity"]:
-        from agentrt.bench.fidelity import fidelity as run
-
-        kwargs = dict(suffix=o["suffix"], generate=o["generate"], chunk=o["prefill_chunk"])
-        kwargs |= dict(note=note, runs=rounds or 3)
-        kwargs["linear_attn"] = one_value(linear_attn, "--linear-attn", "with --fidelity")
-        result = run(model, dev, dtype, lengths, state_dir, seed, **kwargs)
-    else:
-        from agentrt.bench import statecache as b
-
-        one_value(linear_attn, "--linear-attn", "without --fidelity", only_auto=True)
-        every = o["capture_every"]
-        result = b.statecache(model, dev, dtype, lengths, state_dir, seed, every, rounds, note)
-    _report(result, json_out)
 
 
 @bench.command("soak")

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import click
@@ -458,3 +459,24 @@ def one_value(values: list[str], hint: str, where: str, only_auto: bool = False)
         what = "only auto" if only_auto else "one value only"
         raise click.BadParameter(f"{what} {where}", param_hint=hint)
     return values[0]
+
+
+def given(names: Iterable[str]) -> list[str]:
+    """The options of the running command among the parameter `names` that were given on the
+    command line (not defaults or the environment), as `--name`, in the command's order."""
+    ctx, wanted = click.get_current_context(), set(names)
+    return [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name in wanted
+        and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+    ]
+
+
+def only_with(names: Iterable[str], where: str) -> None:
+    """A usage error naming the options among `names` given on the command line, which the
+    command uses only `where` (e.g. "with --offload"): better than ignoring them."""
+    found = given(names)
+    if found:
+        verb = "is" if len(found) == 1 else "are"
+        raise click.UsageError(f"{', '.join(found)} {verb} used only {where}")

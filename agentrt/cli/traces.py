@@ -13,6 +13,7 @@ from agentrt.cli.bench import bench
 from agentrt.cli.main import main
 from agentrt.cli.options import (
     csv_choice,
+    given,
     json_option,
     model_options,
     open_runtime,
@@ -229,7 +230,7 @@ def replay_cmd(
     from agentrt.replay.replay import plot as draw
 
     if endpoint:
-        _refuse_local_options(click.get_current_context(), opts)
+        _refuse_local_options(opts)
     loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
     if endpoint:
         target = endpoint_target(endpoint, opts["model"], api_key)
@@ -242,20 +243,14 @@ def replay_cmd(
         draw([rep], plot)
 
 
-def _refuse_local_options(ctx: click.Context, opts: dict) -> None:
+def _refuse_local_options(opts: dict) -> None:
     """With --endpoint the server's model and settings answer: options of a local runtime given
     on the command line (all of `model_options` but --model, the name sent) would be ignored."""
-    given = [
-        param.opts[0]
-        for param in ctx.command.params
-        if param.name in opts
-        and param.name != "model"
-        and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
-    ]
-    if given:
-        verb = "is" if len(given) == 1 else "are"
+    local = given(name for name in opts if name != "model")
+    if local:
+        verb = "is" if len(local) == 1 else "are"
         raise click.UsageError(
-            f"{', '.join(given)} {verb} for local replays: with --endpoint the server's "
+            f"{', '.join(local)} {verb} for local replays: with --endpoint the server's "
             "settings apply (--model is the model name sent to it)"
         )
 
