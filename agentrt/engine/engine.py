@@ -100,8 +100,8 @@ class Engine:
         self.offload = offload
         use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
-        self.prefill_graphs = None
-        if config.prefill_graphs and self.device.type == "cuda":
+        self.prefill_graphs = None  # (offloaded experts: prefill streams them, never replays)
+        if config.prefill_graphs and self.device.type == "cuda" and offload is None:
             self.prefill_graphs = PrefillGraphs(model, self.device, reserve=self._graph_kv())
 
     @property
@@ -227,12 +227,7 @@ class Engine:
         """`prefill`'s pieces: graph replays where they serve, then eager chunks."""
         start = state.num_tokens
         graphs = self.prefill_graphs
-        if (
-            graphs is not None
-            and len(token_ids) <= graphs.max_prompt
-            and not all_logits
-            and self.offload is None
-        ):
+        if graphs is not None and len(token_ids) <= graphs.max_prompt and not all_logits:
             done, logits = self._prefill_graphed(state, token_ids, wanted, should_stop)
             if done == len(token_ids):
                 return logits
@@ -319,9 +314,9 @@ class Engine:
 
     @torch.inference_mode()
     def prepare_prefill_graphs(self, state: SequenceState) -> None:
-        """Capture the prefill graphs for `state`'s buffers now (no-op without them, and with
-        offloaded experts, whose prefill never takes them)."""
-        if self.prefill_graphs is not None and self.offload is None:
+        """Capture the prefill graphs for `state`'s buffers now (no-op without them: offloaded
+        experts' prefill never takes them)."""
+        if self.prefill_graphs is not None:
             self.prefill_graphs.prepare(state)
 
     @torch.inference_mode()
