@@ -178,7 +178,7 @@ def model_options(fn=None, *, cache_list: bool = False):
         else one_of("semantic", "prefix", "off"),
         help="State reuse: semantic (checkpoints at boundaries, persisted), prefix (reuse the live "
         "state only when the prompt extends it), off."
-        + (" Comma-separated list." if cache_list else ""),
+        + (" Comma-separated list, each mode on an empty cache." if cache_list else ""),
     )
     options = [
         click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
@@ -221,7 +221,10 @@ def model_options(fn=None, *, cache_list: bool = False):
             "--state-dir",
             type=click.Path(file_okay=False),
             default=None,
-            help="State cache directory (default: ~/.cache/agentrt/state).",
+            help="Where each mode's fresh state cache directory is made (removed after the "
+            "mode; default: the system's temporary directory)."
+            if cache_list
+            else "State cache directory (default: ~/.cache/agentrt/state).",
         ),
         click.option(
             "--state-max-gb",
