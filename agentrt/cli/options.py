@@ -395,9 +395,13 @@ def offload_options(lists: bool = False) -> list:
             type=click.Choice(["lru", "lfu"]),
             default="lru",
             show_default=True,
-            help="Expert-cache replacement policy.",
+            help="Expert-cache replacement policy (--offload auto).",
         ),
-        click.option("--recalibrate", is_flag=True, help="Measure copy / CPU bandwidths again."),
+        click.option(
+            "--recalibrate",
+            is_flag=True,
+            help="Measure copy / CPU bandwidths again (--offload auto's split between them).",
+        ),
     ]
 
 
