@@ -198,7 +198,10 @@ def _run_replay(traces, target, max_tokens: int, label: str, json_out: str | Non
 @model_options
 @click.argument("traces", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
-    "--endpoint", default=None, help="Replay against this OpenAI-compatible URL instead of locally."
+    "--endpoint",
+    default=None,
+    help="Replay against this OpenAI-compatible URL instead of locally (--model is then the "
+    "model name sent; the server's own settings apply).",
 )
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="Bearer key for --endpoint.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
