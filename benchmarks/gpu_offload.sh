@@ -41,9 +41,12 @@ for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
       --json "$OUT/bw.json" 2>&1 | tail -3 >> "$LOG"
     cat "$OUT/bw.json" >> "$LOG" && rm -f "$OUT/bw.json"
   fi
+  offloads=${OFFLOADS:-none,auto,static,layer} auto_args=()  # (the split's settings: auto's)
+  case ",$offloads," in *,auto,*)
+    auto_args=(--split on,off --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}") ;;
+  esac
   timeout "$(left)" python3 -m agentrt.cli bench decode --model $M --device cuda \
-    --vram-budget 16GiB --offload "${OFFLOADS:-none,auto,static,layer}" --split on,off \
-    --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}" --repeat "${REPEAT:-2}" \
+    --vram-budget 16GiB --offload "$offloads" "${auto_args[@]}" --repeat "${REPEAT:-2}" \
     --cpu-kernel "${K%-nopool}" --tokenizer "$TOK" --prompt-len 256 --tokens "${TOKENS:-64}" \
     --json "$OUT/decode_offload_$K.json" --py-profile "$OUT/py_profile_$K.txt" \
     2>&1 | grep -v '^ \|^{\|^}' | tee -a "$LOG" | tail -24

@@ -202,6 +202,9 @@ _DECODE_OFFLOAD = ["bench", "decode", "--device", "cpu", "--offload", "none"]
         # options that would be ignored: usage errors naming them
         (["bench", "decode", "--split", "off", "--repeat", "2"], "--split, --repeat are used"),
         (["bench", "prefill", "--tokenizer", "t"], "--tokenizer is used only with --offload auto"),
+        (["bench", "prefill", "--no-resident"], "--no-resident is used only with --offload auto"),
+        (["bench", "decode", "--offload", "static", "--prefetch", "off"], "--prefetch is used"),
+        (["bench", "decode", "--eager", "--graphs", "on,off"], "--graphs is used only without"),
         (["bench", "prefill", "--eager"], "No such option '--eager'"),
         (["bench", "statecache", "--suffix", "8"], "--suffix is used only with --fidelity"),
         (["bench", "statecache", "--fidelity", "--capture-every", "8"], "only without --fid"),

@@ -314,10 +314,14 @@ def bench_decode(
     with each placement's bound (docs/architecture.md §8) and, at its hit rate, the ceilings
     against static: host memory (the missing experts' bytes at the fastest host read seen) and
     the layer chain (CPU experts between a token's GPU pieces, copies overlapping)."""
+    if eager:
+        only_with(["graphs"], "without --eager")
     modes = ["off"] if eager else graphs
     offload = offload or (["auto"] if vram_budget else None)  # (a budget: as the runtime's)
     if not offload:
         only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
+    elif "auto" not in offload:
+        only_with(["split", "expert_policy", "prefetch"], "with --offload auto")
     if len(prompt_len) > 1 and not offload:
         raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
     if offload:

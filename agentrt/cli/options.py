@@ -473,11 +473,17 @@ def given(names: Iterable[str]) -> list[str]:
     command line (not defaults or the environment), as `--name`, in the command's order."""
     ctx, wanted = click.get_current_context(), set(names)
     return [
-        param.opts[0]
+        _written(param, ctx.params.get(param.name))
         for param in ctx.command.params
         if param.name in wanted
         and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
     ]
+
+
+def _written(param: click.Parameter, value) -> str:
+    """How an option given on the command line was written (`--no-x` for an off switch)."""
+    off = getattr(param, "secondary_opts", None)
+    return off[0] if off and value is False else param.opts[0]
 
 
 def only_with(names: Iterable[str], where: str) -> None:

@@ -156,9 +156,10 @@ class ChatServer:
         self.metrics = Metrics()
         self.model_name = runtime.model_name
         self.created = int(time.time())
-        # seeds of requests that name none: drawn in arrival order from the runtime's seed
-        # (`--seed`), so a server restarted with the same seed answers the same requests,
-        # sent in the same order, the same way; each request still samples its own way
+        # seeds of requests that name none: one drawn per authorized request as it arrives,
+        # from the runtime's seed (`--seed`), so a server restarted with the same seed answers
+        # the same requests, arriving in the same order, the same way; each request still
+        # samples its own way
         self.seeds = random.Random(runtime.seed)
 
     # ------------------------------------------------------------------ plumbing
@@ -208,6 +209,7 @@ class ChatServer:
         give instead, shaped by `answer(status, message, param=None, code=None)`."""
         if not self._authorized(request):
             return answer(401, "invalid or missing API key", None, "invalid_api_key")
+        seed = self.seeds.getrandbits(31)  # (drawn on arrival, used where the request has none)
         try:
             req, plain, kwargs = decode(await self._body(request))
             prepared = await asyncio.to_thread(self.runtime.prepare, *plain)
@@ -219,7 +221,7 @@ class ChatServer:
         # (no limit given: as OpenAI's APIs, up to the context's end, where generation stops)
         kwargs.setdefault("max_tokens", self.runtime.engine.max_context)
         if kwargs.get("seed") is None:
-            kwargs["seed"] = self.seeds.getrandbits(31)
+            kwargs["seed"] = seed
         job = Job(prepared, kwargs, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
