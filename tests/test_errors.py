@@ -227,6 +227,14 @@ def test_options_that_would_be_ignored_are_usage_errors(tmp_path):
         "chat", "--device", "cpu", "--offload", "none", "--expert-cache-slots", "2", "hi"
     )
     assert slots.returncode == 2 and "--expert-cache-slots sizes --offload auto's" in slots.stderr
+    split = invoke_cli("chat", "--device", "cpu", "--split", "off", "--recalibrate", "hi")
+    assert split.returncode == 2
+    assert "--split, --recalibrate are used only with --offload auto, not none" in split.stderr
+    layers = invoke_cli("chat", "--device", "cpu", "--offload", "static", "--cpu-layers", "2", "hi")
+    assert layers.returncode == 2
+    assert "--cpu-layers is used only with --offload layer" in layers.stderr
+    kernel = invoke_cli("run", "--device", "cpu", "--cpu-kernel", "torch", "task")
+    assert kernel.returncode == 2 and "--cpu-kernel is used only where experts" in kernel.stderr
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"agentrt_trace": 1}\n{"id": "a", "messages": [{"role": "user"}]}\n')
     remote = invoke_cli(

@@ -405,12 +405,16 @@ def offload_options(lists: bool = False) -> list:
     ]
 
 
-def open_runtime(opts: dict, require_tokenizer: bool = False):
+def open_runtime(opts: dict, require_tokenizer: bool = False, check_unused: bool = True):
     """`Runtime.open` with the command's model and runtime options (by `RuntimeConfig`'s field
-    names; on/off switches, boundary overrides and the device resolved first)."""
+    names; on/off switches, boundary overrides and the device resolved first). `check_unused`:
+    placement options given on the command line that the placement would not use are usage
+    errors (off for commands that run one setting per value of a list)."""
     mode = offload_mode(opts["offload"], opts["vram_budget"], opts["expert_cache_slots"])
     if mode != "auto" and opts["expert_cache_slots"] is not None:
         raise click.UsageError(f"--expert-cache-slots sizes --offload auto's cache, not {mode}'s")
+    if check_unused:
+        _refuse_unused(mode)
     prepare_cpu_threads(opts["device"], [mode])
     from agentrt import Runtime, RuntimeConfig
     from agentrt.session.boundary_text import parse_overrides
@@ -425,6 +429,18 @@ def open_runtime(opts: dict, require_tokenizer: bool = False):
         require_tokenizer=require_tokenizer,
     )
     return Runtime.open(opts["model"], config=RuntimeConfig(**given))
+
+
+def _refuse_unused(mode: str) -> None:
+    """A usage error naming the placement options given that `mode` does not read."""
+    if mode != "auto":
+        auto_only = ["split", "prefetch", "prefill_plan", "expert_policy", "recalibrate"]
+        only_with(auto_only, f"with --offload auto, not {mode}")
+    for name, owner in (("cpu_moe_layers", "static"), ("cpu_layers", "layer")):
+        if mode != owner:
+            only_with([name], f"with --offload {owner}")
+    if mode == "none":
+        only_with(["cpu_kernel"], "where experts run on the CPU (--offload auto, static, layer)")
 
 
 def write_json(path: str | None, data) -> None:

@@ -326,7 +326,7 @@ def _ttft_setting(traces, variants, max_tokens, plot, max_requests, warmup, save
     from agentrt.bench import ttft as b
     from agentrt.session.options import cache_config
 
-    rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True)
+    rt = open_runtime({**opts, "cache": "off"}, require_tokenizer=True, check_unused=False)
     placement = setting_of(opts)
     result = b.ttft(
         rt,
