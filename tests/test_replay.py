@@ -499,7 +499,7 @@ def test_bench_ttft_makes_each_modes_state_directory_inside_state_dir(tmp_path, 
             pass
 
     trace = generate(seed=3, target_tokens=1000, max_turns=2)
-    monkeypatch.setattr(traces, "open_runtime", lambda opts, require_tokenizer: Rt())
+    monkeypatch.setattr(traces, "open_runtime", lambda opts, **kw: Rt())
     monkeypatch.setattr(traces, "_load_traces", lambda paths, drop, truncate, n: [trace])
     monkeypatch.setattr(traces, "_run_replay", lambda *a: {})
     monkeypatch.setattr(b, "_report", lambda *a, **k: {"reports": {}, "ratios": {}})

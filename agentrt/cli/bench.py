@@ -16,15 +16,14 @@ from agentrt.cli.options import (
     csv_option,
     csv_sizes_or_none,
     expert_format_option,
-    given,
     json_option,
     one_value,
-    only_with,
     prepare_cpu_threads,
     resolve_device,
     size_text,
 )
 from agentrt.cli.tables import print_report as _report
+from agentrt.cli.unused import given, only_with
 from agentrt.offload.config import PREFILL_PLANS
 
 

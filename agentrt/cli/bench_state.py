@@ -6,8 +6,9 @@ from __future__ import annotations
 import click
 
 from agentrt.cli.bench import bench, model_bench_options
-from agentrt.cli.options import csv_ints, one_value, only_with, resolve_device
+from agentrt.cli.options import csv_ints, one_value, resolve_device
 from agentrt.cli.tables import print_report as _report
+from agentrt.cli.unused import only_with
 
 
 @bench.command("statecache")

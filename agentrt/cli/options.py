@@ -9,11 +9,11 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import click
 
+from agentrt.cli.unused import refuse_unused
 from agentrt.errors import AgentrtError, InvalidArgumentError
 from agentrt.offload.config import CPU_KERNELS, PREFILL_PLANS, offload_mode, parse_bytes
 
@@ -414,7 +414,7 @@ def open_runtime(opts: dict, require_tokenizer: bool = False, check_unused: bool
     if mode != "auto" and opts["expert_cache_slots"] is not None:
         raise click.UsageError(f"--expert-cache-slots sizes --offload auto's cache, not {mode}'s")
     if check_unused:
-        _refuse_unused(mode)
+        refuse_unused(mode)
     prepare_cpu_threads(opts["device"], [mode])
     from agentrt import Runtime, RuntimeConfig
     from agentrt.session.boundary_text import parse_overrides
@@ -429,18 +429,6 @@ def open_runtime(opts: dict, require_tokenizer: bool = False, check_unused: bool
         require_tokenizer=require_tokenizer,
     )
     return Runtime.open(opts["model"], config=RuntimeConfig(**given))
-
-
-def _refuse_unused(mode: str) -> None:
-    """A usage error naming the placement options given that `mode` does not read."""
-    if mode != "auto":
-        auto_only = ["split", "prefetch", "prefill_plan", "expert_policy", "recalibrate"]
-        only_with(auto_only, f"with --offload auto, not {mode}")
-    for name, owner in (("cpu_moe_layers", "static"), ("cpu_layers", "layer")):
-        if mode != owner:
-            only_with([name], f"with --offload {owner}")
-    if mode == "none":
-        only_with(["cpu_kernel"], "where experts run on the CPU (--offload auto, static, layer)")
 
 
 def write_json(path: str | None, data) -> None:
@@ -482,30 +470,3 @@ def one_value(values: list[str], hint: str, where: str, only_auto: bool = False)
         what = "only auto" if only_auto else "one value only"
         raise click.BadParameter(f"{what} {where}", param_hint=hint)
     return values[0]
-
-
-def given(names: Iterable[str]) -> list[str]:
-    """The options of the running command among the parameter `names` that were given on the
-    command line (not defaults or the environment), as `--name`, in the command's order."""
-    ctx, wanted = click.get_current_context(), set(names)
-    return [
-        _written(param, ctx.params.get(param.name))
-        for param in ctx.command.params
-        if param.name in wanted
-        and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
-    ]
-
-
-def _written(param: click.Parameter, value) -> str:
-    """How an option given on the command line was written (`--no-x` for an off switch)."""
-    off = getattr(param, "secondary_opts", None)
-    return off[0] if off and value is False else param.opts[0]
-
-
-def only_with(names: Iterable[str], where: str) -> None:
-    """A usage error naming the options among `names` given on the command line, which the
-    command uses only `where` (e.g. "with --offload"): better than ignoring them."""
-    found = given(names)
-    if found:
-        verb = "is" if len(found) == 1 else "are"
-        raise click.UsageError(f"{', '.join(found)} {verb} used only {where}")

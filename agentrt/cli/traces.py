@@ -13,13 +13,13 @@ from agentrt.cli.bench import bench
 from agentrt.cli.main import main
 from agentrt.cli.options import (
     csv_choice,
-    given,
     json_option,
     model_options,
     open_runtime,
     output_path,
     write_json,
 )
+from agentrt.cli.unused import given
 from agentrt.errors import AgentrtError
 
 
