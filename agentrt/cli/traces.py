@@ -19,7 +19,7 @@ from agentrt.cli.options import (
     output_path,
     write_json,
 )
-from agentrt.cli.unused import given
+from agentrt.cli.unused import given, refuse
 from agentrt.errors import AgentrtError
 
 
@@ -250,12 +250,8 @@ def _refuse_local_options(opts: dict) -> None:
     """With --endpoint the server's model and settings answer: options of a local runtime given
     on the command line (all of `model_options` but --model, the name sent) would be ignored."""
     local = given(name for name in opts if name != "model")
-    if local:
-        verb = "is" if len(local) == 1 else "are"
-        raise click.UsageError(
-            f"{', '.join(local)} {verb} for local replays: with --endpoint the server's "
-            "settings apply (--model is the model name sent to it)"
-        )
+    why = "for local replays: with --endpoint the server's settings apply (--model is the model "
+    refuse(local, why + "name sent to it)")
 
 
 @bench.command("ttft")

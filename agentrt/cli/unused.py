@@ -29,10 +29,14 @@ def _written(param: click.Parameter, value) -> str:
 def only_with(names: Iterable[str], where: str) -> None:
     """A usage error naming the options among `names` given on the command line, which the
     command uses only `where` (e.g. "with --offload"): better than ignoring them."""
-    found = given(names)
+    refuse(given(names), f"used only {where}")
+
+
+def refuse(found: list[str], why: str) -> None:
+    """A usage error naming the options `found` (as written), which are `why`; none: nothing."""
     if found:
         verb = "is" if len(found) == 1 else "are"
-        raise click.UsageError(f"{', '.join(found)} {verb} used only {where}")
+        raise click.UsageError(f"{', '.join(found)} {verb} {why}")
 
 
 def refuse_unused(mode: str) -> None:
