@@ -7,6 +7,13 @@ from collections.abc import Iterable
 
 import click
 
+# options the public contract lists for every command that opens a model (and serve's and
+# cache's --state-dir): given where they do nothing, they are reported, not refused
+KEPT = frozenset(
+    ("--device", "--tokenizer", "--chat-template", "--vram-budget", "--offload", "--split")
+    + ("--state-dir", "--json")
+)
+
 
 def given(names: Iterable[str]) -> list[str]:
     """The options of the running command among the parameter `names` that were given on the
@@ -33,10 +40,17 @@ def only_with(names: Iterable[str], where: str) -> None:
 
 
 def refuse(found: list[str], why: str) -> None:
-    """A usage error naming the options `found` (as written), which are `why`; none: nothing."""
-    if found:
-        verb = "is" if len(found) == 1 else "are"
-        raise click.UsageError(f"{', '.join(found)} {verb} {why}")
+    """A usage error naming the options `found` (as written), which are `why`; none: nothing.
+    The common options of docs/architecture.md §2 (`KEPT`) only get a warning: callers that
+    pass them to every command keep working."""
+    kept = [name for name in found if name in KEPT]
+    if kept:
+        they = "it is" if len(kept) == 1 else "they are"
+        click.echo(f"agentrt: ignoring {', '.join(kept)}: {they} {why}", err=True)
+    refused = [name for name in found if name not in KEPT]
+    if refused:
+        verb = "is" if len(refused) == 1 else "are"
+        raise click.UsageError(f"{', '.join(refused)} {verb} {why}")
 
 
 def refuse_unused(mode: str) -> None:
