@@ -205,7 +205,6 @@ _DECODE_OFFLOAD = ["bench", "decode", "--device", "cpu", "--offload", "none"]
         (["bench", "prefill", "--no-resident"], "--no-resident is used only with --offload auto"),
         (["bench", "decode", "--offload", "static", "--prefetch", "off"], "--prefetch is used"),
         (["bench", "decode", "--eager", "--graphs", "on,off"], "--graphs is used only without"),
-        (["bench", "prefill", "--eager"], "No such option '--eager'"),
         (["bench", "statecache", "--suffix", "8"], "--suffix is used only with --fidelity"),
         (["bench", "statecache", "--fidelity", "--capture-every", "8"], "only without --fid"),
         (
@@ -235,6 +234,8 @@ def test_options_that_would_be_ignored_are_usage_errors(tmp_path):
     layers = invoke_cli("chat", "--device", "cpu", "--offload", "static", "--cpu-layers", "2", "hi")
     assert layers.returncode == 2
     assert "--cpu-layers is used only with --offload layer" in layers.stderr
+    eager = invoke_cli("bench", "prefill", "--device", "cpu", "--lengths", "16", "--eager")
+    assert eager.returncode == 0 and "ignoring --eager" in eager.stderr  # (it "always works")
     kernel = invoke_cli("run", "--device", "cpu", "--cpu-kernel", "torch", "task")
     assert kernel.returncode == 2 and "--cpu-kernel is used only where experts" in kernel.stderr
     trace = tmp_path / "t.jsonl"

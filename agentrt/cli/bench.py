@@ -32,10 +32,8 @@ def bench() -> None:
     """Benchmarks that print JSON (see BENCHMARKS.md)."""
 
 
-def model_bench_options(fn=None, *, eager: bool = True):
-    """The options every model benchmark takes (`eager`: --eager too, for those that decode)."""
-    if fn is None:
-        return lambda f: model_bench_options(f, eager=eager)
+def model_bench_options(fn):
+    """The options every model benchmark takes (--eager matters only to those that decode)."""
     options = [
         click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP),
         click.option("--device", default="auto", show_default=True, help=DEVICE_HELP),
@@ -50,11 +48,11 @@ def model_bench_options(fn=None, *, eager: bool = True):
             help="Comma-separated list of kernels to compare: auto, torch, fla.",
         ),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option(
+            "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
+        ),
         json_option,
     ]
-    if eager:
-        flag = "Do not capture the decode step in a CUDA graph."
-        options.insert(-1, click.option("--eager", is_flag=True, help=flag))
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -68,7 +66,7 @@ _expert_format_option = expert_format_option(
 
 
 @bench.command("prefill")
-@model_bench_options(eager=False)
+@model_bench_options
 @click.option(
     "--lengths",
     default="2048,8192",
@@ -162,6 +160,7 @@ def bench_prefill(
     dtype,
     linear_attn,
     seed,
+    eager,
     json_out,
     lengths,
     prefill_chunk,
@@ -173,6 +172,7 @@ def bench_prefill(
     max(missing expert bytes / B_P, resident compute time)."""
     from agentrt.bench import engine as b
 
+    only_with(["eager"], "where a benchmark decodes")
     offloads = offload.pop("offload")
     if not given(["offload"]) and (offload["vram_budget"] or offload["expert_cache_slots"]):
         offloads = ["auto"]  # (as the runtime's default)

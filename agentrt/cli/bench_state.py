@@ -12,7 +12,7 @@ from agentrt.cli.unused import only_with
 
 
 @bench.command("statecache")
-@model_bench_options(eager=False)
+@model_bench_options
 @click.option(
     "--lengths",
     default="8192,32768,65536",
@@ -70,7 +70,7 @@ from agentrt.cli.unused import only_with
     show_default=True,
     help="With --fidelity: the engine's chunk (the noise floor runs half and twice this).",
 )
-def bench_statecache(model, device, dtype, linear_attn, seed, json_out, lengths, **o):
+def bench_statecache(model, device, dtype, linear_attn, seed, eager, json_out, lengths, **o):
     """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead;
     with --fidelity, how exactly a restored checkpoint continues."""
     dev, state_dir, rounds = resolve_device(device), o["state_dir"], o["rounds"]
@@ -78,6 +78,7 @@ def bench_statecache(model, device, dtype, linear_attn, seed, json_out, lengths,
     def note(text: str) -> None:
         click.echo(text, err=True)
 
+    only_with(["eager"], "where a benchmark decodes")
     if o["fidelity"]:
         only_with(["capture_every"], "without --fidelity")
         from agentrt.bench.fidelity import fidelity as run

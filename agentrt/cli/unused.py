@@ -8,10 +8,11 @@ from collections.abc import Iterable
 import click
 
 # options the public contract lists for every command that opens a model (and serve's and
-# cache's --state-dir): given where they do nothing, they are reported, not refused
+# cache's --state-dir; --eager, which "always works"): given where they do nothing, they are
+# reported, not refused
 KEPT = frozenset(
     ("--device", "--tokenizer", "--chat-template", "--vram-budget", "--offload", "--split")
-    + ("--state-dir", "--json")
+    + ("--state-dir", "--json", "--eager")
 )
 
 
