@@ -30,7 +30,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--budget", default="16GiB", help="--vram-budget of both benchmarks")
     parser.add_argument("--tokenizer", default=".tok/qwen3", help="real text through this")
-    parser.add_argument("--lengths", default="512,4096,8192", help="cold prompt lengths")
+    parser.add_argument(
+        "--lengths", default="512,4096,8192", help="cold prompt lengths ('none': decode only)"
+    )
     parser.add_argument("--chunk", type=int, default=8192, help="--prefill-chunk")
     parser.add_argument("--prompt-len", type=int, default=256, help="decode's prompt")
     parser.add_argument("--tokens", type=int, default=64, help="timed decode steps")
@@ -41,20 +43,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     # one build for both: each benchmark hands the model back with the store's routed experts
     bench_offload.load_offloadable = functools.cache(bench_offload.load_offloadable)
-    prefill = offload_prefill(
-        args.model,
-        args.device,
-        None,
-        args.budget,
-        ["auto"],
-        [int(n) for n in args.lengths.split(",")],
-        [],
-        0,
-        args.chunk,
-        repeat=args.repeat,
-        tokenizer_dir=args.tokenizer,
-    )
-    (out / "agentrt_prefill.json").write_text(json.dumps(prefill, indent=1))
+    lengths = [] if args.lengths == "none" else [int(n) for n in args.lengths.split(",")]
+    prefill = {"runs": []}
+    if lengths:
+        prefill = _prefill(args, lengths)
+        (out / "agentrt_prefill.json").write_text(json.dumps(prefill, indent=1))
     # `layer` moves layers to the host for good: decode runs it last, after the prefill rows
     runs = bench_offload.settings(args.offloads.split(","), [True], ["lru"])
     decode = bench_offload.offload_decode(
@@ -72,6 +65,23 @@ def main() -> None:
     )
     (out / "agentrt_decode.json").write_text(json.dumps(decode, indent=1))
     print(json.dumps(_rows(prefill, decode)))
+
+
+def _prefill(args: argparse.Namespace, lengths: list[int]) -> dict:
+    """`bench prefill --offload auto` over cold prompts of `lengths`."""
+    return offload_prefill(
+        args.model,
+        args.device,
+        None,
+        args.budget,
+        ["auto"],
+        lengths,
+        [],
+        0,
+        args.chunk,
+        repeat=args.repeat,
+        tokenizer_dir=args.tokenizer,
+    )
 
 
 def _rows(prefill: dict, decode: dict) -> dict:
