@@ -1,0 +1,163 @@
+"""The expert-cache hit rate a synthetic model's routing gives, measured on the CPU from the
+model's first layers: which `@skew=S` reproduces a target regime (e.g. about 30% LRU hits with
+15% of the experts resident) without spending GPU time on guesses.
+
+A token's routing in layer l depends only on the layers before it, and every tensor of a
+synthetic model is drawn from its own seed (seed, name), so a model cut to its first N layers
+routes those layers exactly as the whole model built on the CPU does (a model built on CUDA
+draws other values from the same distributions). The probe builds that cut model for each skew,
+runs real text through it (teacher-forced, one prefill: the routing a decode of the same text
+would see), records each MoE layer's top-k experts per token, and replays them through an LRU
+cache shared by the probed layers with `residency` of their experts, as the engine's expert
+cache is shared by all layers. Hits are counted after the first `warmup` tokens. It measures
+the cache alone: the engine's prefetch and its CPU split change which experts are resident.
+
+    python benchmarks/routing_probe.py --model synthetic:qwen3.5-35b-a3b --skews 0,0.25,0.3 \
+        [--layers 4] [--tokens 1024] [--residency 0.15] [--tokenizer .tok/qwen3]
+
+Prints one JSON line per skew: the LRU hit rate over the probed layers and per layer, and the
+share of routed pairs that the most popular 15% of each layer's experts receive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import OrderedDict
+
+import torch
+
+from agentrt.bench.offload import text_ids
+from agentrt.engine import Engine
+from agentrt.engine.config import EngineConfig
+from agentrt.models import build_empty
+from agentrt.models.architectures import architecture
+from agentrt.models.config import ModelConfig
+from agentrt.models.synthetic import (
+    hf_config,
+    init_value,
+    named_tensors,
+    resolve_size,
+    router_skew,
+)
+
+
+class RoutingRecorder:
+    """Routed experts that record each call's expert ids per layer, then compute as before."""
+
+    def __init__(self, experts) -> None:
+        self.experts = experts
+        self.ids: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer: int, hidden, topk_ids, topk_weights):
+        self.ids.setdefault(layer, []).append(topk_ids.detach().cpu())
+        return self.experts(layer, hidden, topk_ids, topk_weights)
+
+    def __getattr__(self, name: str):
+        return getattr(self.experts, name)
+
+
+def cut_config(size: str, layers: int) -> ModelConfig:
+    """The config of `size` cut to its first `layers` layers (the same layer types)."""
+    raw = hf_config(size)
+    raw["num_hidden_layers"] = layers
+    raw["layer_types"] = raw["layer_types"][:layers]
+    return ModelConfig.from_hf(raw)
+
+
+def build_cut(size: str, layers: int, dtype: torch.dtype, seed: int = 0):
+    """The first `layers` layers of synthetic `size` on the CPU, values as the full model's."""
+    cfg = cut_config(size, layers)
+    model = build_empty(cfg, "cpu", dtype)
+    zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
+    with torch.inference_mode():
+        for name, tensor in named_tensors(model):
+            init_value(name, tensor, seed, zero_centered, router_skew(size))
+    return model
+
+
+def routing(size: str, layers: int, ids: list[int], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Each MoE layer's `[T, k]` expert ids over `ids` in the cut model."""
+    model = build_cut(size, layers, dtype)
+    recorder = RoutingRecorder(model.experts)
+    model.set_experts(recorder)
+    engine = Engine(model, EngineConfig(device="cpu", dtype=str(dtype).split(".")[-1]))
+    with torch.inference_mode():
+        engine.prefill(engine.new_state(), ids)
+    return {layer: torch.cat(parts) for layer, parts in recorder.ids.items()}
+
+
+def lru_hits(routes: dict[int, torch.Tensor], slots: int, warmup: int) -> dict:
+    """Replay the tokens' experts, layer by layer within a token, through one LRU of `slots`."""
+    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    hits = {layer: 0 for layer in routes}
+    looked = {layer: 0 for layer in routes}
+    tokens = min(len(r) for r in routes.values())
+    for t in range(tokens):
+        for layer, ids in routes.items():
+            for e in ids[t].tolist():
+                key = (layer, e)
+                counted = t >= warmup
+                looked[layer] += counted
+                if key in cache:
+                    cache.move_to_end(key)
+                    hits[layer] += counted
+                    continue
+                cache[key] = None
+                if len(cache) > slots:
+                    cache.popitem(last=False)
+    total = sum(looked.values())
+    return {
+        "lru_hit_rate": sum(hits.values()) / total if total else None,
+        "per_layer": {layer: round(hits[layer] / looked[layer], 3) for layer in routes},
+    }
+
+
+def top_share(routes: dict[int, torch.Tensor], experts: int, share: float) -> float:
+    """The mean share of routed pairs that the most popular `share` of a layer's experts get."""
+    top = max(1, round(share * experts))
+    shares = []
+    for ids in routes.values():
+        counts = torch.bincount(ids.flatten(), minlength=experts).sort(descending=True).values
+        shares.append(float(counts[:top].sum() / counts.sum()))
+    return sum(shares) / len(shares)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="synthetic:qwen3.5-35b-a3b")
+    parser.add_argument("--skews", default="0,0.25,0.3", help="router skews to probe")
+    parser.add_argument("--layers", type=int, default=4, help="first layers built and probed")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of real text")
+    parser.add_argument("--warmup", type=int, default=128, help="tokens before hits count")
+    parser.add_argument("--residency", type=float, default=0.15, help="experts' share cached")
+    parser.add_argument("--tokenizer", default=None, help="real text through this tokenizer")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    if "@" in args.model:
+        parser.error("give the skews with --skews, not in --model")
+    size = resolve_size(args.model.removeprefix("synthetic:"))
+    dtype = getattr(torch, args.dtype)
+    for skew in [float(s) for s in args.skews.split(",")]:
+        name = size + (f"@skew={skew:g}" if skew else "")
+        cfg = cut_config(name, args.layers)
+        ids = text_ids(cfg.vocab_size, args.tokens, None, args.tokenizer)
+        began = time.perf_counter()
+        routes = routing(name, args.layers, ids, dtype)
+        slots = round(args.residency * cfg.num_experts * len(routes))
+        report = {
+            "model": f"synthetic:{name}",
+            "layers": sorted(routes),
+            "tokens": args.tokens,
+            "residency": args.residency,
+            "slots": slots,
+            **lru_hits(routes, slots, args.warmup),
+            "top_share": round(top_share(routes, cfg.num_experts, args.residency), 3),
+            "seconds": round(time.perf_counter() - began, 1),
+        }
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
