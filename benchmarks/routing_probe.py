@@ -31,16 +31,8 @@ import torch
 from agentrt.bench.offload import text_ids
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
-from agentrt.models import build_empty
-from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
-from agentrt.models.synthetic import (
-    hf_config,
-    init_value,
-    named_tensors,
-    resolve_size,
-    router_skew,
-)
+from agentrt.models.synthetic import build_in_memory, hf_config, resolve_size
 
 
 class RoutingRecorder:
@@ -66,20 +58,10 @@ def cut_config(size: str, layers: int) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def build_cut(size: str, layers: int, dtype: torch.dtype, seed: int = 0):
-    """The first `layers` layers of synthetic `size` on the CPU, values as the full model's."""
-    cfg = cut_config(size, layers)
-    model = build_empty(cfg, "cpu", dtype)
-    zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
-    with torch.inference_mode():
-        for name, tensor in named_tensors(model):
-            init_value(name, tensor, seed, zero_centered, router_skew(size))
-    return model
-
-
-def routing(size: str, layers: int, ids: list[int], dtype: torch.dtype) -> dict[int, torch.Tensor]:
-    """Each MoE layer's `[T, k]` expert ids over `ids` in the cut model."""
-    model = build_cut(size, layers, dtype)
+def routing(size: str, cfg: ModelConfig, ids: list[int], dtype) -> dict[int, torch.Tensor]:
+    """Each MoE layer's `[T, k]` expert ids over `ids` in synthetic `size` built with `cfg`
+    (`cut_config`) on the CPU."""
+    model = build_in_memory(size, "cpu", dtype, cfg=cfg)
     recorder = RoutingRecorder(model.experts)
     model.set_experts(recorder)
     engine = Engine(model, EngineConfig(device="cpu", dtype=str(dtype).split(".")[-1]))
@@ -144,7 +126,7 @@ def main() -> None:
         cfg = cut_config(name, args.layers)
         ids = text_ids(cfg.vocab_size, args.tokens, None, args.tokenizer)
         began = time.perf_counter()
-        routes = routing(name, args.layers, ids, dtype)
+        routes = routing(name, cfg, ids, dtype)
         slots = round(args.residency * cfg.num_experts * len(routes))
         report = {
             "model": f"synthetic:{name}",

@@ -19,8 +19,8 @@ _spec.loader.exec_module(probe)
 def test_a_cut_model_routes_its_layers_as_the_whole_model(size):
     whole = probe.hf_config(size)["num_hidden_layers"]
     ids = list(range(3, 67))
-    full = probe.routing(size, whole, ids, torch.float32)
-    cut = probe.routing(size, 2, ids, torch.float32)
+    full = probe.routing(size, probe.cut_config(size, whole), ids, torch.float32)
+    cut = probe.routing(size, probe.cut_config(size, 2), ids, torch.float32)
     assert cut and set(cut) < set(full)
     for layer, routes in cut.items():
         assert torch.equal(routes, full[layer])

@@ -304,12 +304,18 @@ def checkpoint_tensor(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> torc
 
 
 def build_in_memory(
-    size: str, device, dtype: torch.dtype | None = None, seed: int = 0, experts=None
+    size: str,
+    device,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    experts=None,
+    cfg: ModelConfig | None = None,
 ) -> CausalLM:
     """A synthetic model of `size` directly in device memory (routed experts into `experts`
     when given). Values are drawn on `device`, so a host expert store holds the same values as
-    a model built entirely on that device."""
-    cfg = model_config(size)
+    a model built entirely on that device. `cfg`: `size`'s config changed (e.g. cut to its
+    first layers); tensors of the same name get the same values."""
+    cfg = cfg or model_config(size)
     model = build_empty(cfg, device, dtype or torch_dtype(cfg.torch_dtype), experts)
     zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
     skew = router_skew(size)
