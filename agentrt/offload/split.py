@@ -18,13 +18,18 @@ class Bandwidths:
     summed), which moves the estimate by `alpha`; an estimate never falls below `floor` times
     its starting value. Both guard against a trap: a few slow steps (right after a long
     prefill, the CPU is still busy) would otherwise settle the CPU side near zero, after which
-    it only runs single-expert probes on a sleeping thread pool, which measure slow again."""
+    it only runs single-expert probes on a sleeping thread pool, which measure slow again.
+    The other way, a window at least `jump` times the estimate moves it by `alpha_up`: a
+    calibration taken while something else held the host (once measured at 1/80 of the CPU's
+    rate, then saved) is left within a few dozen tokens, not a few thousand."""
 
     copy: float
     cpu: float
     alpha: float = 0.1  # weight of each window's rate
     window: int = 16  # observations per update
     floor: float = 0.5  # the lowest estimate, as a fraction of the starting value
+    jump: float = 2.0  # a window's rate this many times the estimate ...
+    alpha_up: float = 0.5  # ... moves it this far
     _start: dict = field(init=False, repr=False)
     _sums: dict = field(init=False, repr=False)
 
@@ -41,7 +46,9 @@ class Bandwidths:
             return
         rate = sums[0] / sums[1]
         self._sums[side] = [0, 0.0, 0]
-        moved = (1 - self.alpha) * getattr(self, side) + self.alpha * rate
+        now = getattr(self, side)
+        alpha = self.alpha_up if rate >= self.jump * now else self.alpha
+        moved = (1 - alpha) * now + alpha * rate
         setattr(self, side, max(moved, self.floor * self._start[side]))
 
 

@@ -98,8 +98,9 @@ bench() {
   # pinned host buffers: the GGUF must then live on a disk, not in /dev/shm beside them); each
   # run's peak GPU memory (nvidia-smi, every 200 ms) next to its JSON in $OUT.
   local gguf=$1 out=${OUT:-bench-out}; mkdir -p "$out"
+  local load=mmap; [ "${MMAP:-1}" = 0 ] && load=none  # (this llama-bench: --load-mode, no -mmp)
   local common=(-m "$gguf" -fa 1 -p "${PROMPTS:-512,4096,8192}" -n "${GEN:-64}"
-    -b "${UBATCH:-4096}" -ub "${UBATCH:-4096}" -r "${REPEAT:-2}" -mmp "${MMAP:-1}" -o json)
+    -b "${UBATCH:-4096}" -ub "${UBATCH:-4096}" -r "${REPEAT:-2}" -lm "$load" -o json)
   local configs; configs="$(echo "${NCPUMOE:-28,30,32,34,36}" | tr ',' ' ') all"
   for n in $(echo "${NGL:-}" | tr ',' ' '); do configs="$configs ngl$n"; done
   configs=${CONFIGS:-$configs}  # or the list itself, e.g. CONFIGS="34 all ngl7"
