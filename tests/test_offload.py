@@ -523,6 +523,24 @@ def test_calibration_keeps_each_figure_best_of_its_rounds(monkeypatch):
     )
 
 
+def test_a_saved_profile_that_understates_the_cpu_is_measured_again(tmp_path, monkeypatch):
+    """A profile saved while the host was busy (its CPU figure far below what the CPU does) is
+    measured again at the next start and replaced; a plausible one is kept as saved."""
+    from agentrt.engine.placement import profile_for
+    from agentrt.offload.calibrate import Profile, load_profile, profile_path, save_profile
+
+    monkeypatch.setenv("AGENTRT_HOME", str(tmp_path))
+    store, cpu = _store(layers=1, experts=4), torch.device("cpu")
+    path = profile_path(tmp_path / "profiles", cpu, store.dtype, store.expert_bytes)
+    busy = Profile(1e9, 1.0, 1e9, 1.0, store.expert_bytes, "cpu", "x", 1)  # (1 byte/s)
+    save_profile(busy, path)
+    measured = profile_for(store, cpu)
+    assert measured.cpu > 1e3 and load_profile(path) == measured
+    fast = Profile(1e9, 1e15, 1e9, 1e15, store.expert_bytes, "cpu", "x", 1)  # (no CPU doubles it)
+    save_profile(fast, path)
+    assert profile_for(store, cpu) == fast and load_profile(path) == fast
+
+
 @pytest.mark.parametrize("split,biased", [(True, False), (False, False), (True, True)])
 def test_graph_host_step_fills_what_the_next_piece_needs(split, biased):
     """The host step between captured decode pieces (run here on CPU slots): slot indices and

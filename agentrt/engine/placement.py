@@ -20,6 +20,7 @@ from agentrt.offload.calibrate import (
     profile_kernel,
     profile_path,
     save_profile,
+    understates_cpu,
 )
 from agentrt.offload.config import OffloadConfig
 from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
@@ -77,13 +78,16 @@ def profile_for(
 ) -> Profile:
     """The saved calibration profile for this GPU / CPU / expert shape / CPU kernel (`kernel`:
     a `NativeExperts`, else torch's), else a few seconds of measurement (saved for the next
-    start)."""
+    start); a saved one whose CPU figure a quick measurement now doubles is measured again."""
 
     def path() -> Path:  # (keyed by the kernel and whether it runs on its pool)
         key = profile_kernel(kernel)
         return profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, key)
 
     profile = None if recalibrate else load_profile(path())
+    if profile is not None and understates_cpu(profile, store, kernel):
+        print("agentrt: saved calibration understates the CPU: measuring again", file=sys.stderr)
+        profile = None
     if profile is None:
         print(
             "agentrt: calibrating expert copy / CPU bandwidths (a few seconds) ...", file=sys.stderr

@@ -243,6 +243,22 @@ def calibrate(store: ExpertStore, device: torch.device, count: int = 64, kernel=
         return _measure(store, layer, dest, count, kernel)
 
 
+def understates_cpu(profile: Profile, store: ExpertStore, kernel=None, count: int = 16) -> bool:
+    """Whether a saved profile's CPU figure is less than half of what a quick measurement (a
+    few milliseconds) gives now: it was then taken while something else held the host (seen:
+    0.79 GB/s saved, 60 measured after), and the split, trusting it, would send the CPU nothing
+    but single-expert probes, which on a sleeping pool measure slow again and never correct it.
+    The other way (a host slower now) decode's own measurements correct."""
+    layer = store.layers[0]
+    try:
+        _time_cpu(store, layer, 4, kernel)  # warm-up (and the pool's threads start)
+    except OSError:  # (the pool could not start: measure again, on the caller's thread)
+        return True
+    if kernel is not None and kernel.pooled:
+        time.sleep(SPIN_SETTLE_S)
+    return _time_cpu(store, layer, count, kernel) > 2 * profile.cpu
+
+
 def _measure(store: ExpertStore, layer: int, dest, count: int, kernel) -> Profile:
     """Each figure the best of `ROUNDS` rounds, `SPIN_SETTLE_S` apart: the profile is saved and
     used at every later start, so one round slowed by something else on the host (measured:
