@@ -19,9 +19,10 @@ class Bandwidths:
     its starting value. Both guard against a trap: a few slow steps (right after a long
     prefill, the CPU is still busy) would otherwise settle the CPU side near zero, after which
     it only runs single-expert probes on a sleeping thread pool, which measure slow again.
-    The other way, a window at least `jump` times the estimate moves it by `alpha_up`: a
-    calibration taken while something else held the host (once measured at 1/80 of the CPU's
-    rate, then saved) is left within a few dozen tokens, not a few thousand."""
+    The other way, a window at least `jump` times the estimate moves it by `alpha_up`, so an
+    estimate far below what the CPU's real work measures rises within a few windows. (Probes
+    alone measure slow, so a saved profile taken while the host was busy is caught at start-up
+    instead: `calibrate.understates_cpu`.)"""
 
     copy: float
     cpu: float
