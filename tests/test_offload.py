@@ -630,6 +630,40 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
     assert 1 not in experts.next_layer and not experts._prefetched.get(0)  # last layer: none
 
 
+def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
+    """With the native kernel's pool, a graph host step posts its CPU experts as soon as the
+    plan names them, before the layer's copies are issued (the CPU side is the longer one); the
+    experts posted are those the plan left on the CPU, and the step counts the time to the post."""
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
+
+    events = []
+
+    class Pool:  # records the post; the sum it leaves is not checked here
+        pooled, posted = True, False
+
+        def start(self, gate_up, down, weights, x, out):
+            events.append(("cpu", len(gate_up)))
+            self.posted = True
+
+        def finish(self) -> float:
+            self.posted = False
+            return 1e-6
+
+    store = ExpertStore(range(1), 8, hidden=4, inter=2, dtype=torch.bfloat16, pin=False)
+    cache = ExpertCache(store, 4, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=Pool())
+    issue = experts._issue
+    experts._issue = lambda *a: (events.append(("copy", len(a[4]))), issue(*a))
+    io = LayerIO(top_k=4, hidden=4, dtype=torch.bfloat16, device="cpu")
+    io.ids_h.copy_(torch.tensor([0, 1, 2, 3]))
+    io.w_h.fill_(0.25)
+    experts._host_step(0, io)
+    assert events == [("cpu", 2), ("copy", 2)]  # q* = 2 of 4 misses at equal bandwidths
+    assert sum(s.cpu for s in cache.stats.values()) == 2 and experts.totals.cpu_start_seconds > 0
+    cache.check()
+
+
 def test_prefetch_count_fills_pcie_over_a_layers_time():
     """Per layer, as many experts as the copy bandwidth moves in the measured period between
     host steps, less the layer's own copies, at least one (with the split and copy-only)."""

@@ -370,14 +370,14 @@ def _free(device: str) -> None:
 
 def _counters(experts) -> dict[str, int]:
     names = ("hits", "misses", "copied", "cpu", "bytes", "copy_s", "copy_b", "cpu_s", "cpu_b")
-    names += ("host_n", "host_s", "plan_s", "prefetched", "prefetch_hits")
+    names += ("host_n", "host_s", "plan_s", "prefetched", "prefetch_hits", "start_s", "wait_s")
     if experts is None:
         return dict.fromkeys(names, 0)
     stats, t = experts.cache.stats.values(), experts.totals
     values = (sum(s.hits for s in stats), sum(s.misses for s in stats), t.copied, t.cpu)
     values += (t.bytes_copied, t.copy_seconds, t.copy_timed_bytes, t.cpu_seconds)
     values += (t.cpu_timed_bytes, t.host_steps, t.host_seconds, t.plan_seconds)
-    values += (t.prefetched, t.prefetch_hits)
+    values += (t.prefetched, t.prefetch_hits, t.cpu_start_seconds, t.cpu_wait_seconds)
     return dict(zip(names, values, strict=True))
 
 
@@ -412,4 +412,8 @@ def _per_token(
         "host_ms_per_token": 1e3 * d["host_s"] / tokens,
         "host_plan_ms_per_token": 1e3 * d["plan_s"] / tokens,
         "host_cpu_experts_ms_per_token": 1e3 * d["cpu_s"] / tokens,
+        # of the host steps: to the CPU experts' post on the native kernel's pool (the serial
+        # part before the CPU starts), and waiting for the pool after the step's own work
+        "host_to_cpu_start_ms_per_token": 1e3 * d["start_s"] / tokens,
+        "host_cpu_wait_ms_per_token": 1e3 * d["wait_s"] / tokens,
     }

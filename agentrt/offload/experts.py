@@ -200,29 +200,33 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
 
     # ------------------------------------------------------------------ planning
 
-    def _plan_decode(self, layer: int, pairs: dict[int, list[int]], synced: bool = False):
-        """Hits run from their slots; misses split into copies (admitted) and CPU work. The copies
-        are issued before any bookkeeping, so they (and the caller's CPU experts) start as early
-        as possible; `synced`: the device has finished all earlier work (a graph host step)."""
+    def _plan_decode(
+        self,
+        layer: int,
+        pairs: dict[int, list[int]],
+        synced: bool = False,
+        start_cpu: Callable[[list[int]], None] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """Hits run from their slots; misses split into copies (admitted) and CPU work.
+        `start_cpu(cpu)`, where given, is called as soon as the CPU's share is known, before the
+        copies are issued (a graph host step starts its CPU experts there: they take longer than
+        issuing the copies, and the copies then queue behind the prefetches anyway); the
+        bookkeeping comes last. `synced`: the device has finished all earlier work (a graph
+        host step)."""
         lookup = self.cache.slot_of[layer]
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
-        ahead = self._prefetched.pop(layer, None)
-        if ahead:  # (still resident: a pool resize may have dropped them)
-            right = sum(1 for e in ahead if e in pairs and lookup[e] >= 0)
-            self.cache.stats[layer].prefetch_hits += right
-            self.totals.prefetch_hits += right
-        queued = self._queued() if synced else 0.0
-        q = q_star(len(misses), self.bw.copy, self.bw.cpu, queued) if self.split else len(misses)
-        if self.adaptive and q == len(misses) >= 2:
-            self._copy_only_decisions += 1
-            if self._copy_only_decisions % PROBE_EVERY == 0:
-                q -= 1  # the least valuable miss (last by the policy's rank) runs on the CPU
+        self._count_prefetch_hits(layer, pairs, lookup)
+        q = self._copies_for(len(misses), synced)
         policy = self.cache.policy
         ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
-        exclude = {(layer, e) for e in pairs}
-        copied = self._copy_in(layer, ranked[:q], exclude, synced) if q else []
+        exclude = {(layer, e) for e in pairs} if q else set()
+        copied, targets = self._admit(layer, ranked[:q], exclude) if q else ([], [])
         cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
+        if start_cpu is not None:
+            start_cpu(cpu)
+        if copied:
+            self._copy_in(layer, copied, targets, synced)
         for expert in pairs:  # after the copies: they are already on their way
             policy.touch((layer, expert))
         stats = self.cache.stats[layer]
@@ -232,18 +236,35 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         stats.cpu += len(cpu)
         return hits + copied, cpu
 
-    def _copy_in(self, layer: int, experts: list[int], exclude: set, synced: bool = False):
-        """Copy experts into victim slots; returns those that got a slot. Unless `synced`, the
-        copies go on the copy stream, which first waits for the work queued on the current
+    def _count_prefetch_hits(self, layer: int, pairs, lookup: list[int]) -> None:
+        """Count the experts prefetched for `layer` that its token routed to (and that are still
+        resident: a pool resize may have dropped them)."""
+        ahead = self._prefetched.pop(layer, None)
+        if ahead:
+            right = sum(1 for e in ahead if e in pairs and lookup[e] >= 0)
+            self.cache.stats[layer].prefetch_hits += right
+            self.totals.prefetch_hits += right
+
+    def _copies_for(self, misses: int, synced: bool) -> int:
+        """How many of `misses` experts to copy (q*; all of them without the split)."""
+        if not self.split:
+            return misses
+        q = q_star(misses, self.bw.copy, self.bw.cpu, self._queued() if synced else 0.0)
+        if self.adaptive and q == misses >= 2:
+            self._copy_only_decisions += 1
+            if self._copy_only_decisions % PROBE_EVERY == 0:
+                q -= 1  # the least valuable miss (last by the policy's rank) runs on the CPU
+        return q
+
+    def _copy_in(self, layer: int, done: list[int], targets: list, synced: bool = False) -> None:
+        """Issue the copies of `done`, just admitted into the slots `targets`. Unless `synced`,
+        the copies go on the copy stream, which first waits for the work queued on the current
         stream (a victim slot may still be read by it), and the current stream then waits for
         them. A graph host step (`synced`) has nothing in flight: they go on the current stream,
-        which the next graph piece runs on (no stream switch and no waits, which cost host time
-        before the CPU experts can start). They go through the CUDA runtime directly (`fast`,
-        ~3-6 us each on the H200 machine) or else one `torch._foreach_copy_` call (a `copy_` per
-        expert cost ~15 us of host time each there)."""
-        done, targets = self._admit(layer, experts, exclude)
-        if not done:
-            return done
+        which the next graph piece runs on (no stream switch and no waits, which cost host
+        time). They go through the CUDA runtime directly (`fast`, ~3-6 us each on the H200
+        machine) or else one `torch._foreach_copy_` call (a `copy_` per expert cost ~15 us of
+        host time each there)."""
         rows = self.store.expert_views(layer)[0]
         side = self.copy_stream if not synced else None
         # (the slots' device's current stream, not the current device's: they may differ)
@@ -264,7 +285,6 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._copies_queued(len(done))
         self.totals.copied += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
-        return done
 
     def _current(self) -> torch.cuda.Stream:
         """The slots' device's current stream; in graph decode's host steps, the one looked up

@@ -67,34 +67,43 @@ class CapturedDecode:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
 
     def _host_work(self, layer: int, io: LayerIO, t_begin: float) -> None:
-        """The host step's work (see `_host_step`). With the native kernel, the CPU experts run
-        on its thread while this one plans and issues the next layer's prefetch and fills the
-        next piece's inputs."""
+        """The host step's work (see `_host_step`). With the native kernel's pool, the CPU
+        experts start as soon as the plan names them, and run while this thread issues the
+        copies, plans and issues the next layer's prefetch and fills the next piece's inputs."""
         self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
-        ids = io.ids_np.tolist()
+        ids, w = io.ids_np.tolist(), io.w_np.tolist()
         copied_before = self.cache.stats[layer].copied
-        if layer in self.cpu_layers:
-            gpu, cpu = [], ids
-        else:
-            gpu, cpu = self._plan_decode(layer, {e: [row] for row, e in enumerate(ids)}, True)
-        w = io.w_np.tolist()
-        prefetch = self.routers is not None and layer in self.next_layer
-        running = False  # the native kernel's pool computes while this thread works on
         kernel = self.cpu_kernel or self.packed_cpu
-        try:
-            if cpu and kernel is not None and kernel.pooled:
+        pooled = kernel is not None and kernel.pooled
+        running = False  # the native kernel's pool computes while this thread works on
+
+        def start(cpu: list[int]) -> None:
+            nonlocal running
+            if cpu and pooled:
                 running = self._start_native(layer, io, cpu, _weights_of(cpu, ids, w))
-            if prefetch:
+                self.totals.cpu_start_seconds += time.perf_counter() - t_begin
+
+        try:
+            if layer in self.cpu_layers:
+                gpu, cpu = [], ids
+                start(cpu)
+            else:
+                pairs = {e: [row] for row, e in enumerate(ids)}
+                gpu, cpu = self._plan_decode(layer, pairs, True, start)
+            if self.routers is not None and layer in self.next_layer:
                 own = self.cache.stats[layer].copied - copied_before
                 self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
             slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
             io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
             io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
-            self.totals.plan_seconds += time.perf_counter() - t_begin
+            t_planned = time.perf_counter()
+            self.totals.plan_seconds += t_planned - t_begin
         finally:  # (the kernel writes the buffer until it is waited for; an interrupt may
             # land between the post and `running`)
             seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
+        if running:
+            self.totals.cpu_wait_seconds += time.perf_counter() - t_planned
         self.totals.cpu += len(cpu)
         if running:
             self._observe_cpu(len(cpu) * self.store.expert_bytes, seconds)

@@ -26,6 +26,11 @@ class Totals:
     # of which planning and issuing the copies (prefetches included) and filling the next
     # piece's inputs (overlapping the CPU experts when the native kernel's pool runs them)
     plan_seconds: float = 0.0
+    # of the host steps that posted CPU experts to the native kernel's pool: from the step's
+    # start to the post (the chain's serial part before the CPU starts), and the time the
+    # step then waited for the pool once its own work was done
+    cpu_start_seconds: float = 0.0
+    cpu_wait_seconds: float = 0.0
     prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch_after`)
     prefetch_hits: int = 0  # of which the next layer did route to
 

@@ -11,6 +11,7 @@ then the dtype experts compute in, and the per-expert weights the CPU side reads
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -132,8 +133,9 @@ class ExpertStore:
         """Elements of `storage_dtype` per expert."""
         return self.layout.row_bytes if self.packed else 3 * self.inter * self.hidden
 
-    @property
+    @functools.cached_property
     def expert_bytes(self) -> int:
+        """Bytes per expert (fixed at construction; cached: the host step asks often)."""
         return self.expert_numel * self.storage_dtype.itemsize
 
     def gate_up(self, layer: int) -> torch.Tensor:
