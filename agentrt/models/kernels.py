@@ -30,7 +30,11 @@ CHUNK = 64
 
 
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, backend: str = "torch"
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    backend: str = "torch",
+    taps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over `x [T, C]` continuing from `state [C, K-1]`.
 
@@ -38,17 +42,23 @@ def causal_conv(
     kernel); with the `fla` backend on CUDA and from `FLA_CONV_MIN` tokens on, fla's fused
     causal conv kernel (one launch where the sum takes K+2 passes over fp32 copies). Returns
     (`[T, C]` output in x's dtype, the padded input `[K-1+T, C]` whose `K-1`-row windows are the
-    conv states). `weight` is `[C, 1, K]` as in `nn.Conv1d(groups=C)`.
+    conv states). `weight` is `[C, 1, K]` as in `nn.Conv1d(groups=C)`; `taps`: its
+    `conv_taps`, where the caller keeps them (else computed here).
     """
     seq_len, width = x.shape[0], weight.shape[-1]
     padded = torch.cat([state.T.to(x.dtype), x], dim=0)
     if backend == "fla" and x.is_cuda and seq_len >= FLA_CONV_MIN:
         return fla_causal_conv(x, state, weight), padded
-    taps = weight[:, 0, :].float()  # [C, K]
-    out = padded[:seq_len].float() * taps[:, 0]
+    taps = conv_taps(weight) if taps is None else taps
+    out = torch.mul(padded[:seq_len], taps[:, 0])  # (x's dtype times fp32: fp32)
     for j in range(1, width):
         out.addcmul_(padded[j : j + seq_len], taps[:, j])
     return F.silu(out).to(x.dtype), padded
+
+
+def conv_taps(weight: torch.Tensor) -> torch.Tensor:
+    """The depthwise conv's `[C, 1, K]` weight as fp32 taps `[C, K]`."""
+    return weight[:, 0, :].float()
 
 
 # ----------------------------------------------------------------------------- gated delta rule

@@ -18,6 +18,7 @@ from torch import nn
 
 from agentrt.models import kernels
 from agentrt.models.config import FULL, LINEAR, ModelConfig
+from agentrt.models.fusion import Fusable, row_blocks
 from agentrt.models.kv import LinearCache
 from agentrt.models.layers import (
     Attention,
@@ -32,7 +33,7 @@ from agentrt.models.layers import (
 from agentrt.models.moe import RoutedExperts
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(Fusable):
     """Linear attention: conv1d(q,k,v) -> gated delta rule -> gated RMSNorm -> out_proj."""
 
     backend = "torch"  # set per model by `set_linear_backend`
@@ -57,24 +58,50 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
 
+    _in_proj: torch.Tensor | None = None  # (fused: the four input projections' rows)
+
+    def fuse(self) -> None:
+        """The four input projections as one matmul; the decay's fp32 constants and the conv's
+        fp32 taps computed once (see `fusion`)."""
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        self._in_proj = row_blocks(parts, self._in_proj)
+        self._neg_a = -self.A_log.detach().float().exp()
+        self._dt_bias = self.dt_bias.detach().float()
+        self._taps = kernels.conv_taps(self.conv1d.weight.detach())
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """qkv, z, b, a of `x`: one matmul when fused."""
+        if self._in_proj is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        return torch.nn.functional.linear(x, self._in_proj).split(sizes, dim=-1)
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        """g = -exp(A_log) * softplus(a + dt_bias), fp32."""
+        if self._in_proj is None:
+            return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return self._neg_a * F.softplus(a + self._dt_bias)  # (bf16 + fp32 adds in fp32)
+
     def forward(
         self, x: torch.Tensor, cache: LinearCache, start: Position, captures: Sequence[int]
     ) -> torch.Tensor:
         seq_len = x.shape[0]
+        qkv, z, b, a = self._projections(x)
+        taps = self._taps if self._in_proj is not None else None
         conv_out, padded = kernels.causal_conv(
-            self.in_proj_qkv(x), cache.conv, self.conv1d.weight, self.backend
+            qkv, cache.conv, self.conv1d.weight, self.backend, taps
         )  # [T, C]
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(seq_len, self.num_k_heads, self.dk)
         k = k.reshape(seq_len, self.num_k_heads, self.dk)
         v = v.reshape(seq_len, self.num_v_heads, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(b)  # [T, Hv]
+        g = self._decay(a)
         if isinstance(start, Span):
             out = self._masked_recurrence(q, k, v, g, beta, cache, padded, start)
         else:
             out = self._recurrence(q, k, v, g, beta, cache, padded, start, captures)
-        z = self.in_proj_z(x).reshape(seq_len, self.num_v_heads, self.dv)
+        z = z.reshape(seq_len, self.num_v_heads, self.dv)
         out = self.norm(out, z).reshape(seq_len, self.value_dim)
         return self.out_proj(out)
 

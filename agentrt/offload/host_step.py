@@ -53,7 +53,7 @@ class CapturedDecode:
         """The device experts' outputs `ys [k, H]` under their weights, plus the CPU's sum."""
         # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
         gw = io.gw_d.unsqueeze(1)
-        out = torch.where(gw != 0, ys.float() * gw, 0.0).sum(0) + io.cpu_d
+        out = torch.where(gw != 0, ys * gw, 0.0).sum(0) + io.cpu_d  # (ys * fp32 gw: fp32)
         return out.to(x.dtype).unsqueeze(0)
 
     def _host_step(self, layer: int, io: LayerIO) -> None:

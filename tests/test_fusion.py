@@ -1,0 +1,77 @@
+"""Decode fusions (`models.fusion`): fused forms against the plain ones on a tiny random
+Qwen3.5-MoE checkpoint (fp32, CPU), weights kept as views of the fused blocks through moves and
+in-place writes, and the top-k softmax of the router."""
+
+from __future__ import annotations
+
+import torch
+from util import random_ids
+
+from agentrt.models.fusion import fuse
+from agentrt.models.layers import MLP, MoEBlock, Router
+from agentrt.models.loader import load_model
+from agentrt.models.qwen3_5_moe import GatedDeltaNet
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    from agentrt.engine import Engine
+    from agentrt.engine.config import EngineConfig
+
+    engine = Engine(model, EngineConfig(device="cpu", dtype="float32"))
+    state = engine.new_state()
+    prefill = engine.prefill(state, ids[:-3], all_logits=True)
+    return torch.cat([prefill, torch.stack([engine.decode_step(state, t) for t in ids[-3:]])])
+
+
+def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
+    """Prefill and decode logits with the fusions match the plain forms (fp32, CPU), and each
+    fused module's weights are row views of its block (no extra memory)."""
+    import agentrt.engine.engine as engine_module
+
+    ids = random_ids(60, seed=3)
+    monkeypatch.setattr(engine_module, "fuse", lambda model: None)
+    plain = _logits(load_model(hf_qwen35, "cpu", torch.float32), ids)
+    monkeypatch.undo()
+    model = load_model(hf_qwen35, "cpu", torch.float32)
+    fused = _logits(model, ids)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    moe = next(m for m in model.modules() if isinstance(m, MoEBlock))
+    assert gdn.in_proj_qkv.weight.data_ptr() == gdn._in_proj.data_ptr()
+    assert moe.shared_expert.gate_proj.weight.data_ptr() == moe._shared_in.data_ptr()
+    assert moe.shared_expert._gate_up is None  # (the block fuses its shared expert)
+
+
+def test_fused_weights_follow_moves_and_in_place_writes():
+    """After a move (`.to`) the weights are views of a fused block again, and a weight written
+    in place (as the loader writes) is what the fused matmul reads."""
+    torch.manual_seed(0)
+    mlp = MLP(8, 6)
+    fuse(mlp)
+    x = torch.randn(3, 8)
+    mlp = mlp.to(torch.float64)
+    assert mlp._gate_up.dtype == torch.float64
+    assert mlp.up_proj.weight.data_ptr() == mlp._gate_up[6:].data_ptr()
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2.0)
+    x = x.double()
+    want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), want)
+
+
+def test_router_softmax_over_the_top_k_equals_renormalised_probabilities():
+    """With renormalisation, a softmax over the k largest logits gives the renormalised top-k
+    probabilities of the full softmax, for the same experts."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(1)
+    cfg = SimpleNamespace(num_experts_per_tok=4, norm_topk_prob=True, num_experts=16, hidden_size=8)
+    router = Router(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+    x = torch.randn(5, 8)
+    ids, weights = router(x)
+    probs = torch.softmax(x @ router.weight.T, dim=-1)
+    top, want_ids = torch.topk(probs, 4, dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
