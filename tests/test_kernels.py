@@ -106,8 +106,15 @@ def test_causal_conv_carries_state():
     )
     state = torch.zeros(channels, kernel - 1)
     out1, padded = kernels.causal_conv(x[:, :11].T, state, weight)  # time-major [T, C]
-    out2, _ = kernels.causal_conv(x[:, 11:].T, padded[-(kernel - 1) :].T, weight)
-    assert torch.allclose(torch.cat([out1, out2]).T, ref, atol=1e-6)
+    out2, padded = kernels.causal_conv(x[:, 11:27].T, padded[-(kernel - 1) :].T, weight)
+    steps = []  # then one token at a time (decode's form), with the taps kept by the caller
+    for t in range(27, 30):
+        taps = kernels.conv_taps(weight)
+        out, padded = kernels.causal_conv(
+            x[:, t : t + 1].T, padded[-(kernel - 1) :].T, weight, taps=taps
+        )
+        steps.append(out)
+    assert torch.allclose(torch.cat([out1, out2, *steps]).T, ref, atol=1e-6)
 
 
 def test_backend_resolution_on_cpu():

@@ -50,6 +50,9 @@ def causal_conv(
     if backend == "fla" and x.is_cuda and seq_len >= FLA_CONV_MIN:
         return fla_causal_conv(x, state, weight), padded
     taps = conv_taps(weight) if taps is None else taps
+    if seq_len == 1:  # (a decode step: the window times the taps, summed, in two kernels)
+        out = torch.mul(padded, taps.T).sum(0, keepdim=True)
+        return F.silu(out).to(x.dtype), padded
     out = torch.mul(padded[:seq_len], taps[:, 0])  # (x's dtype times fp32: fp32)
     for j in range(1, width):
         out.addcmul_(padded[j : j + seq_len], taps[:, j])
