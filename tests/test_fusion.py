@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from util import random_ids
 
-from agentrt.models.fusion import fuse
+from agentrt.models.fusion import derive
 from agentrt.models.layers import MLP, MoEBlock, Router
 from agentrt.models.loader import load_model
 from agentrt.models.qwen3_5_moe import GatedDeltaNet
@@ -27,10 +27,14 @@ def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
     """Prefill and decode logits with the fusions match the plain forms (fp32, CPU), and each
     fused module's weights are row views of its block (no extra memory)."""
     import agentrt.engine.engine as engine_module
+    import agentrt.models as models
 
     ids = random_ids(60, seed=3)
-    monkeypatch.setattr(engine_module, "fuse", lambda model: None)
-    plain = _logits(load_model(hf_qwen35, "cpu", torch.float32), ids)
+    monkeypatch.setattr(engine_module, "derive", lambda model: None)
+    monkeypatch.setattr(models, "fuse_rows", lambda model: None)
+    plain_model = load_model(hf_qwen35, "cpu", torch.float32)
+    plain = _logits(plain_model, ids)
+    assert next(m for m in plain_model.modules() if isinstance(m, GatedDeltaNet))._in_proj is None
     monkeypatch.undo()
     model = load_model(hf_qwen35, "cpu", torch.float32)
     fused = _logits(model, ids)
@@ -38,6 +42,8 @@ def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
     gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
     moe = next(m for m in model.modules() if isinstance(m, MoEBlock))
     assert gdn.in_proj_qkv.weight.data_ptr() == gdn._in_proj.data_ptr()
+    assert gdn.in_proj_a.weight.data_ptr() == gdn._in_proj[-gdn.num_v_heads :].data_ptr()
+    assert gdn._neg_a is not None and gdn._taps is not None
     assert moe.shared_expert.gate_proj.weight.data_ptr() == moe._shared_in.data_ptr()
     assert moe.shared_expert._gate_up is None  # (the block fuses its shared expert)
 
@@ -47,7 +53,7 @@ def test_fused_weights_follow_moves_and_in_place_writes():
     in place (as the loader writes) is what the fused matmul reads."""
     torch.manual_seed(0)
     mlp = MLP(8, 6)
-    fuse(mlp)
+    derive(mlp)
     x = torch.randn(3, 8)
     mlp = mlp.to(torch.float64)
     assert mlp._gate_up.dtype == torch.float64

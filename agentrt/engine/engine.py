@@ -23,7 +23,7 @@ from agentrt.engine.sampling import SamplingParams, make_generator, sample
 from agentrt.engine.state import SequenceState, new_layer_caches
 from agentrt.errors import InvalidArgumentError, PromptTooLongError
 from agentrt.models import set_linear_backend
-from agentrt.models.fusion import fuse
+from agentrt.models.fusion import derive
 from agentrt.models.kernels import CHUNK, resolve_backend
 from agentrt.models.layers import CausalLM
 
@@ -96,7 +96,7 @@ class Engine:
         self.dtype = model.embed_tokens.weight.dtype
         self.linear_backend = resolve_backend(config.linear_attn, self.device)
         set_linear_backend(model, self.linear_backend)
-        fuse(model)  # (after loading and placement: see `models.fusion`)
+        derive(model)  # (once the weights are loaded: see `models.fusion`)
         # the OffloadedExperts the model runs when its routed experts live in a host store
         # (`engine.placement.install` put it there), whose cache gives KV room under a budget
         self.offload = offload

@@ -16,6 +16,7 @@ from agentrt.errors import AgentrtError
 from agentrt.models import layers, qwen3_5_moe
 from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
+from agentrt.models.fusion import fuse_rows
 from agentrt.models.layers import CausalLM
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
 from agentrt.models.rotary import Rotary
@@ -89,6 +90,9 @@ def build_empty(
             param.data = param.data.float()
     _init_buffers(model, device)
     model.eval().requires_grad_(False)
+    fuse_rows(model)  # (before any weight is loaded; the separate blocks go back at once)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return model
 
 

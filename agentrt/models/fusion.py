@@ -1,13 +1,16 @@
 """Fewer kernels per decode step: linears that read the same input run as one matmul over one
-weight whose row blocks the separate linears' weights become (views: no extra memory, and the
+weight whose row blocks the separate linears' weights are (views: no extra memory, and the
 loader's names still address them), and what modules derive from their weights (fp32 casts,
 exponentials) is computed once. A one-token decode step launches some 70 small kernels per
 layer, so each launch saved counts; prefill runs the same fused forms.
 
-`fuse(model)` runs once the model is loaded and placed (the engine does it). A fused module
-fuses again after a move (`.to`, which gives each parameter its own storage), and a weight
-written in place stays consistent (the views share the fused storage); a module never fused
-runs its plain forms, which the tests compare the fused ones with.
+`fuse_rows(model)` lays the weights out as row blocks when the model is allocated, before any
+weight is loaded (`models.build_empty`: the separate blocks are freed before anything else
+takes memory); `derive(model)` computes the constants once the weights are loaded (the engine
+does both; the first is then a no-op). A module moved (`.to`, which gives each parameter its own
+storage) lays its weights out and derives again; a weight written in place stays consistent
+(the views share the fused storage). A module whose weights are not laid out runs its plain
+forms, which the tests compare the fused ones with.
 """
 
 from __future__ import annotations
@@ -17,33 +20,46 @@ from torch import nn
 
 
 class Fusable(nn.Module):
-    """A module with a `fuse()` pass; `fused_now` tells whether it ran (and is kept through
-    moves)."""
+    """A module with fused forms: `fuse_rows` (idempotent) and `derive`."""
 
-    fused_now = False
+    rows_fused = False
+    derived = False
 
-    def fuse(self) -> None:
-        """Build the fused weights and derived constants (idempotent)."""
-        raise NotImplementedError
+    def fuse_rows(self) -> None:
+        """Make the weights of the linears that share an input row blocks of one weight."""
+
+    def derive(self) -> None:
+        """Compute the constants the forward derives from weights (after they are loaded)."""
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)
-        if self.fused_now:
-            _fuse_one(self)  # (the move gave each parameter its own storage: views again)
+        if self.rows_fused:  # (the move gave each parameter its own storage: views again)
+            _fuse_one(self, self.derived)
         return out
 
 
-def fuse(model: nn.Module) -> None:
-    """Fuse every `Fusable` module of `model` (see the module docstring)."""
+def fuse_rows(model: nn.Module) -> None:
+    """Lay out the row blocks of every `Fusable` module of `model`."""
     for module in model.modules():
         if isinstance(module, Fusable):
-            _fuse_one(module)
+            _fuse_one(module, derive=False)
 
 
-def _fuse_one(module: Fusable) -> None:
+def derive(model: nn.Module) -> None:
+    """Lay out the row blocks (where not yet done) and compute the derived constants of every
+    `Fusable` module of `model` (after its weights are loaded)."""
+    for module in model.modules():
+        if isinstance(module, Fusable):
+            _fuse_one(module, derive=True)
+
+
+def _fuse_one(module: Fusable, derive: bool) -> None:
     with torch.no_grad(), torch.inference_mode(False):
-        module.fuse()
-    module.fused_now = True
+        module.fuse_rows()
+        module.rows_fused = True
+        if derive:
+            module.derive()
+            module.derived = True
 
 
 def row_blocks(linears: list[nn.Linear], current: torch.Tensor | None) -> torch.Tensor:

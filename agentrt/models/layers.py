@@ -349,7 +349,7 @@ class MLP(Fusable):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def fuse(self) -> None:
+    def fuse_rows(self) -> None:
         if self.standalone:
             self._gate_up = row_blocks([self.gate_proj, self.up_proj], self._gate_up)
 
@@ -414,7 +414,7 @@ class MoEBlock(Fusable):
         """The router's `[E, H]` weight (what the offload engine's prefetch predicts with)."""
         return getattr(self, self.router_name).weight
 
-    def fuse(self) -> None:
+    def fuse_rows(self) -> None:
         if self.shared_expert is None:
             return
         shared = self.shared_expert

@@ -59,14 +59,16 @@ class GatedDeltaNet(Fusable):
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
 
     _in_proj: torch.Tensor | None = None  # (fused: the four input projections' rows)
+    _neg_a: torch.Tensor | None = None  # (derived: -exp(A_log), the conv's fp32 taps)
+    _taps: torch.Tensor | None = None
 
-    def fuse(self) -> None:
-        """The four input projections as one matmul; the decay's fp32 constants and the conv's
-        fp32 taps computed once (see `fusion`)."""
+    def fuse_rows(self) -> None:
+        """The four input projections as one matmul (see `fusion`)."""
         parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
         self._in_proj = row_blocks(parts, self._in_proj)
+
+    def derive(self) -> None:
         self._neg_a = -self.A_log.detach().float().exp()
-        self._dt_bias = self.dt_bias.detach().float()
         self._taps = kernels.conv_taps(self.conv1d.weight.detach())
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -77,20 +79,19 @@ class GatedDeltaNet(Fusable):
         return torch.nn.functional.linear(x, self._in_proj).split(sizes, dim=-1)
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
-        """g = -exp(A_log) * softplus(a + dt_bias), fp32."""
-        if self._in_proj is None:
+        """g = -exp(A_log) * softplus(a + dt_bias), fp32 (A_log and dt_bias are fp32)."""
+        if self._neg_a is None:
             return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return self._neg_a * F.softplus(a + self._dt_bias)  # (bf16 + fp32 adds in fp32)
+        return self._neg_a * F.softplus(a + self.dt_bias)  # (a's dtype + fp32 adds in fp32)
 
     def forward(
         self, x: torch.Tensor, cache: LinearCache, start: Position, captures: Sequence[int]
     ) -> torch.Tensor:
         seq_len = x.shape[0]
         qkv, z, b, a = self._projections(x)
-        taps = self._taps if self._in_proj is not None else None
         conv_out, padded = kernels.causal_conv(
-            qkv, cache.conv, self.conv1d.weight, self.backend, taps
-        )  # [T, C]
+            qkv.contiguous(), cache.conv, self.conv1d.weight, self.backend, self._taps
+        )  # [T, C] (`contiguous`: a no-op for one token; fla's conv reads rows of C)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(seq_len, self.num_k_heads, self.dk)
         k = k.reshape(seq_len, self.num_k_heads, self.dk)
