@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from util import random_ids
 
+from agentrt.models.ffn import MLP, MoEBlock, Router
 from agentrt.models.fusion import derive
-from agentrt.models.layers import MLP, MoEBlock, Router
 from agentrt.models.loader import load_model
 from agentrt.models.qwen3_5_moe import GatedDeltaNet
 

@@ -12,7 +12,8 @@ import torch
 
 from agentrt.env import home_dir
 from agentrt.errors import InvalidArgumentError
-from agentrt.models.layers import CausalLM, MoEBlock
+from agentrt.models.ffn import MoEBlock
+from agentrt.models.layers import CausalLM
 from agentrt.offload.calibrate import (
     Profile,
     calibrate,

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentrt.models.config import FULL, ModelConfig
+from agentrt.models.ffn import MoEBlock
 from agentrt.models.kv import KVCache
 from agentrt.models.layers import (
     CausalLM,
     DecoderLayer,
-    MoEBlock,
     Position,
     Span,
     _checked_once,
