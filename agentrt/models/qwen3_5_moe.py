@@ -37,6 +37,9 @@ class GatedDeltaNet(Fusable):
     """Linear attention: conv1d(q,k,v) -> gated delta rule -> gated RMSNorm -> out_proj."""
 
     backend = "torch"  # set per model by `set_linear_backend`
+    _in_proj: torch.Tensor | None = None  # (fused: the four input projections' rows)
+    _neg_a: torch.Tensor | None = None  # (derived: -exp(A_log), the conv's fp32 taps)
+    _taps: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -57,10 +60,6 @@ class GatedDeltaNet(Fusable):
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
-
-    _in_proj: torch.Tensor | None = None  # (fused: the four input projections' rows)
-    _neg_a: torch.Tensor | None = None  # (derived: -exp(A_log), the conv's fp32 taps)
-    _taps: torch.Tensor | None = None
 
     def fuse_rows(self) -> None:
         """The four input projections as one matmul (see `fusion`)."""
