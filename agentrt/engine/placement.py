@@ -86,12 +86,10 @@ def profile_for(
     a `NativeExperts`, else torch's), else a few seconds of measurement (saved for the next
     start); a saved one whose CPU figure a quick measurement now doubles is measured again."""
 
-    def path() -> Path:  # (keyed by the kernel and whether it runs on its pool)
-        key = profile_kernel(kernel)
-        return profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, key)
-
-    profile = None if recalibrate else load_profile(path())
-    if profile is not None and path() not in _CHECKED and understates_cpu(profile, store, kernel):
+    key = profile_kernel(kernel)  # (keyed by the kernel and whether it runs on its pool)
+    path = profile_path(home_dir() / "profiles", device, store.dtype, store.expert_bytes, key)
+    profile = None if recalibrate else load_profile(path)
+    if profile is not None and path not in _CHECKED and understates_cpu(profile, store, kernel):
         print("agentrt: saved calibration understates the CPU: measuring again", file=sys.stderr)
         profile = None
     if profile is None:
@@ -99,8 +97,8 @@ def profile_for(
             "agentrt: calibrating expert copy / CPU bandwidths (a few seconds) ...", file=sys.stderr
         )
         profile = calibrate(store, device, kernel=kernel)
-        save_profile(profile, path())  # (a pool that could not start measured the caller's thread)
-    _CHECKED.add(path())
+        save_profile(profile, path)  # (a pool that could not start measured the caller's thread)
+    _CHECKED.add(path)
     return profile
 
 

@@ -220,8 +220,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         q = self._copies_for(len(misses), synced)
         policy = self.cache.policy
         ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
-        exclude = {(layer, e) for e in pairs} if q else set()
-        copied, targets = self._admit(layer, ranked[:q], exclude) if q else ([], [])
+        copied, targets = self._admit(layer, ranked[:q], {(layer, e) for e in pairs})
         cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
         if start_cpu is not None:
             start_cpu(cpu)
