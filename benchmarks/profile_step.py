@@ -1,5 +1,6 @@
 """Profile one prefill chunk and eager decode steps of a layer-truncated synthetic model on CUDA
-(same per-layer shapes as the full model), and time the expert-dispatch variants. Prints tables.
+(same per-layer shapes as the full model), and time the expert-dispatch variants (for one token
+also `expert_gemv.token_moe`). Prints tables.
 Usage: python benchmarks/profile_step.py [size] [num_layers]"""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.models import build_empty
 from agentrt.models.config import FULL, LINEAR
+from agentrt.models.expert_gemv import token_moe
 from agentrt.models.synthetic import init_value, model_config, named_tensors
 
 
@@ -85,6 +87,9 @@ def main() -> None:
         ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)])
         w = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16)
         row = {"tokens": tokens}
+        if tokens == 1:  # one decode token's two kernels, straight from the stacks
+            args = (x, ids, w, experts.gate_up[layer], experts.down[layer])
+            row["token_moe_ms"] = round(timed(lambda args=args: token_moe(*args)), 3)
         for name in ("grouped_mm", "gathered", "looped"):
             if name == "gathered" and tokens > 64:
                 continue

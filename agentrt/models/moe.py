@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from agentrt.models import expert_gemv
+
 GATHER_MAX_ROWS = 64  # token-expert pairs up to which the gather path is used
 
 
@@ -88,10 +90,11 @@ class ExpertBackend(ABC):
 class RoutedExperts(ExpertBackend):
     """Stacked expert weights of every MoE layer, computed densely on their own device.
 
-    Paths (all equal up to float rounding; tests compare them): `grouped_mm` (tokens sorted by
-    expert, one grouped GEMM per projection, no host sync, CUDA-graph safe), `gathered` (few
-    tokens: gather the chosen experts' weights and batch-matmul them), and `looped` (a Python loop
-    over the experts that received tokens; the plain reference).
+    Paths (all equal up to float rounding; tests compare them): `expert_gemv.token_moe` (one
+    token on CUDA: two kernels that read the chosen experts in place), `grouped_mm` (tokens
+    sorted by expert, one grouped GEMM per projection, no host sync, CUDA-graph safe),
+    `gathered` (few tokens: gather the chosen experts' weights and batch-matmul them), and
+    `looped` (a Python loop over the experts that received tokens; the plain reference).
     """
 
     def __init__(
@@ -140,6 +143,12 @@ class RoutedExperts(ExpertBackend):
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]`: sum_j w[:, j] * expert[ids[:, j]](x)."""
+        if ids.shape[0] == 1 and expert_gemv.available(x):  # a decode token: two kernels
+            biases = None if self.gate_up_bias is None else self._biases(layer, slice(None))
+            y = expert_gemv.token_moe(
+                x, ids, weights, self.gate_up[layer], self.down[layer], biases, self.act
+            )
+            return y.to(x.dtype).unsqueeze(0)
         if self.use_grouped_mm:
             try:
                 return self.grouped_mm(layer, x, ids, weights)

@@ -1,7 +1,8 @@
 """Captured decode's host steps of `OffloadedExperts` (a mixin): inside a CUDA-graph decode
 step each MoE layer cuts the capture; the graph hands the token's routed ids, weights and
 hidden row over in pinned buffers (`LayerIO`), the host step plans hits, copies and CPU
-experts, issues the copies, runs the CPU experts and fills the next piece's inputs."""
+experts, issues the copies, runs the CPU experts and fills the next piece's inputs; the next
+piece runs the device experts from their slots (`expert_gemv`, on CUDA) and adds the CPU's sum."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import torch
 
+from agentrt.models import expert_gemv
 from agentrt.models.moe import expert_ffn
 from agentrt.offload.packed import token_experts
 
@@ -35,6 +37,13 @@ class CapturedDecode:
         if s.packed:
             ys = token_experts(s, layer, self.cache.slots, io.slot_d, x, ids[0])
             return self._weighted(ys, io, x)
+        if expert_gemv.available(x):  # the slots read in place, the CPU's sum added
+            gate_up, down = self._slot_stacks()
+            biases = s.biases(layer, x.device)
+            y = expert_gemv.token_moe(
+                x, io.slot_d, io.gw_d, gate_up, down, biases, s.act, io.cpu_d, bias_ids=ids[0]
+            )
+            return y.to(x.dtype).unsqueeze(0)
         w = self.cache.slots.index_select(0, io.slot_d)  # [k, 3*I*H]
         gate_up = w[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
         down = w[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
@@ -47,6 +56,14 @@ class CapturedDecode:
         if biases is not None:
             ys = ys + biases[1].index_select(0, ids[0])
         return self._weighted(ys, io, x)
+
+    def _slot_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot pool as stacks `gate_up [S, 2I, H]` and `down [S, H, I]` (views)."""
+        s, slots = self.store, self.cache.slots
+        split = 2 * s.inter * s.hidden
+        n = slots.shape[0]
+        gate_up = slots[:, :split].view(n, 2 * s.inter, s.hidden)
+        return gate_up, slots[:, split:].view(n, s.hidden, s.inter)
 
     @staticmethod
     def _weighted(ys: torch.Tensor, io: LayerIO, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""One decode token's experts in two kernels (`models/expert_gemv`) against the plain-torch
+reference: plain and clamped SwiGLU, biases at their own rows, slot views of a flat pool, the
+CPU's row added, zero-weight experts skipped even where their weights are not finite. The
+kernels run under Triton's interpreter on the CPU (in a subprocess: the interpreter is chosen
+at import) and on CUDA (marked `gpu`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from agentrt.models import expert_gemv
+from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
+
+
+def compare_cases(device: str, shapes=((6, 64, 48, 4),), dtypes=(torch.float32, torch.bfloat16)):
+    """Worst difference of `token_moe` from the reference, relative to the largest output, over
+    every case on `device` (shapes: experts E, hidden H, intermediate I, top-k k)."""
+    worst = 0.0
+    g = torch.Generator().manual_seed(0)
+    for experts, hidden, inter, top_k in shapes:
+        for dtype in dtypes:
+            for act, biased in ((PLAIN, False), (SwiGLU(7.0, 1.702), True)):
+                flat = torch.randn(experts, 3 * inter * hidden, generator=g) / hidden**0.5
+                flat[1] = float("inf")  # under weight 0 below: never read
+                flat = flat.to(device, dtype)
+                gate_up = flat[:, : 2 * inter * hidden].view(experts, 2 * inter, hidden)
+                down = flat[:, 2 * inter * hidden :].view(experts, hidden, inter)
+                bias_rows = experts + 3
+                biases = None
+                if biased:
+                    biases = tuple(
+                        torch.randn(bias_rows, n, generator=g).to(device, dtype)
+                        for n in (2 * inter, hidden)
+                    )
+                ids = torch.tensor([3, 1, 5, 0, 2, 4, 3, 5][:top_k], device=device)
+                bias_ids = torch.randperm(bias_rows, generator=g)[:top_k].to(device)
+                weights = torch.rand(top_k, generator=g).to(device)
+                weights[1] = 0.0
+                x = torch.randn(hidden, generator=g).to(device, dtype)
+                add = torch.randn(hidden, generator=g).to(device)
+                args = (x, ids, weights, gate_up, down, biases, act, add, bias_ids)
+                got = expert_gemv.token_moe(*args)
+                want = expert_gemv.token_moe_reference(*args)
+                assert torch.isfinite(got).all()
+                worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+def test_kernels_match_the_reference_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    code = (
+        "import sys; from tests.test_expert_gemv import compare_cases; "
+        "worst = compare_cases('cpu'); print(worst); sys.exit(worst > 1e-5)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_kernels_are_for_cuda_and_can_be_turned_off(monkeypatch):
+    assert not expert_gemv.available(torch.zeros(4))
+    if torch.cuda.is_available():
+        x = torch.zeros(4, device="cuda")
+        assert expert_gemv.available(x) == expert_gemv._has_triton()
+        monkeypatch.setenv("AGENTRT_EXPERT_GEMV", "0")
+        assert not expert_gemv.available(x)
+
+
+@pytest.mark.parametrize("shapes", [(6, 64, 48, 4), (16, 2048, 512, 8), (8, 2880, 2880, 4)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_match_the_reference_on_cuda(shapes):
+    assert compare_cases("cuda", (shapes,)) < 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_resident_decode_token_runs_the_kernels_like_the_grouped_path(monkeypatch):
+    experts = RoutedExperts.empty([0], 16, 256, 128, "cuda", torch.bfloat16)
+    for stack in (experts.gate_up[0], experts.down[0]):
+        stack.normal_(std=0.05)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[4, 9, 0, 15]], device="cuda")
+    weights = torch.softmax(torch.randn(1, 4, device="cuda"), -1)
+    fast = experts(0, x, ids, weights)
+    monkeypatch.setenv("AGENTRT_EXPERT_GEMV", "0")
+    plain = experts(0, x, ids, weights)
+    assert (fast.float() - plain.float()).abs().max() < 0.02 * plain.float().abs().max()
