@@ -8,7 +8,8 @@ kernels (`expert_gemv_triton`) do it: the gate/up rows and the SwiGLU, then the 
 weighted and summed into one fp32 row, with an optional fp32 row added (the offload split's CPU
 experts' sum); experts under weight 0 are skipped (the split's CPU-assigned experts read no
 slot). `token_moe_reference` is the plain-torch form, which tests compare it with.
-`AGENTRT_EXPERT_GEMV=0` turns the kernels off (`available` then says no), for comparisons.
+`AGENTRT_EXPERT_GEMV=0` turns the kernels off (`available` then says no), for comparisons;
+`AGENTRT_EXPERT_GEMV_TILES` sets their tiles (`tiles`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentrt.env import switched_off
+from agentrt.env import setting, switched_off
+from agentrt.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from agentrt.models.moe import SwiGLU
 
-GATE_UP_BLOCK = (16, 256, 4)  # intermediate rows, hidden columns per step, warps
-DOWN_BLOCK = (8, 256, 4)  # output rows, intermediate columns per step, warps
+# each kernel's tile: output rows per program, columns per step, warps, pipeline stages
+# (`benchmarks/bench_expert_gemv.py` sweeps them)
+GATE_UP_BLOCK = (16, 256, 4, 1)
+DOWN_BLOCK = (8, 256, 4, 1)
 
 
 @functools.cache
@@ -49,10 +53,12 @@ def token_moe(
     act: SwiGLU | None = None,
     add: torch.Tensor | None = None,
     bias_ids: torch.Tensor | None = None,
+    blocks: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     """x `[H]` (or `[1, H]`), ids/weights `[k]` -> the fp32 row `[H]` of the chosen experts'
     weighted sum (+ `add`, fp32 `[H]`); `biases`: `[E', 2I]` and `[E', H]` biases, at rows
-    `bias_ids` (default `ids`); `act`: a `SwiGLU` (default the plain one)."""
+    `bias_ids` (default `ids`); `act`: a `SwiGLU` (default the plain one); `blocks`: the two
+    kernels' tiles (default `tiles()`)."""
     import triton
 
     from agentrt.models.expert_gemv_triton import down_kernel, gate_up_kernel
@@ -67,20 +73,43 @@ def token_moe(
     out = torch.empty(hidden, dtype=torch.float32, device=x.device)
     up_bias, down_bias = biases if biases is not None else (out, out)  # (unread without)
     limits = dict(LIMIT=float(act.limit), ALPHA=float(act.alpha)) if act else {}
-    block_n, block_k, warps = GATE_UP_BLOCK
+    (block_n, block_k, warps, stages), down_block = blocks or tiles()
     gate_up_kernel[(top_k, triton.cdiv(inter, block_n))](
         x, ids, weights, gate_up, bias_ids, up_bias, act_rows, gate_up.stride(0),
         H=hidden, INTER=inter, HAS_BIAS=biases is not None, **limits,
         BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
-    block_n, block_k, warps = DOWN_BLOCK
+    block_n, block_k, warps, stages = down_block
     down_kernel[(triton.cdiv(hidden, block_n),)](
         act_rows, ids, weights, down, bias_ids, down_bias, add if add is not None else out, out,
         down.stride(0), H=hidden, INTER=inter, TOP_K=top_k, HAS_BIAS=biases is not None,
         HAS_ADD=add is not None, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=warps,
+        BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def _tiles_from(text: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if not text:
+        return GATE_UP_BLOCK, DOWN_BLOCK
+    try:
+        gate_up, down = (tuple(int(v) for v in part.split(",")) for part in text.split("/"))
+    except ValueError:
+        gate_up = down = ()
+    if len(gate_up) != 4 or len(down) != 4 or min(gate_up + down) < 1:
+        raise InvalidArgumentError(
+            f"AGENTRT_EXPERT_GEMV_TILES must be rows,cols,warps,stages/rows,cols,warps,stages "
+            f"(gate/up kernel, then down), got {text!r}"
+        )
+    return gate_up, down
+
+
+def tiles() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The kernels' tiles: `GATE_UP_BLOCK`, `DOWN_BLOCK`, or `AGENTRT_EXPERT_GEMV_TILES` (for
+    benchmarks comparing tiles)."""
+    return _tiles_from(setting("EXPERT_GEMV_TILES"))
 
 
 def _check_stacks(gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int) -> None:
