@@ -24,7 +24,7 @@ def compare_cases(device: str, shapes=((6, 64, 48, 4),), dtypes=(torch.float32, 
     g = torch.Generator().manual_seed(0)
     for experts, hidden, inter, top_k in shapes:
         for dtype in dtypes:
-            for act, biased in ((PLAIN, False), (SwiGLU(7.0, 1.702), True)):
+            for act, biased in ((None, False), (PLAIN, True), (SwiGLU(7.0, 1.702), True)):
                 flat = torch.randn(experts, 3 * inter * hidden, generator=g) / hidden**0.5
                 flat[1] = float("inf")  # under weight 0 below: never read
                 flat = flat.to(device, dtype)

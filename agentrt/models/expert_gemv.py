@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # (`benchmarks/bench_expert_gemv.py` sweeps them)
 GATE_UP_BLOCK = (16, 256, 4, 1)
 DOWN_BLOCK = (8, 256, 4, 1)
+PLAIN_LIMITS = dict(LIMIT=0.0, ALPHA=1.0)  # (the plain SwiGLU's)
 
 
 @functools.cache
@@ -72,7 +73,7 @@ def token_moe(
     act_rows = torch.empty(top_k, inter, dtype=torch.float32, device=x.device)
     out = torch.empty(hidden, dtype=torch.float32, device=x.device)
     up_bias, down_bias = biases if biases is not None else (out, out)  # (unread without)
-    limits = dict(LIMIT=float(act.limit), ALPHA=float(act.alpha)) if act else {}
+    limits = dict(LIMIT=float(act.limit), ALPHA=float(act.alpha)) if act else PLAIN_LIMITS
     (block_n, block_k, warps, stages), down_block = blocks or tiles()
     gate_up_kernel[(top_k, triton.cdiv(inter, block_n))](
         x, ids, weights, gate_up, bias_ids, up_bias, act_rows, gate_up.stride(0),
