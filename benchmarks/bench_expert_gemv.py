@@ -1,8 +1,9 @@
 """One decode token's routed experts on CUDA: `expert_gemv.token_moe`'s two kernels over a sweep
 of tiles, against torch's paths for the same token (`RoutedExperts.grouped_mm`, the gather +
 batched matmul the offload slots used). bf16 stacks of random values with a model's shapes.
-Prints JSON: microseconds per token (CUDA events, median of `--iters`) and the experts' bytes
-read per second, per shape and tile.
+Prints JSON: microseconds per token, eager (host launches included) and of GPU time (calls
+captured in a CUDA graph, as decode runs them; the tiles are compared by it), and the experts'
+bytes read per second at the best tiles.
 
     python benchmarks/bench_expert_gemv.py [--shapes 256x2048x512x8,128x2880x2880x4]
 
@@ -12,6 +13,7 @@ The best tiles of a shape print as `AGENTRT_EXPERT_GEMV_TILES` takes them (`best
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -22,6 +24,7 @@ from agentrt.models.moe import RoutedExperts
 
 
 def median_us(fn, iters: int) -> float:
+    """One call's microseconds, eager (host launches included), median of `iters`."""
     for _ in range(3):
         fn()
     times = []
@@ -33,6 +36,21 @@ def median_us(fn, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
     return sorted(times)[len(times) // 2]
+
+
+def graph_us(fn, iters: int, calls: int = 20) -> float:
+    """One call's microseconds of GPU time: `calls` calls captured in one CUDA graph (as a
+    decode step runs them, without host launches), median of `iters` replays over `calls`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # (compiles, and warms up outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_us(graph.replay, iters) / calls
 
 
 def tiles(default: tuple[int, ...], rows: tuple[int, ...]):
@@ -52,8 +70,9 @@ def sweep_shape(experts: int, hidden: int, inter: int, top_k: int, iters: int) -
     nbytes = top_k * 3 * hidden * inter * 2
     stacks = (moe.gate_up[0], moe.down[0])
     row = {"shape": dict(experts=experts, hidden=hidden, inter=inter, top_k=top_k)}
-    row["grouped_mm_us"] = median_us(lambda: moe.grouped_mm(0, x, ids, w), iters)
-    row["gathered_us"] = median_us(lambda: moe.gathered(0, x, ids, w), iters)
+    for name in ("grouped_mm", "gathered"):
+        fn = functools.partial(getattr(moe, name), 0, x, ids, w)
+        row[name] = {"eager_us": median_us(fn, iters), "graph_us": graph_us(fn, iters)}
     results = {}
     for part, default, rows in (
         ("gate_up", GATE_UP_BLOCK, (4, 8, 16, 32)),
@@ -62,7 +81,7 @@ def sweep_shape(experts: int, hidden: int, inter: int, top_k: int, iters: int) -
         for tile in tiles(default, rows):
             blocks = (tile, DOWN_BLOCK) if part == "gate_up" else (GATE_UP_BLOCK, tile)
             try:
-                us = median_us(lambda b=blocks: token_moe(x, ids, w, *stacks, blocks=b), iters)
+                us = graph_us(lambda b=blocks: token_moe(x, ids, w, *stacks, blocks=b), iters)
             except Exception as exc:  # (a tile Triton refuses: too many registers, ...)
                 results[f"{part} {tile}"] = repr(exc)[:80]
                 continue
@@ -70,10 +89,11 @@ def sweep_shape(experts: int, hidden: int, inter: int, top_k: int, iters: int) -
     best = {p: min((v, k) for k, v in results.items() if k.startswith(p) and isinstance(v, float))
             for p in ("gate_up", "down")}  # fmt: skip
     both = (eval(best["gate_up"][1].split(" ", 1)[1]), eval(best["down"][1].split(" ", 1)[1]))
-    row["default_us"] = median_us(lambda: token_moe(x, ids, w, *stacks), iters)
-    row["best_us"] = median_us(lambda: token_moe(x, ids, w, *stacks, blocks=both), iters)
+    default = functools.partial(token_moe, x, ids, w, *stacks)
+    row["default"] = {"eager_us": median_us(default, iters), "graph_us": graph_us(default, iters)}
+    row["best_graph_us"] = graph_us(lambda: token_moe(x, ids, w, *stacks, blocks=both), iters)
     row["best_env"] = "/".join(",".join(map(str, t)) for t in both)
-    row["best_gb_s"] = nbytes / row["best_us"] / 1e3
+    row["best_gb_s"] = nbytes / row["best_graph_us"] / 1e3
     row["sweep_us"] = results
     return row
 
