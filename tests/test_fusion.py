@@ -65,6 +65,24 @@ def test_fused_weights_follow_moves_and_in_place_writes():
     torch.testing.assert_close(mlp(x), want)
 
 
+def test_derived_constants_follow_weights_written_in_place_when_derived_again(hf_qwen35):
+    """`derive(model)` after an in-place weight write computes the constants again, into the
+    same tensors (a captured graph reads them there)."""
+    model = load_model(hf_qwen35, "cpu", torch.float32)
+    derive(model)
+    gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    neg_a, taps = gdn._neg_a.data_ptr(), gdn._taps.data_ptr()
+    with torch.no_grad():
+        gdn.A_log.add_(0.5)
+        gdn.conv1d.weight.mul_(2.0)
+    derive(model)
+    assert (gdn._neg_a.data_ptr(), gdn._taps.data_ptr()) == (neg_a, taps)
+    torch.testing.assert_close(gdn._neg_a, -gdn.A_log.detach().float().exp())
+    from agentrt.models import kernels
+
+    torch.testing.assert_close(gdn._taps, kernels.conv_taps(gdn.conv1d.weight.detach()))
+
+
 def test_router_softmax_over_the_top_k_equals_renormalised_probabilities():
     """With renormalisation, a softmax over the k largest logits gives the renormalised top-k
     probabilities of the full softmax, for the same experts."""

@@ -18,16 +18,17 @@ class MLP(Fusable):
     """Dense SwiGLU MLP (shared expert, dense layers); fused: gate and up as one matmul."""
 
     _gate_up: torch.Tensor | None = None
-    standalone = True  # False: a MoE block's shared expert, fused by the block
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, fuse: bool = True) -> None:
+        """`fuse` False: the block that holds this MLP fuses its gate and up (with more rows)."""
         super().__init__()
+        self.fuse = fuse
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def fuse_rows(self) -> None:
-        if self.standalone:
+        if self.fuse:
             self._gate_up = row_blocks([self.gate_proj, self.up_proj], self._gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,8 +83,8 @@ class MoEBlock(Fusable):
         self._experts = [experts]  # list: keeps the swappable object out of the module tree
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert.standalone = False  # (fused with the gate below, by this block)
+            # (its gate and up fused with the sigmoid gate below, by this block)
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, False)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     @property

@@ -9,8 +9,10 @@ weight is loaded (`models.build_empty`: the separate blocks are freed before any
 takes memory); `derive(model)` computes the constants once the weights are loaded (the engine
 does both; the first is then a no-op). A module moved (`.to`, which gives each parameter its own
 storage) lays its weights out and derives again; a weight written in place stays consistent
-(the views share the fused storage). A module whose weights are not laid out runs its plain
-forms, which the tests compare the fused ones with.
+(the views share the fused storage), and the constants derived from it are computed again by
+calling `derive(model)` again, which rewrites them in place (so that captured CUDA graphs read
+the new values). A module whose weights are not laid out runs its plain forms, which the tests
+compare the fused ones with.
 """
 
 from __future__ import annotations
@@ -29,7 +31,18 @@ class Fusable(nn.Module):
         """Make the weights of the linears that share an input row blocks of one weight."""
 
     def derive(self) -> None:
-        """Compute the constants the forward derives from weights (after they are loaded)."""
+        """Compute the constants the forward derives from weights (after they are loaded), each
+        through `_keep`."""
+
+    def _keep(self, name: str, value: torch.Tensor) -> None:
+        """Set the derived constant `name`: written into the one there where it has the same
+        layout (graphs captured on it read the new values), else set."""
+        current = getattr(self, name, None)
+        same = isinstance(current, torch.Tensor) and current.shape == value.shape
+        if same and current.dtype == value.dtype and current.device == value.device:
+            current.copy_(value)
+        else:
+            setattr(self, name, value)
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)

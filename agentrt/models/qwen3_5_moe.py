@@ -67,8 +67,8 @@ class GatedDeltaNet(Fusable):
         self._in_proj = row_blocks(parts, self._in_proj)
 
     def derive(self) -> None:
-        self._neg_a = -self.A_log.detach().float().exp()
-        self._taps = kernels.conv_taps(self.conv1d.weight.detach())
+        self._keep("_neg_a", -self.A_log.detach().float().exp())
+        self._keep("_taps", kernels.conv_taps(self.conv1d.weight.detach()))
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """qkv, z, b, a of `x`: one matmul when fused."""

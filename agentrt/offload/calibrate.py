@@ -251,7 +251,7 @@ def understates_cpu(profile: Profile, store: ExpertStore, kernel=None, count: in
     The other way (a host slower now) decode's own measurements correct."""
     layer = store.layers[0]
     try:
-        _time_cpu(store, layer, 4, kernel)  # warm-up (and the pool's threads start)
+        _warm_up(store, layer, kernel)
     except OSError:  # (the pool could not start: measure again, on the caller's thread)
         return True
     if kernel is not None and kernel.pooled:
@@ -259,11 +259,16 @@ def understates_cpu(profile: Profile, store: ExpertStore, kernel=None, count: in
     return _time_cpu(store, layer, count, kernel) > 2 * profile.cpu
 
 
+def _warm_up(store: ExpertStore, layer: int, kernel) -> None:
+    """A few CPU experts before any timing (first calls; the pool's threads start)."""
+    _time_cpu(store, layer, 4, kernel)
+
+
 def _measure(store: ExpertStore, layer: int, dest, count: int, kernel) -> Profile:
     """Each figure the best of `ROUNDS` rounds, `SPIN_SETTLE_S` apart: the profile is saved and
     used at every later start, so one round slowed by something else on the host (measured:
     the CPU side at 1/80 of its rate) must not become the engine's view of the machine."""
-    _time_cpu(store, layer, 4, kernel)  # warm-up (and the pool's threads start)
+    _warm_up(store, layer, kernel)
     best = [0.0] * 4
     for i in range(ROUNDS):
         if i:
