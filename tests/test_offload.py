@@ -632,8 +632,9 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
 
 def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     """With the native kernel's pool, a graph host step posts its CPU experts as soon as the
-    plan names them, before the layer's copies are issued (the CPU side is the longer one); the
-    experts posted are those the plan left on the CPU, and the step counts the time to the post."""
+    plan names them, before it waits for the layer's prefetches and issues its copies (the CPU
+    side is the longer one); the experts posted are those the plan left on the CPU, and the step
+    counts the time to the post."""
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
     from agentrt.offload.host_step import LayerIO
 
@@ -653,13 +654,16 @@ def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     store = ExpertStore(range(1), 8, hidden=4, inter=2, dtype=torch.bfloat16, pin=False)
     cache = ExpertCache(store, 4, "cpu", "lru")
     experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=Pool())
-    issue = experts._issue
+    issue, wait = experts._issue, experts._await_prefetch
     experts._issue = lambda *a: (events.append(("copy", len(a[4]))), issue(*a))
+    experts._await_prefetch = lambda layer: (events.append(("await", layer)), wait(layer))
     io = LayerIO(top_k=4, hidden=4, dtype=torch.bfloat16, device="cpu")
     io.ids_h.copy_(torch.tensor([0, 1, 2, 3]))
     io.w_h.fill_(0.25)
     experts._host_step(0, io)
-    assert events == [("cpu", 2), ("copy", 2)]  # q* = 2 of 4 misses at equal bandwidths
+    # q* = 2 of 4 misses at equal bandwidths; the prefetches into the layer are awaited after
+    # the post, before the copies (which may refill a prefetched slot)
+    assert events == [("cpu", 2), ("await", 0), ("copy", 2)]
     assert sum(s.cpu for s in cache.stats.values()) == 2 and experts.totals.cpu_start_seconds > 0
     cache.check()
 

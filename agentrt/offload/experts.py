@@ -206,17 +206,17 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         pairs: dict[int, list[int]],
         synced: bool = False,
         start_cpu: Callable[[list[int]], None] | None = None,
+        before_copies: Callable[[], None] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Hits run from their slots; misses split into copies (admitted) and CPU work.
         `start_cpu(cpu)`, where given, is called as soon as the CPU's share is known, before the
         copies are issued (a graph host step starts its CPU experts there: they take longer than
-        issuing the copies, and the copies then queue behind the prefetches anyway); the
-        bookkeeping comes last. `synced`: the device has finished all earlier work (a graph
-        host step)."""
+        issuing the copies, and the copies then queue behind the prefetches anyway), and
+        `before_copies()` after it; the bookkeeping comes last. `synced`: the device has
+        finished all earlier work (a graph host step)."""
         lookup = self.cache.slot_of[layer]
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
-        self._count_prefetch_hits(layer, pairs, lookup)
         q = self._copies_for(len(misses), synced)
         policy = self.cache.policy
         ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
@@ -224,6 +224,9 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
         if start_cpu is not None:
             start_cpu(cpu)
+        self._count_prefetch_hits(layer, hits)
+        if before_copies is not None:
+            before_copies()
         if copied:
             self._copy_in(layer, copied, targets, synced)
         for expert in pairs:  # after the copies: they are already on their way
@@ -235,12 +238,12 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         stats.cpu += len(cpu)
         return hits + copied, cpu
 
-    def _count_prefetch_hits(self, layer: int, pairs, lookup: list[int]) -> None:
-        """Count the experts prefetched for `layer` that its token routed to (and that are still
-        resident: a pool resize may have dropped them)."""
+    def _count_prefetch_hits(self, layer: int, hits: list[int]) -> None:
+        """Count the experts prefetched for `layer` that its token routed to and found resident
+        (`hits`: a pool resize may have dropped some)."""
         ahead = self._prefetched.pop(layer, None)
         if ahead:
-            right = sum(1 for e in ahead if e in pairs and lookup[e] >= 0)
+            right = len(set(ahead).intersection(hits))
             self.cache.stats[layer].prefetch_hits += right
             self.totals.prefetch_hits += right
 

@@ -6,6 +6,7 @@ piece runs the device experts from their slots (`expert_gemv`, on CUDA) and adds
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -87,7 +88,6 @@ class CapturedDecode:
         """The host step's work (see `_host_step`). With the native kernel's pool, the CPU
         experts start as soon as the plan names them, and run while this thread issues the
         copies, plans and issues the next layer's prefetch and fills the next piece's inputs."""
-        self._await_prefetch(layer)  # before this layer's copies may refill a prefetched slot
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids, w = io.ids_np.tolist(), io.w_np.tolist()
         copied_before = self.cache.stats[layer].copied
@@ -102,12 +102,16 @@ class CapturedDecode:
                 self.totals.cpu_start_seconds += time.perf_counter() - t_begin
 
         try:
+            # (the prefetches into this layer awaited once its CPU experts are posted, before
+            # its copies may refill a prefetched slot)
+            awaited = functools.partial(self._await_prefetch, layer)
             if layer in self.cpu_layers:
                 gpu, cpu = [], ids
                 start(cpu)
+                awaited()
             else:
                 pairs = {e: [row] for row, e in enumerate(ids)}
-                gpu, cpu = self._plan_decode(layer, pairs, True, start)
+                gpu, cpu = self._plan_decode(layer, pairs, True, start, awaited)
             if self.routers is not None and layer in self.next_layer:
                 own = self.cache.stats[layer].copied - copied_before
                 self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
