@@ -65,6 +65,18 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_stacks_the_kernels_cannot_read_are_told_apart():
+    """Stacks whose rows are not contiguous (a transposed view) or whose shapes disagree are
+    refused by `fits` (the model then takes torch's path) and by `token_moe`."""
+    gate_up, down = torch.zeros(4, 8, 16), torch.zeros(4, 16, 4)
+    assert expert_gemv.fits(gate_up, down)
+    assert not expert_gemv.fits(gate_up.transpose(1, 2).contiguous().transpose(1, 2), down)
+    assert not expert_gemv.fits(gate_up, torch.zeros(4, 16, 5))
+    assert not expert_gemv.fits(gate_up[0], down)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        expert_gemv._check_stacks(gate_up, torch.zeros(4, 4, 16).transpose(1, 2))
+
+
 def test_the_kernels_are_for_cuda_and_can_be_turned_off(monkeypatch):
     assert not expert_gemv.available(torch.zeros(4))
     if torch.cuda.is_available():

@@ -68,7 +68,7 @@ def token_moe(
 
     experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
-    _check_stacks(gate_up, down, hidden, inter)
+    _check_stacks(gate_up, down)
     top_k = ids.shape[-1]
     x, ids, weights = x.reshape(hidden), ids.reshape(top_k), weights.reshape(top_k)
     bias_ids = ids if bias_ids is None else bias_ids.reshape(top_k)
@@ -115,13 +115,24 @@ def tiles() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return _tiles_from(setting("EXPERT_GEMV_TILES"))
 
 
-def _check_stacks(gate_up: torch.Tensor, down: torch.Tensor, hidden: int, inter: int) -> None:
-    """The kernels index rows as `expert * stride(0) + row * cols + col`."""
-    if down.shape[1:] != (hidden, inter):
-        raise ValueError(f"down stack {tuple(down.shape)} does not match gate_up's")
-    for stack, cols in ((gate_up, hidden), (down, inter)):
-        if stack.stride(2) != 1 or stack.stride(1) != cols:
-            raise ValueError(f"expert stack with strides {stack.stride()}: rows not contiguous")
+def fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the kernels can read these stacks: `[E, 2I, H]` and `[E, H, I]` whose rows are
+    contiguous (they index `expert * stride(0) + row * cols + col`)."""
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    hidden, inter = gate_up.shape[2], gate_up.shape[1] // 2
+    if down.shape[1:] != (hidden, inter) or gate_up.shape[1] != 2 * inter:
+        return False
+    return all(s.stride(2) == 1 and s.stride(1) == s.shape[2] for s in (gate_up, down))
+
+
+def _check_stacks(gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    if not fits(gate_up, down):
+        raise ValueError(
+            f"expert stacks {tuple(gate_up.shape)} / {tuple(down.shape)} with strides "
+            f"{gate_up.stride()} / {down.stride()}: not [E, 2I, H] and [E, H, I] with "
+            "contiguous rows"
+        )
 
 
 def token_moe_reference(

@@ -143,12 +143,11 @@ class RoutedExperts(ExpertBackend):
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]`: sum_j w[:, j] * expert[ids[:, j]](x)."""
-        if ids.shape[0] == 1 and expert_gemv.available(x):  # a decode token: two kernels
+        gate_up, down = self.gate_up[layer], self.down[layer]
+        if ids.shape[0] == 1 and expert_gemv.available(x) and expert_gemv.fits(gate_up, down):
             biases = None if self.gate_up_bias is None else self._biases(layer, slice(None))
-            y = expert_gemv.token_moe(
-                x, ids, weights, self.gate_up[layer], self.down[layer], biases, self.act
-            )
-            return y.to(x.dtype).unsqueeze(0)
+            y = expert_gemv.token_moe(x, ids, weights, gate_up, down, biases, self.act)
+            return y.to(x.dtype).unsqueeze(0)  # (a decode token: two kernels)
         if self.use_grouped_mm:
             try:
                 return self.grouped_mm(layer, x, ids, weights)
