@@ -41,7 +41,7 @@ def compare_cases(device: str, shapes=((6, 64, 48, 4),), dtypes=(torch.float32, 
                 bias_ids = torch.randperm(bias_rows, generator=g)[:top_k].to(device)
                 weights = torch.rand(top_k, generator=g).to(device)
                 weights[1] = 0.0
-                x = torch.randn(hidden, generator=g).to(device, dtype)
+                x = torch.randn(hidden, 2, generator=g).to(device, dtype)[:, 0]  # (strided)
                 add = torch.randn(hidden, generator=g).to(device)
                 args = (x, ids, weights, gate_up, down, biases, act, add, bias_ids)
                 got = expert_gemv.token_moe(*args)
@@ -106,3 +106,42 @@ def test_a_resident_decode_token_runs_the_kernels_like_the_grouped_path(monkeypa
     monkeypatch.setenv("AGENTRT_EXPERT_GEMV", "0")
     plain = experts(0, x, ids, weights)
     assert (fast.float() - plain.float()).abs().max() < 0.02 * plain.float().abs().max()
+
+
+def test_the_kernels_compile_for_sm90_at_the_default_tiles():
+    """Both kernels, plain and clamped SwiGLU with biases, compiled for sm_90 at the default
+    tiles (no GPU needed; skipped without Triton or its CUDA toolchain): the interpreter does
+    not lower them, so what only the compiler refuses shows here."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from agentrt.models.expert_gemv_triton import down_kernel, gate_up_kernel
+
+    pointers = ("x", "ids", "weights", "gate_up", "bias_ids", "bias", "act")
+    gate_up_sig = {f"{p}_ptr": "*i64" if "ids" in p else "*bf16" for p in pointers}
+    gate_up_sig.update(weights_ptr="*fp32", act_ptr="*fp32", expert_stride="i64")
+    pointers = ("act", "ids", "weights", "down", "bias_ids", "bias", "add", "out")
+    down_sig = {f"{p}_ptr": "*i64" if "ids" in p else "*fp32" for p in pointers}
+    down_sig.update(down_ptr="*bf16", bias_ptr="*bf16", expert_stride="i64")
+    (n, k, warps, stages), down_tile = expert_gemv.tiles()
+    for limit in (0.0, 7.0):
+        consts = dict(H=2048, INTER=512, HAS_BIAS=bool(limit), LIMIT=limit, ALPHA=1.702)
+        consts.update(BLOCK_N=n, BLOCK_K=k)
+        jobs = [(gate_up_kernel, gate_up_sig, consts, warps, stages)]
+        consts = dict(H=2048, INTER=512, TOP_K=8, HAS_BIAS=bool(limit), HAS_ADD=True)
+        consts.update(BLOCK_N=down_tile[0], BLOCK_K=down_tile[1])
+        jobs.append((down_kernel, down_sig, consts, *down_tile[2:]))
+        for kernel, signature, constexprs, num_warps, num_stages in jobs:
+            signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+            source = ASTSource(kernel, signature, constexprs=constexprs)
+            try:
+                triton.compile(
+                    source,
+                    target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": num_warps, "num_stages": num_stages},
+                )
+            except RuntimeError as exc:  # (a Triton without its CUDA toolchain)
+                if "ptxas" in str(exc).lower():
+                    pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+                raise

@@ -72,6 +72,8 @@ def test_derived_constants_follow_weights_written_in_place_when_derived_again(hf
     derive(model)
     gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
     neg_a, taps = gdn._neg_a.data_ptr(), gdn._taps.data_ptr()
+    weight = gdn.conv1d.weight
+    assert not (weight.data_ptr() <= taps < weight.data_ptr() + weight.nbytes)  # its own
     with torch.no_grad():
         gdn.A_log.add_(0.5)
         gdn.conv1d.weight.mul_(2.0)

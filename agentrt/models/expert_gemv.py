@@ -70,8 +70,13 @@ def token_moe(
     inter = two_inter // 2
     _check_stacks(gate_up, down)
     top_k = ids.shape[-1]
-    x, ids, weights = x.reshape(hidden), ids.reshape(top_k), weights.reshape(top_k)
-    bias_ids = ids if bias_ids is None else bias_ids.reshape(top_k)
+    # (the kernels read these with unit strides: no-ops for the callers' contiguous tensors)
+    x, ids, weights = (t.reshape(-1).contiguous() for t in (x, ids, weights))
+    bias_ids = ids if bias_ids is None else bias_ids.reshape(-1).contiguous()
+    if biases is not None:
+        biases = tuple(b.contiguous() for b in biases)
+    if add is not None:
+        add = add.contiguous()
     act_rows = torch.empty(top_k, inter, dtype=torch.float32, device=x.device)
     out = torch.empty(hidden, dtype=torch.float32, device=x.device)
     up_bias, down_bias = biases if biases is not None else (out, out)  # (unread without)
@@ -101,10 +106,11 @@ def _tiles_from(text: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         gate_up, down = (tuple(int(v) for v in part.split(",")) for part in text.split("/"))
     except ValueError:
         gate_up = down = ()
-    if len(gate_up) != 4 or len(down) != 4 or min(gate_up + down) < 1:
+    shaped = len(gate_up) == len(down) == 4 and min(gate_up + down) > 0
+    if not shaped or any(v & (v - 1) for v in gate_up[:3] + down[:3]):
         raise InvalidArgumentError(
             f"AGENTRT_EXPERT_GEMV_TILES must be rows,cols,warps,stages/rows,cols,warps,stages "
-            f"(gate/up kernel, then down), got {text!r}"
+            f"(gate/up kernel, then down; rows, cols and warps powers of two), got {text!r}"
         )
     return gate_up, down
 

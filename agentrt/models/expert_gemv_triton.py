@@ -11,8 +11,10 @@ def swiglu(gate, up, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     if LIMIT == 0:
         out = gate * tl.sigmoid(gate) * up
     else:
-        gate = tl.minimum(gate, LIMIT)
-        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        # (NaN kept, as torch's clamp keeps it)
+        gate = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, LIMIT, propagate_nan=tl.PropagateNan.ALL)
         out = (up + 1) * (gate * tl.sigmoid(gate * ALPHA))
     return out
 

@@ -36,13 +36,14 @@ class Fusable(nn.Module):
 
     def _keep(self, name: str, value: torch.Tensor) -> None:
         """Set the derived constant `name`: written into the one there where it has the same
-        layout (graphs captured on it read the new values), else set."""
+        layout (graphs captured on it read the new values), else set to a tensor of its own
+        (never a view of a weight, which the write would change)."""
         current = getattr(self, name, None)
         same = isinstance(current, torch.Tensor) and current.shape == value.shape
         if same and current.dtype == value.dtype and current.device == value.device:
             current.copy_(value)
         else:
-            setattr(self, name, value)
+            setattr(self, name, value.clone())
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)

@@ -145,7 +145,8 @@ class RoutedExperts(ExpertBackend):
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]`: sum_j w[:, j] * expert[ids[:, j]](x)."""
         gate_up, down = self.gate_up[layer], self.down[layer]
         if ids.shape[0] == 1 and expert_gemv.available(x) and expert_gemv.fits(gate_up, down):
-            biases = None if self.gate_up_bias is None else self._biases(layer, slice(None))
+            biases = self._biases(layer, slice(None))
+            biases = None if biases[0] is None else biases
             y = expert_gemv.token_moe(x, ids, weights, gate_up, down, biases, self.act)
             return y.to(x.dtype).unsqueeze(0)  # (a decode token: two kernels)
         if self.use_grouped_mm:

@@ -217,16 +217,18 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         lookup = self.cache.slot_of[layer]
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
-        q = self._copies_for(len(misses), synced)
         policy = self.cache.policy
-        ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
-        copied, targets = self._admit(layer, ranked[:q], {(layer, e) for e in pairs})
-        cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
-        if start_cpu is not None:
-            start_cpu(cpu)
+        try:
+            q = self._copies_for(len(misses), synced)
+            ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
+            copied, targets = self._admit(layer, ranked[:q], {(layer, e) for e in pairs})
+            cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
+            if start_cpu is not None:
+                start_cpu(cpu)
+        finally:  # (whatever happened, nothing reads the slots before this)
+            if before_copies is not None:
+                before_copies()
         self._count_prefetch_hits(layer, hits)
-        if before_copies is not None:
-            before_copies()
         if copied:
             self._copy_in(layer, copied, targets, synced)
         for expert in pairs:  # after the copies: they are already on their way
