@@ -38,33 +38,22 @@ class CapturedDecode:
         if s.packed:
             ys = token_experts(s, layer, self.cache.slots, io.slot_d, x, ids[0])
             return self._weighted(ys, io, x)
+        biases = s.biases(layer, x.device)
         if expert_gemv.available(x):  # the slots read in place, the CPU's sum added
-            gate_up, down = self._slot_stacks()
-            biases = s.biases(layer, x.device)
+            gate_up, down = s.stacks(self.cache.slots)
             y = expert_gemv.token_moe(
                 x, io.slot_d, io.gw_d, gate_up, down, biases, s.act, io.cpu_d, bias_ids=ids[0]
             )
             return y.to(x.dtype).unsqueeze(0)
-        w = self.cache.slots.index_select(0, io.slot_d)  # [k, 3*I*H]
-        gate_up = w[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
-        down = w[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
-        xs = x.expand(w.shape[0], -1).unsqueeze(1)  # [k, 1, H]
+        gate_up, down = s.stacks(self.cache.slots.index_select(0, io.slot_d))  # [k, ...]
+        xs = x.expand(gate_up.shape[0], -1).unsqueeze(1)  # [k, 1, H]
         h = torch.bmm(xs, gate_up.transpose(1, 2))  # [k, 1, 2I]
-        biases = s.biases(layer, x.device)
         if biases is not None:  # (rows in routed order: the token's ids index the biases)
             h = h + biases[0].index_select(0, ids[0]).unsqueeze(1)
         ys = torch.bmm(s.act(h), down.transpose(1, 2)).squeeze(1)  # [k, H]
         if biases is not None:
             ys = ys + biases[1].index_select(0, ids[0])
         return self._weighted(ys, io, x)
-
-    def _slot_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot pool as stacks `gate_up [S, 2I, H]` and `down [S, H, I]` (views)."""
-        s, slots = self.store, self.cache.slots
-        split = 2 * s.inter * s.hidden
-        n = slots.shape[0]
-        gate_up = slots[:, :split].view(n, 2 * s.inter, s.hidden)
-        return gate_up, slots[:, split:].view(n, s.hidden, s.inter)
 
     @staticmethod
     def _weighted(ys: torch.Tensor, io: LayerIO, x: torch.Tensor) -> torch.Tensor:

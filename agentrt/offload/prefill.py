@@ -210,8 +210,7 @@ class PrefillStreamer:
         self.last_plan = LayerPlan("resident", ())
         if s.packed:
             return resident_ffn(s, layer, block, x, ids, weights)
-        gate_up = block[:, : 2 * s.inter * s.hidden].view(num, 2 * s.inter, s.hidden)
-        down = block[:, 2 * s.inter * s.hidden :].view(num, s.hidden, s.inter)
+        gate_up, down = s.stacks(block)
         bias = s.biases(layer, x.device)
         up_bias, down_bias = ({layer: bias[0]}, {layer: bias[1]}) if bias else (None, None)
         resident = RoutedExperts({layer: gate_up}, {layer: down}, up_bias, down_bias, act=s.act)
@@ -394,8 +393,7 @@ class PrefillStreamer:
             scale = ys.scale[begin:end].unsqueeze(1)
             ys.out[begin:end] = part_ffn(s, weights, rows, x, scale, biases, tables)
             return
-        gate_up = weights[:, : 2 * s.inter * s.hidden].view(-1, 2 * s.inter, s.hidden)
-        down = weights[:, 2 * s.inter * s.hidden :].view(-1, s.hidden, s.inter)
+        gate_up, down = s.stacks(weights)
         scale = ys.scale[begin:end].unsqueeze(1)
         if self._grouped is not None:
             try:

@@ -157,13 +157,13 @@ class ExpertCache:
         s = self.store
         if s.packed:  # (dequantized: the plain path's view of a packed slot)
             return unpack(self.slots[slot : slot + 1], s.layout.gate_up, s.dtype)[0]
-        return self.slots[slot, : 2 * s.inter * s.hidden].view(2 * s.inter, s.hidden)
+        return s.stacks(self.slots[slot : slot + 1])[0][0]
 
     def down(self, slot: int) -> torch.Tensor:
         s = self.store
         if s.packed:
             return unpack(self.slots[slot : slot + 1], s.layout.down, s.dtype)[0]
-        return self.slots[slot, 2 * s.inter * s.hidden :].view(s.hidden, s.inter)
+        return s.stacks(self.slots[slot : slot + 1])[1][0]
 
     def check(self) -> None:
         """Invariants (tests): owner and slot_of agree, free slots are unowned, policy matches."""

@@ -138,19 +138,22 @@ class ExpertStore:
         """Bytes per expert (fixed at construction; cached: the host step asks often)."""
         return self.expert_numel * self.storage_dtype.itemsize
 
+    def stacks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpacked expert rows `[n, 3*I*H]` (a layer's, slots', a staging buffer's) as the
+        stacks `gate_up [n, 2I, H]` and `down [n, H, I]` (views)."""
+        n, split = rows.shape[0], 2 * self.inter * self.hidden
+        gate_up = rows[:, :split].view(n, 2 * self.inter, self.hidden)
+        return gate_up, rows[:, split:].view(n, self.hidden, self.inter)
+
     def gate_up(self, layer: int) -> torch.Tensor:
         if self.packed:
             return unpack(self.flat[layer], self.layout.gate_up, self.dtype)
-        return self.flat[layer][:, : 2 * self.inter * self.hidden].view(
-            self.num_experts, 2 * self.inter, self.hidden
-        )
+        return self.stacks(self.flat[layer])[0]
 
     def down(self, layer: int) -> torch.Tensor:
         if self.packed:
             return unpack(self.flat[layer], self.layout.down, self.dtype)
-        return self.flat[layer][:, 2 * self.inter * self.hidden :].view(
-            self.num_experts, self.hidden, self.inter
-        )
+        return self.stacks(self.flat[layer])[1]
 
     def expert_views(self, layer: int) -> tuple[list[torch.Tensor], ...]:
         """(flat block, gate_up, down) of each expert of `layer`, as lists indexed by expert."""
