@@ -43,7 +43,7 @@ for K in $(echo "${CPU_KERNEL:-native,torch}" | tr ',' ' '); do
   fi
   offloads=${OFFLOADS:-none,auto,static,layer} auto_args=()  # (the split's settings: auto's)
   case ",$offloads," in *,auto,*)
-    auto_args=(--split on,off --expert-policy "${POLICIES:-lru}" --prefetch "${PREFETCH:-on,off}") ;;
+    auto_args=(--split on,off --expert-policy "${POLICIES:-lfu}" --prefetch "${PREFETCH:-on,off}") ;;
   esac
   timeout "$(left)" python3 -m agentrt.cli bench decode --model $M --device cuda \
     --vram-budget 16GiB --offload "$offloads" "${auto_args[@]}" --repeat "${REPEAT:-2}" \
@@ -55,7 +55,7 @@ done
 # not make idle OpenMP workers spin), to show what spinning workers change
 if [ "${NOSPIN:-0}" = 1 ]; then
   AGENTRT_OMP_SPIN=0 timeout "$(left)" python3 -m agentrt.cli bench decode --model $M \
-    --device cuda --vram-budget 16GiB --offload auto --split on,off --expert-policy lru \
+    --device cuda --vram-budget 16GiB --offload auto --split on,off \
     --tokenizer "$TOK" --prompt-len 256 --tokens 48 2>&1 | grep -v '^ \|^{\|^}' \
     | tee -a "$LOG" | tail -6
 fi

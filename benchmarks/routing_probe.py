@@ -9,14 +9,17 @@ draws other values from the same distributions). The probe builds that cut model
 runs real text through it (teacher-forced, one prefill: the routing a decode of the same text
 would see), records each MoE layer's top-k experts per token, and replays them through an LRU
 cache shared by the probed layers with `residency` of their experts, as the engine's expert
-cache is shared by all layers. Hits are counted after the first `warmup` tokens. It measures
-the cache alone: the engine's prefetch and its CPU split change which experts are resident.
+cache is shared by all layers, and through the engine's own policies (`agentrt.offload.policy`:
+LRU, and LFU at the count half-lives asked for). Hits are counted after the first `warmup`
+tokens. It measures the cache alone: the engine's prefetch and its CPU split change which
+experts are resident.
 
     python benchmarks/routing_probe.py --model synthetic:qwen3.5-35b-a3b --skews 0,0.25,0.3 \
-        [--layers 4] [--tokens 1024] [--residency 0.15] [--tokenizer .tok/qwen3]
+        [--layers 4] [--tokens 1024] [--residency 0.15] [--tokenizer .tok/qwen3] \
+        [--lfu-half-lives 4096]
 
-Prints one JSON line per skew: the LRU hit rate over the probed layers and per layer, and the
-share of routed pairs that the most popular 15% of each layer's experts receive.
+Prints one JSON line per skew: the LRU hit rate over the probed layers and per layer, each
+policy's hit rate, and the share of routed pairs that the most popular 15% of each layer's experts receive.
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import OrderedDict
 
 import torch
 
 from agentrt.bench.offload import text_ids
+from agentrt.bench.offload_figures import lru_counts
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.models.config import ModelConfig
 from agentrt.models.synthetic import build_in_memory, hf_config, resolve_size
+from agentrt.offload.policy import LFU, LRU
 
 
 class RoutingRecorder:
@@ -72,27 +76,48 @@ def routing(size: str, cfg: ModelConfig, ids: list[int], dtype) -> dict[int, tor
 
 def lru_hits(routes: dict[int, torch.Tensor], slots: int, warmup: int) -> dict:
     """Replay the tokens' experts, layer by layer within a token, through one LRU of `slots`."""
-    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
-    hits = {layer: 0 for layer in routes}
-    looked = {layer: 0 for layer in routes}
+    tokens = min(len(r) for r in routes.values())
+    log = [(layer, ids[t].tolist()) for t in range(tokens) for layer, ids in routes.items()]
+    counts = lru_counts(log, slots, warmup * len(routes))
+    total = sum(c[1] for c in counts.values())
+    return {
+        "lru_hit_rate": sum(c[0] for c in counts.values()) / total if total else None,
+        "per_layer": {layer: round(c[0] / c[1], 3) for layer, c in counts.items()},
+    }
+
+
+def policy_hits(routes: dict[int, torch.Tensor], slots: int, warmup: int, policy) -> float:
+    """The hit rate of one cache of `slots` shared by the layers under `policy` (an
+    `agentrt.offload.policy` object, used as the engine's expert cache uses it: a use is
+    touched, a miss admitted in place of the policy's victim outside the layer's own experts)."""
+    resident: set[tuple[int, int]] = set()
+    hits = looked = 0
     tokens = min(len(r) for r in routes.values())
     for t in range(tokens):
         for layer, ids in routes.items():
-            for e in ids[t].tolist():
-                key = (layer, e)
+            keys = [(layer, e) for e in ids[t].tolist()]
+            for key in keys:
                 counted = t >= warmup
-                looked[layer] += counted
-                if key in cache:
-                    cache.move_to_end(key)
-                    hits[layer] += counted
-                    continue
-                cache[key] = None
-                if len(cache) > slots:
-                    cache.popitem(last=False)
-    total = sum(looked.values())
+                looked += counted
+                if key in resident:
+                    hits += counted
+                else:
+                    if len(resident) >= slots:
+                        victim = policy.victim(set(keys))
+                        resident.discard(victim)
+                        policy.remove(victim)
+                    resident.add(key)
+                    policy.insert(key)
+                policy.touch(key)
+    return hits / looked if looked else 0.0
+
+
+def policy_rates(routes, slots: int, warmup: int, lfu_halves: list[int]) -> dict[str, float]:
+    """The engine's policies' hit rates on `routes`: LRU, and LFU at each count half-life."""
+    policies = {"lru": LRU(), **{f"lfu:{h}": LFU(half_life=h) for h in lfu_halves}}
     return {
-        "lru_hit_rate": sum(hits.values()) / total if total else None,
-        "per_layer": {layer: round(hits[layer] / looked[layer], 3) for layer in routes},
+        name: round(policy_hits(routes, slots, warmup, policy), 3)
+        for name, policy in policies.items()
     }
 
 
@@ -115,12 +140,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=128, help="tokens before hits count")
     parser.add_argument("--residency", type=float, default=0.15, help="experts' share cached")
     parser.add_argument("--tokenizer", default=None, help="real text through this tokenizer")
+    parser.add_argument(
+        "--lfu-half-lives", default="4096", help="LFU count half-lives (uses) to replay"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     if "@" in args.model:
         parser.error("give the skews with --skews, not in --model")
     size = resolve_size(args.model.removeprefix("synthetic:"))
     dtype = getattr(torch, args.dtype)
+    lfu_halves = [int(h) for h in args.lfu_half_lives.split(",")]
     for skew in [float(s) for s in args.skews.split(",")]:
         name = size + (f"@skew={skew:g}" if skew else "")
         cfg = cut_config(name, args.layers)
@@ -135,6 +164,7 @@ def main() -> None:
             "residency": args.residency,
             "slots": slots,
             **lru_hits(routes, slots, args.warmup),
+            "policy_hit_rate": policy_rates(routes, slots, args.warmup, lfu_halves),
             "top_share": round(top_share(routes, cfg.num_experts, args.residency), 3),
             "seconds": round(time.perf_counter() - began, 1),
         }

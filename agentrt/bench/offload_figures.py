@@ -5,7 +5,41 @@ summary table."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from agentrt.offload.calibrate import Profile
+
+
+def lru_counts(
+    log: list[tuple[int, list[int]]], slots: int, count_from: int = 0
+) -> dict[int, list[int]]:
+    """Each layer's [hits, uses] in a plain LRU cache of `slots` experts shared by the layers,
+    replaying `log` ((layer, routed experts) per layer step, in order); steps before
+    `count_from` only warm it."""
+    cache: OrderedDict[tuple[int, int], None] = OrderedDict()
+    counts: dict[int, list[int]] = {}
+    for step, (layer, experts) in enumerate(log):
+        counted = step >= count_from
+        tally = counts.setdefault(layer, [0, 0])
+        for expert in experts:
+            key = (layer, expert)
+            tally[1] += counted
+            if key in cache:
+                cache.move_to_end(key)
+                tally[0] += counted
+                continue
+            cache[key] = None
+            if len(cache) > slots:
+                cache.popitem(last=False)
+    return counts
+
+
+def lru_replay(log: list[tuple[int, list[int]]], slots: int, count_from: int = 0) -> float | None:
+    """The hit rate of `lru_counts`' cache over all layers: the routing's regime, whatever
+    policy, prefetch and split the run used."""
+    counts = lru_counts(log, slots, count_from).values()
+    looked = sum(c[1] for c in counts)
+    return sum(c[0] for c in counts) / looked if looked else None
 
 
 def add_bounds(runs: list[dict], profile: Profile, expert_bytes: int) -> None:

@@ -243,8 +243,8 @@ _DECODE_OFFLOAD_ONLY = (
 @csv_option(
     "--expert-policy",
     ("lru", "lfu"),
-    "lru",
-    "For --offload auto: comma-separated cache policies.",
+    "lfu",
+    "For --offload auto: comma-separated cache policies (lfu, the runtime's default; lru).",
 )
 @csv_option(
     "--prefetch",

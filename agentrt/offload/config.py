@@ -62,7 +62,7 @@ class OffloadConfig:
 
     mode: str = "none"
     split: bool = True
-    policy: str = "lru"
+    policy: str = "lfu"
     # decode: copy ahead the experts the next layer's router predicts from this layer's input
     prefetch: bool = True
     # a decode token's CPU experts: torch's kernels, the native bf16 kernel built at first use

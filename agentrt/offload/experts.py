@@ -105,6 +105,9 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
         self._mark = self.fast.new_event() if self.fast is not None else None
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
+        # (layer, routed experts) of each planned decode layer, kept while a benchmark sets a
+        # list here: it replays them through a plain LRU (the routing's regime)
+        self.route_log: list[tuple[int, list[int]]] | None = None
         self._period: float | None = None  # seconds from one host step's start to the next's (EMA)
         self._host_start: tuple[int, float] | None = None  # (layer, time) of the last one
         self._copies_done_at = 0.0  # when the copy engine runs dry (host clock, a model)
@@ -218,6 +221,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
         policy = self.cache.policy
+        if self.route_log is not None:
+            self.route_log.append((layer, list(pairs)))
         try:
             q = self._copies_for(len(misses), synced)
             ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses

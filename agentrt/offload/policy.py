@@ -41,17 +41,25 @@ class LRU:
 
 
 class LFU(LRU):
-    """Frequency-aware: evict the resident expert used least often (counts decay by half every
-    `half_life` uses, so old favourites fade); ties go to the least recent. A heap of
-    (count, last use, key) entries, invalidated lazily, keeps `victim` O(log n)."""
+    """Frequency-aware: evict the resident expert used least often, ties to the least recent.
+    Counts decay continuously with a half-life of `half_life` uses, so old favourites fade:
+    instead of halving every count, each use adds a weight that grows by 2^(1/half_life) per
+    use (the same order; counts and weight are scaled down together, rarely, before they
+    overflow). A heap of (count, last use, key) entries finds the victim: counts only grow, so
+    an entry never overstates its key, and `victim` refreshes an outdated one when it surfaces;
+    a use costs two dictionary writes."""
 
     name = "lfu"
+    RESCALE_AT = 1e200  # the weight at which counts and weight are scaled down together
 
     def __init__(self, half_life: int = 4096) -> None:
         super().__init__()
         self.count: dict[Key, float] = {}
         self.half_life = half_life
+        self.growth = 2.0 ** (1.0 / half_life)
+        self.weight = 1.0
         self.heap: list[tuple[float, int, Key]] = []
+        self._taken: Key | None = None  # the last victim, whose entry `victim` took out
 
     def _entry(self, key: Key) -> tuple[float, int, Key]:
         return (self.count.get(key, 0.0), self.last_use.get(key, 0), key)
@@ -61,36 +69,54 @@ class LFU(LRU):
         heapq.heapify(self.heap)
 
     def touch(self, key: Key) -> None:
-        super().touch(key)
-        self.count[key] = self.count.get(key, 0.0) + 1.0
-        if self.clock % self.half_life == 0:
-            self.count = {k: v / 2 for k, v in self.count.items() if v > 0.01}
-            self._rebuild()
-        elif key in self.order:
-            heapq.heappush(self.heap, self._entry(key))
+        self.clock += 1
+        self.last_use[key] = self.clock
+        self.count[key] = self.count.get(key, 0.0) + self.weight
+        self.weight *= self.growth
+        if self.weight > self.RESCALE_AT:
+            self._rescale()
+
+    def _rescale(self) -> None:
+        """Scale every count and the weight down by the weight (order kept); forget counts
+        that fall to nothing."""
+        scale = self.weight
+        self.count = {k: v / scale for k, v in self.count.items() if v / scale > 1e-12}
+        self.weight = 1.0
+        self._rebuild()
 
     def insert(self, key: Key) -> None:
+        self._restore_taken()
         super().insert(key)
         heapq.heappush(self.heap, self._entry(key))
 
     def victim(self, exclude: set[Key]) -> Key | None:
+        self._restore_taken()
         skipped, found = [], None
-        while self.heap:
-            entry = heapq.heappop(self.heap)
+        heap = self.heap
+        while heap:
+            entry = heapq.heappop(heap)
             key = entry[2]
-            if key not in self.order or entry != self._entry(key):
-                continue  # stale: evicted, used since, or counts decayed
-            if key in exclude:
+            if key not in self.order:
+                continue  # stale: evicted since
+            current = self._entry(key)
+            if entry != current:  # used since: back in at its present place
+                heapq.heappush(heap, current)
+            elif key in exclude:
                 skipped.append(entry)
-                continue
-            found = key
-            skipped.append(entry)  # stays valid until `remove` makes it stale
-            break
+            else:
+                found = self._taken = key  # (its entry leaves with it: the caller evicts it)
+                break
         for entry in skipped:
-            heapq.heappush(self.heap, entry)
-        if len(self.heap) > 4 * len(self.order) + 64:
+            heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(self.order) + 64:
             self._rebuild()
         return found
+
+    def _restore_taken(self) -> None:
+        """The last victim's entry back, where the caller kept it resident after all."""
+        key, self._taken = self._taken, None
+        if key is not None and key in self.order:
+            heapq.heappush(self.heap, self._entry(key))
 
     def rank(self, keys: Iterable[Key]) -> list[Key]:
         return sorted(keys, key=lambda k: (-self.count.get(k, 0.0), -self.last_use.get(k, 0)))

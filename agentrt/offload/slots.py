@@ -29,7 +29,7 @@ class LayerStats:
 
 
 class ExpertCache:
-    def __init__(self, store: ExpertStore, num_slots: int, device, policy: str = "lru") -> None:
+    def __init__(self, store: ExpertStore, num_slots: int, device, policy: str = "lfu") -> None:
         self.store = store
         self.device = torch.device(device)
         self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}

@@ -49,7 +49,7 @@ def main() -> None:
         prefill = _prefill(args, lengths)
         (out / "agentrt_prefill.json").write_text(json.dumps(prefill, indent=1))
     # `layer` moves layers to the host for good: decode runs it last, after the prefill rows
-    runs = bench_offload.settings(args.offloads.split(","), [True], ["lru"])
+    runs = bench_offload.settings(args.offloads.split(","), [True], ["lfu"])
     decode = bench_offload.offload_decode(
         args.model,
         args.device,
