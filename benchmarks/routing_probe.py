@@ -19,7 +19,8 @@ experts are resident.
         [--lfu-half-lives 4096]
 
 Prints one JSON line per skew: the LRU hit rate over the probed layers and per layer, each
-policy's hit rate, and the share of routed pairs that the most popular 15% of each layer's experts receive.
+policy's hit rate, and the share of routed pairs that the most popular 15% of each layer's
+experts receive.
 """
 
 from __future__ import annotations

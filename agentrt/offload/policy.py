@@ -92,15 +92,14 @@ class LFU(LRU):
     def victim(self, exclude: set[Key]) -> Key | None:
         self._restore_taken()
         skipped, found = [], None
-        heap = self.heap
+        heap, last_use = self.heap, self.last_use  # (a use moves both count and last use)
         while heap:
             entry = heapq.heappop(heap)
             key = entry[2]
             if key not in self.order:
                 continue  # stale: evicted since
-            current = self._entry(key)
-            if entry != current:  # used since: back in at its present place
-                heapq.heappush(heap, current)
+            if entry[1] != last_use.get(key, 0):  # used since: back in at its present place
+                heapq.heappush(heap, self._entry(key))
             elif key in exclude:
                 skipped.append(entry)
             else:
