@@ -376,7 +376,8 @@ def test_a_pass_stopped_after_queuing_fills_serves_nothing_to_the_next_one():
     cache hits. The next pass must not consume them: its experts equal the store's."""
     from agentrt.models.moe import RoutedExperts
 
-    config = replace(_config("stream", split=False, slots=124), prefetch=False)
+    # (LRU: the decode steps below evict the second layer's first experts by recency)
+    config = replace(_config("stream", split=False, slots=124), prefetch=False, policy="lru")
     rt = Runtime.open("tiny", cache="off", offload=config)
     experts = rt.engine.offload
     store, cache, streamer = experts.store, experts.cache, experts.prefill
