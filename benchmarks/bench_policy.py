@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from agentrt.bench.offload_figures import policy_step
 from agentrt.offload.policy import POLICIES
 
 
@@ -44,21 +45,11 @@ def replay(name: str, routing, slots: int, warmup: int) -> dict:
     for t, token in enumerate(routing):
         for layer, ids in enumerate(token):
             began = time.perf_counter()
-            keys = [(layer, e) for e in ids]
-            misses = [k for k in keys if k not in resident]
-            for key in policy.rank(misses):
-                if len(resident) >= slots:
-                    victim = policy.victim(set(keys))
-                    resident.discard(victim)
-                    policy.remove(victim)
-                resident.add(key)
-                policy.insert(key)
-            for key in keys:
-                policy.touch(key)
+            hit = policy_step(policy, resident, layer, ids, slots)
             times.append(time.perf_counter() - began)
             if t >= warmup:
-                hits += len(keys) - len(misses)
-                looked += len(keys)
+                hits += hit
+                looked += len(ids)
     return {
         "policy": name,
         "hit_rate": round(hits / looked, 4),

@@ -32,7 +32,7 @@ import time
 import torch
 
 from agentrt.bench.offload import text_ids
-from agentrt.bench.offload_figures import lru_counts
+from agentrt.bench.offload_figures import lru_counts, policy_step
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.models.config import ModelConfig
@@ -88,28 +88,17 @@ def lru_hits(routes: dict[int, torch.Tensor], slots: int, warmup: int) -> dict:
 
 
 def policy_hits(routes: dict[int, torch.Tensor], slots: int, warmup: int, policy) -> float:
-    """The hit rate of one cache of `slots` shared by the layers under `policy` (an
-    `agentrt.offload.policy` object, used as the engine's expert cache uses it: a use is
-    touched, a miss admitted in place of the policy's victim outside the layer's own experts)."""
+    """The hit rate of one cache of `slots` shared by the layers under `policy`, used as the
+    engine's expert cache uses it (`policy_step`)."""
     resident: set[tuple[int, int]] = set()
     hits = looked = 0
     tokens = min(len(r) for r in routes.values())
     for t in range(tokens):
         for layer, ids in routes.items():
-            keys = [(layer, e) for e in ids[t].tolist()]
-            for key in keys:
-                counted = t >= warmup
-                looked += counted
-                if key in resident:
-                    hits += counted
-                else:
-                    if len(resident) >= slots:
-                        victim = policy.victim(set(keys))
-                        resident.discard(victim)
-                        policy.remove(victim)
-                    resident.add(key)
-                    policy.insert(key)
-                policy.touch(key)
+            hit = policy_step(policy, resident, layer, ids[t].tolist(), slots)
+            if t >= warmup:
+                hits += hit
+                looked += len(ids[t])
     return hits / looked if looked else 0.0
 
 

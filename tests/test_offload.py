@@ -222,6 +222,17 @@ def test_lru_replay_counts_a_plain_lru_over_the_timed_steps():
     assert lru_replay([], slots=3) is None
 
 
+@pytest.mark.parametrize("name", ["lru", "lfu"])
+def test_policy_step_admits_misses_in_place_of_victims_outside_the_layer(name):
+    from agentrt.bench.offload_figures import policy_step
+    from agentrt.offload.policy import POLICIES
+
+    policy, resident = POLICIES[name](), set()
+    assert policy_step(policy, resident, 0, [1, 2], slots=2) == 0
+    assert policy_step(policy, resident, 0, [1, 3], slots=2) == 1  # (0, 2) evicted
+    assert resident == {(0, 1), (0, 3)} == set(policy.order)
+
+
 def test_lfu_counts_fade_with_their_half_life():
     lfu = LFU(half_life=100)
     for key in [(0, 1), (0, 2)]:
@@ -856,6 +867,15 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled,
         )
     assert experts.totals.cpu > 0  # (3 slots for 4 experts a token: some always run on the CPU)
     assert (experts.totals.prefetched > 0) == prefetch
+
+
+def test_row_pointers_are_the_rows_data_pointers():
+    from agentrt.offload.cpu_kernel import row_pointers
+
+    flat = torch.zeros(6, 40, dtype=torch.uint8)
+    for stack in (flat, flat[:, 8:], torch.zeros(5, 3, 4)[:, 1], torch.zeros(4, 9)[::2]):
+        ids = [3, 0, 1] if len(stack) > 3 else [1, 0]
+        assert row_pointers(stack, ids) == [stack[e].data_ptr() for e in ids]
 
 
 POOL_CHECK = """

@@ -34,6 +34,25 @@ def lru_counts(
     return counts
 
 
+def policy_step(policy, resident: set, layer: int, experts: list[int], slots: int) -> int:
+    """One decode layer step through a cache of `slots` experts (`resident`, updated) under
+    `policy` (an `agentrt.offload.policy` object), used as the engine's expert cache uses it:
+    the misses, in the policy's rank, admitted in place of its victims outside the layer's own
+    experts, then every routed expert touched. Returns the hits."""
+    keys = [(layer, e) for e in experts]
+    misses = [k for k in keys if k not in resident]
+    for key in policy.rank(misses):
+        if len(resident) >= slots:
+            victim = policy.victim(set(keys))
+            resident.discard(victim)
+            policy.remove(victim)
+        resident.add(key)
+        policy.insert(key)
+    for key in keys:
+        policy.touch(key)
+    return len(keys) - len(misses)
+
+
 def lru_replay(log: list[tuple[int, list[int]]], slots: int, count_from: int = 0) -> float | None:
     """The hit rate of `lru_counts`' cache over all layers: the routing's regime, whatever
     policy, prefetch and split the run used."""

@@ -299,6 +299,13 @@ class NativeExperts(PoolCalls):
         return act
 
 
+def row_pointers(stack: torch.Tensor, ids: list[int]) -> list[int]:
+    """The data pointers of rows `ids` of `stack` (`stack[e].data_ptr()` for each e), without
+    a view made per row (a host step's CPU experts are posted sooner)."""
+    base, step = stack.data_ptr(), stack.stride(0) * stack.element_size()
+    return [base + e * step for e in ids]
+
+
 def _pointers(*groups: list[torch.Tensor]) -> list:
     """Each list of tensors as a C array of their data pointers."""
     return [(_P * len(group))(*[t.data_ptr() for t in group]) for group in groups]

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.models.moe import PLAIN
-from agentrt.offload.cpu_kernel import POOL_SOURCE, PoolCalls, build_library, kernel_for
+from agentrt.offload.cpu_kernel import (
+    POOL_SOURCE,
+    PoolCalls,
+    build_library,
+    kernel_for,
+    row_pointers,
+)
 from agentrt.offload.store import ExpertStore
 
 SOURCE = POOL_SOURCE + (Path(__file__).parent / "experts_mxfp4.c").read_text()  # (package data)
@@ -49,6 +55,7 @@ class PackedCPUExperts(PoolCalls):
         self.store = store
         self._init_pool(lib)
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._x32 = torch.empty(0, dtype=torch.float32)  # a decode call's input (`_x32_of`)
         self._biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 copies per layer
 
     def run_experts(self, layer: int, experts, weights, x: torch.Tensor, out: torch.Tensor,
@@ -74,7 +81,7 @@ class PackedCPUExperts(PoolCalls):
         stay alive while it runs."""
         s, n = self.store, len(experts)
         row_ptrs, gu, dn = self._pointers(layer, experts)
-        x32 = x.reshape(-1).float().contiguous()
+        x32 = self._x32_of(x)
         w = (ctypes.c_float * n)(*weights)
         scratch = self._scratch_for(self._need(n, s.hidden, s.inter, 0))
         args = (row_ptrs, w, n, x32.data_ptr(), out.data_ptr(), s.hidden, s.inter, gu, dn)
@@ -100,15 +107,22 @@ class PackedCPUExperts(PoolCalls):
             )  # fmt: skip
         out.copy_(result)
 
+    def _x32_of(self, x: torch.Tensor) -> torch.Tensor:
+        """A decode call's input as fp32 `[H]`, in a buffer kept for the next calls (they take
+        turns under the lock, and the posted call keeps it until `finish`)."""
+        if self._x32.numel() != x.numel():
+            self._x32 = torch.empty(x.numel(), dtype=torch.float32)
+        return self._x32.copy_(x.reshape(-1))
+
     def _pointers(self, layer: int, experts) -> tuple:
         """C arrays of the experts' packed rows and of their fp32 biases (None without)."""
-        n, rows = len(experts), self.store.flat[layer]
-        row_ptrs = (_P * n)(*[rows[e].data_ptr() for e in experts])
+        n = len(experts)
+        row_ptrs = (_P * n)(*row_pointers(self.store.flat[layer], experts))
         bias = self._layer_biases(layer)
         if bias is None:
             return row_ptrs, None, None
-        gu = (_P * n)(*[bias[0][e].data_ptr() for e in experts])
-        return row_ptrs, gu, (_P * n)(*[bias[1][e].data_ptr() for e in experts])
+        gu = (_P * n)(*row_pointers(bias[0], experts))
+        return row_ptrs, gu, (_P * n)(*row_pointers(bias[1], experts))
 
     def _layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         both = self.store.biases(layer, "cpu")
