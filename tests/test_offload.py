@@ -211,6 +211,26 @@ def test_lfu_victim_stays_exact_through_rescales_and_victims_kept():
     assert rescales > 5
 
 
+def test_bench_decode_replays_the_timed_steps_routing_only(tmp_path, monkeypatch):
+    """`lru_hit_rate` replays the timed steps' routing (after the warm-up's), not the steps
+    profiled after them."""
+    from agentrt.bench import offload as bench_offload
+
+    replayed = []
+
+    def recording(log, slots, count_from=0):
+        replayed.append((len(log) - count_from, len({layer for layer, _ in log})))
+        return 0.5
+
+    monkeypatch.setattr(bench_offload, "lru_replay", recording)
+    runs = bench_offload.settings(["auto"], [True], ["lfu"])
+    report = bench_offload.offload_decode(
+        "tiny", "cpu", None, None, runs, 8, 4, 0, False, py_profile=str(tmp_path / "p.txt")
+    )
+    ((counted, layers),) = replayed
+    assert counted == 4 * layers and report["runs"][0]["lru_hit_rate"] == 0.5
+
+
 def test_lru_replay_counts_a_plain_lru_over_the_timed_steps():
     from agentrt.bench.offload_figures import lru_replay
 
@@ -231,6 +251,9 @@ def test_policy_step_admits_misses_in_place_of_victims_outside_the_layer(name):
     assert policy_step(policy, resident, 0, [1, 2], slots=2) == 0
     assert policy_step(policy, resident, 0, [1, 3], slots=2) == 1  # (0, 2) evicted
     assert resident == {(0, 1), (0, 3)} == set(policy.order)
+    assert policy_step(policy, resident, 1, [1, 2, 3], slots=2) == 0  # (room for two)
+    assert policy_step(policy, resident, 1, [4, 5, 6], slots=2) == 0
+    assert len(resident) == 2
 
 
 def test_lfu_counts_fade_with_their_half_life():

@@ -297,6 +297,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     engine.synchronize()
     elapsed = time.perf_counter() - t0
     after = _counters(experts)
+    lru = _lru_regime(experts, timed_from)  # (before the profiled steps: timed ones only)
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     profiled = _profiled_steps(engine, state, ids[prompt_len + WARMUP_STEPS + tokens :])
     run = {
@@ -317,7 +318,9 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "cpu_layers": sorted(experts.cpu_layers) if experts else [],
         "peak_gpu_bytes": peak,  # (of the timed steps and those before them)
     }
-    run["lru_hit_rate"] = _lru_regime(experts, timed_from, run["cache_hit_rate"])
+    # for `static` and `layer`, whose routing stays on the device: the share of uses their
+    # resident layers serve
+    run["lru_hit_rate"] = run["cache_hit_rate"] if lru is None else lru
     run["peak_gpu_gib"] = run["peak_gpu_bytes"] / 2**30 if run["peak_gpu_bytes"] else None
     if profiled is not None:
         run["_py_profile"] = profiled
@@ -386,14 +389,13 @@ def _counters(experts) -> dict[str, int]:
     return dict(zip(names, values, strict=True))
 
 
-def _lru_regime(experts, timed_from: int, cache_hit_rate: float | None) -> float | None:
-    """What a plain LRU cache of the run's slots hits on the routing of its timed steps (the
-    warm-up steps warm it): the regime a figure belongs to, whatever the run's policy. For
-    `static` and `layer`, whose routing stays on the device, the share of uses their resident
-    layers serve (`cache_hit_rate`)."""
+def _lru_regime(experts, timed_from: int) -> float | None:
+    """What a plain LRU cache of the run's slots hits on the routing logged from `timed_from`
+    on (the warm-up steps before it warm the cache): the regime a figure belongs to, whatever
+    the run's policy; None without a log (not `auto`). Stops the logging."""
     log = getattr(experts, "route_log", None)
     if log is None:
-        return cache_hit_rate
+        return None
     experts.route_log = None
     return lru_replay(log, experts.cache.num_slots, timed_from)
 

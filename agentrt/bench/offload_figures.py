@@ -44,6 +44,8 @@ def policy_step(policy, resident: set, layer: int, experts: list[int], slots: in
     for key in policy.rank(misses):
         if len(resident) >= slots:
             victim = policy.victim(set(keys))
+            if victim is None:  # (every slot holds this layer's experts: the CPU's share)
+                continue
             resident.discard(victim)
             policy.remove(victim)
         resident.add(key)
