@@ -290,7 +290,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         engine.decode_step(state, token)
     engine.synchronize()
     before = _counters(experts)
-    timed_from = len(experts.route_log) if setting["offload"] == "auto" else 0
+    timed_from = len(getattr(experts, "route_log", None) or ())
     t0 = time.perf_counter()
     for token in ids[prompt_len + WARMUP_STEPS : prompt_len + WARMUP_STEPS + tokens]:
         engine.decode_step(state, token)

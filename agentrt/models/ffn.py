@@ -55,8 +55,6 @@ class Router(nn.Module):
             return ids, torch.softmax(top, dim=-1, dtype=torch.float).to(x.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(x.dtype)
 
 

@@ -85,7 +85,6 @@ class LFU(LRU):
         self._rebuild()
 
     def insert(self, key: Key) -> None:
-        self._restore_taken()
         super().insert(key)
         heapq.heappush(self.heap, self._entry(key))
 
