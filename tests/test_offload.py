@@ -211,6 +211,30 @@ def test_lfu_victim_stays_exact_through_rescales_and_victims_kept():
     assert rescales > 5
 
 
+def test_lfu_victim_is_exact_in_the_engines_order_of_calls():
+    """As the engine calls it: a layer's misses admitted in place of victims outside the
+    layer's experts (inserted keys get their entry later), then every routed expert touched;
+    now and then a key dropped without being a victim, or dropped and admitted again."""
+    lfu, rng = LFU(half_life=53), random.Random(3)
+    for step in range(3000):
+        layer = rng.randrange(4)
+        keys = {(layer, e) for e in rng.sample(range(16), 4)}
+        for key in sorted(keys - set(lfu.order)):
+            if len(lfu.order) >= 24:
+                resident = [k for k in lfu.order if k not in keys]
+                want = min(resident, key=lambda k: (lfu.count.get(k, 0.0), lfu.last_use[k]))
+                assert lfu.victim(keys) == want, step
+                lfu.remove(want)
+            lfu.insert(key)
+        for key in keys:
+            lfu.touch(key)
+        if rng.random() < 0.1:  # (a copy that could not be issued; then perhaps again)
+            dropped = rng.choice(list(lfu.order))
+            lfu.remove(dropped)
+            if rng.random() < 0.5:
+                lfu.insert(dropped)
+
+
 def test_bench_decode_replays_the_timed_steps_routing_only(tmp_path, monkeypatch):
     """`lru_hit_rate` replays the timed steps' routing (after the warm-up's), not the steps
     profiled after them."""
@@ -715,9 +739,9 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
 
 def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     """With the native kernel's pool, a graph host step posts its CPU experts as soon as the
-    plan names them, before it waits for the layer's prefetches and issues its copies (the CPU
-    side is the longer one); the experts posted are those the plan left on the CPU, and the step
-    counts the time to the post."""
+    plan names them, before it chooses victims for its copies, waits for the layer's prefetches
+    and issues the copies (the CPU side is the longer one); the experts posted are those the
+    plan left on the CPU, and the step counts the time to the post."""
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
     from agentrt.offload.host_step import LayerIO
 
@@ -737,8 +761,9 @@ def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     store = ExpertStore(range(1), 8, hidden=4, inter=2, dtype=torch.bfloat16, pin=False)
     cache = ExpertCache(store, 4, "cpu", "lru")
     experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=Pool())
-    issue, wait = experts._issue, experts._await_prefetch
+    issue, wait, admit = experts._issue, experts._await_prefetch, cache.admit
     experts._issue = lambda *a: (events.append(("copy", len(a[4]))), issue(*a))
+    cache.admit = lambda *a: (events.append(("admit", a[1])), admit(*a))[1]
     experts._await_prefetch = lambda layer: (events.append(("await", layer)), wait(layer))
     io = LayerIO(top_k=4, hidden=4, dtype=torch.bfloat16, device="cpu")
     io.ids_h.copy_(torch.tensor([0, 1, 2, 3]))
@@ -746,7 +771,8 @@ def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     experts._host_step(0, io)
     # q* = 2 of 4 misses at equal bandwidths; the prefetches into the layer are awaited after
     # the post, before the copies (which may refill a prefetched slot)
-    assert events == [("cpu", 2), ("await", 0), ("copy", 2)]
+    assert [e[0] for e in events] == ["cpu", "admit", "admit", "await", "copy"]
+    assert events[0] == ("cpu", 2) and events[-1] == ("copy", 2)
     assert sum(s.cpu for s in cache.stats.values()) == 2 and experts.totals.cpu_start_seconds > 0
     cache.check()
 
@@ -890,6 +916,44 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled,
         )
     assert experts.totals.cpu > 0  # (3 slots for 4 experts a token: some always run on the CPU)
     assert (experts.totals.prefetched > 0) == prefetch
+
+
+def test_host_step_runs_a_copy_that_found_no_slot_after_the_pooled_experts(monkeypatch):
+    """A graph host step posts its CPU experts before admitting its copies; a copy that then
+    finds no slot runs on the CPU after the pool's experts, added to their sum."""
+    from agentrt.models.moe import expert_ffn
+
+    kernel = _native_or_skip()
+    monkeypatch.setattr(kernel, "pooled", True)
+    torch.manual_seed(0)
+    store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
+    for layer in store.layers:
+        store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
+    experts, cache, steps = _graph_host_steps(store, kernel, prefetch=False)
+    admit, refused = cache.admit, []
+
+    def every_other(layer, expert, exclude):  # the second admission of each step fails
+        if len(refused) % 2:
+            refused.append(None)
+            return None
+        refused.append((layer, expert))
+        return admit(layer, expert, exclude)
+
+    monkeypatch.setattr(cache, "admit", every_other)
+    for layer, ids, w, x, io in steps:
+        refused.clear()
+        x = x[None].float()
+        on_device = sum(
+            io.gw_h[j] * expert_ffn(x, cache.gate_up(s).float(), cache.down(s).float())[0]
+            for j, s in enumerate(io.slot_h.tolist())
+        )
+        gate_up, down = store.gate_up(layer).float(), store.down(layer).float()
+        dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
+        torch.testing.assert_close(
+            on_device + io.cpu_h, dense, rtol=0, atol=3e-2 * dense.abs().max().item()
+        )
+        cache.check()
+    assert experts.totals.cpu > 0
 
 
 def test_row_pointers_are_the_rows_data_pointers():

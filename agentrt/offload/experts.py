@@ -213,10 +213,12 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
     ) -> tuple[list[int], list[int]]:
         """Hits run from their slots; misses split into copies (admitted) and CPU work.
         `start_cpu(cpu)`, where given, is called as soon as the CPU's share is known, before the
-        copies are issued (a graph host step starts its CPU experts there: they take longer than
-        issuing the copies, and the copies then queue behind the prefetches anyway), and
-        `before_copies()` after it; the bookkeeping comes last. `synced`: the device has
-        finished all earlier work (a graph host step)."""
+        copies are admitted and issued (a graph host step starts its CPU experts there: they
+        take longer than choosing victims and issuing the copies, and the copies then queue
+        behind the prefetches anyway), and `before_copies()` after the admission; the
+        bookkeeping comes last. The returned CPU share ends with any copy that found no slot
+        (none: q is capped by the slots outside the layer's own experts), which `start_cpu`
+        was not given. `synced`: the device has finished all earlier work (a graph host step)."""
         lookup = self.cache.slot_of[layer]
         hits = [e for e in pairs if lookup[e] >= 0]
         misses = [e for e in pairs if lookup[e] < 0]
@@ -224,12 +226,14 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         if self.route_log is not None:
             self.route_log.append((layer, list(pairs)))
         try:
-            q = self._copies_for(len(misses), synced)
+            # (every slot but those of the layer's own resident experts can take a copy)
+            q = min(self._copies_for(len(misses), synced), self.cache.num_slots - len(hits))
             ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
-            copied, targets = self._admit(layer, ranked[:q], {(layer, e) for e in pairs})
-            cpu = ranked[q:] + [e for e in ranked[:q] if e not in copied]
+            cpu = ranked[q:]
             if start_cpu is not None:
                 start_cpu(cpu)
+            copied, targets = self._admit(layer, ranked[:q], {(layer, e) for e in pairs})
+            cpu = cpu + [e for e in ranked[:q] if e not in copied]
         finally:  # (whatever happened, nothing reads the slots before this)
             if before_copies is not None:
                 before_copies()

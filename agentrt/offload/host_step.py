@@ -83,11 +83,13 @@ class CapturedDecode:
         kernel = self.cpu_kernel or self.packed_cpu
         pooled = kernel is not None and kernel.pooled
         running = False  # the native kernel's pool computes while this thread works on
+        posted: list[int] = []  # the experts it computes
 
         def start(cpu: list[int]) -> None:
-            nonlocal running
+            nonlocal running, posted
             if cpu and pooled:
                 running = self._start_native(layer, io, cpu, _weights_of(cpu, ids, w))
+                posted = cpu if running else []
                 self.totals.cpu_start_seconds += time.perf_counter() - t_begin
 
         try:
@@ -116,10 +118,12 @@ class CapturedDecode:
             self.totals.cpu_wait_seconds += time.perf_counter() - t_planned
         self.totals.cpu += len(cpu)
         if running:
-            self._observe_cpu(len(cpu) * self.store.expert_bytes, seconds)
-        elif cpu:
-            self._host_cpu_experts(layer, io, cpu, _weights_of(cpu, ids, w))
-        else:
+            self._observe_cpu(len(posted) * self.store.expert_bytes, seconds)
+        rest = cpu[len(posted) :]  # (after the posted ones: copies that found no slot)
+        if rest:
+            args = (layer, io, rest, _weights_of(rest, ids, w))
+            self._host_cpu_experts(*args, accumulate=running)
+        elif not running:
             io.cpu_np.fill(0.0)
         if pending is not None:
             self._read_copy_timing(pending)
@@ -162,17 +166,21 @@ class CapturedDecode:
             self._token_stream = torch.cuda.current_stream(self.device)
             self._stream_now = self._token_stream
 
-    def _host_cpu_experts(self, layer: int, io, cpu: list[int], weights: list[float]) -> None:
+    def _host_cpu_experts(
+        self, layer: int, io, cpu: list[int], weights: list[float], accumulate: bool = False
+    ) -> None:
         """The token's CPU experts on this thread, weighted and summed into the pinned fp32
-        buffer (by the native kernel when there is one, in one call)."""
+        buffer, or added to it (`accumulate`); by the native kernel when there is one, in one
+        call."""
         t0 = time.perf_counter()
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
         if self.packed_cpu is not None:
-            self.packed_cpu.run_experts(layer, cpu, weights, io.x_h, acc)
+            self.packed_cpu.run_experts(layer, cpu, weights, io.x_h, acc, accumulate)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
             return
         if self.cpu_kernel is not None:
-            self.cpu_kernel.run(*self._native_args(layer, cpu), weights, io.x_h, acc)
+            args = self._native_args(layer, cpu)
+            self.cpu_kernel.run(*args, weights, io.x_h, acc, accumulate=accumulate)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
             return
         _, gate_up, down = self.store.expert_views(layer)
@@ -181,7 +189,7 @@ class CapturedDecode:
                 bias = self.store.expert_biases(layer, expert, "cpu")
                 y = expert_ffn(x, gate_up[expert], down[expert], *bias, act=self.store.act)
                 y = y[0].float()
-                if i == 0:
+                if i == 0 and not accumulate:
                     torch.mul(y, weight, out=acc)
                 else:
                     acc.add_(y, alpha=weight)

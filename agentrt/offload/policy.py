@@ -47,7 +47,9 @@ class LFU(LRU):
     use (the same order; counts and weight are scaled down together, rarely, before they
     overflow). A heap of (count, last use, key) entries finds the victim: counts only grow, so
     an entry never overstates its key, and `victim` refreshes an outdated one when it surfaces;
-    a use costs two dictionary writes."""
+    a use costs two dictionary writes. An inserted key gets its entry at the first `victim`
+    call that may choose it (the engine admits a layer's misses and then uses them: one entry
+    instead of one outdated at once)."""
 
     name = "lfu"
     RESCALE_AT = 1e200  # the weight at which counts and weight are scaled down together
@@ -60,12 +62,14 @@ class LFU(LRU):
         self.weight = 1.0
         self.heap: list[tuple[float, int, Key]] = []
         self._taken: Key | None = None  # the last victim, whose entry `victim` took out
+        self._fresh: list[Key] = []  # inserted keys without an entry yet
 
     def _entry(self, key: Key) -> tuple[float, int, Key]:
         return (self.count.get(key, 0.0), self.last_use.get(key, 0), key)
 
     def _rebuild(self) -> None:
         self.heap = [self._entry(k) for k in self.order]
+        self._fresh = []
         heapq.heapify(self.heap)
 
     def touch(self, key: Key) -> None:
@@ -86,10 +90,23 @@ class LFU(LRU):
 
     def insert(self, key: Key) -> None:
         super().insert(key)
-        heapq.heappush(self.heap, self._entry(key))
+        self._fresh.append(key)  # (its entry is pushed by the first victim it may be)
+
+    def _push_fresh(self, exclude: set[Key]) -> None:
+        """Entries for the keys inserted since, but those in `exclude`, which stay for later
+        (a key is admitted and then used in the same layer: one entry, after the use)."""
+        later = []
+        for key in self._fresh:
+            if key in exclude:
+                later.append(key)
+            elif key in self.order:
+                heapq.heappush(self.heap, self._entry(key))
+        self._fresh = later
 
     def victim(self, exclude: set[Key]) -> Key | None:
         self._restore_taken()
+        if self._fresh:
+            self._push_fresh(exclude)
         skipped, found = [], None
         heap, last_use = self.heap, self.last_use  # (a use moves both count and last use)
         while heap:
