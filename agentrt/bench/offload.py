@@ -56,6 +56,7 @@ from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
 from agentrt.errors import AgentrtError
+from agentrt.host.heap import CollectorClock, settle, unsettle
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
@@ -289,12 +290,14 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     for token in ids[prompt_len : prompt_len + WARMUP_STEPS]:
         engine.decode_step(state, token)
     engine.synchronize()
+    settle()  # (as a runtime's start-up ends)
     before = _counters(experts)
     timed_from = len(getattr(experts, "route_log", None) or ())
     t0 = time.perf_counter()
-    for token in ids[prompt_len + WARMUP_STEPS : prompt_len + WARMUP_STEPS + tokens]:
-        engine.decode_step(state, token)
-    engine.synchronize()
+    with CollectorClock() as collector:
+        for token in ids[prompt_len + WARMUP_STEPS : prompt_len + WARMUP_STEPS + tokens]:
+            engine.decode_step(state, token)
+        engine.synchronize()
     elapsed = time.perf_counter() - t0
     after = _counters(experts)
     lru = _lru_regime(experts, timed_from)  # (before the profiled steps: timed ones only)
@@ -317,6 +320,9 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "q_star_bandwidths_gb_s": _gb(experts.bw) if experts else None,
         "cpu_layers": sorted(experts.cpu_layers) if experts else [],
         "peak_gpu_bytes": peak,  # (of the timed steps and those before them)
+        # Python's cycle collector in the timed steps: its time and its full passes
+        "gc_ms_per_token": 1e3 * collector.seconds / tokens,
+        "gc_full_passes": collector.passes[2],
     }
     # for `static` and `layer`, whose routing stays on the device: the share of uses their
     # resident layers serve
@@ -329,6 +335,7 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         experts.close()
     model.set_experts(load_sink(store))  # drop the device cache / resident copy
     del engine, state, experts
+    unsettle()
     return run
 
 

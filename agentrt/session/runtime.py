@@ -19,6 +19,7 @@ from typing import Any
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError
+from agentrt.host.heap import settle, unsettle
 from agentrt.offload.packed_load import finish_loading, load_sink
 from agentrt.session.chat import (
     ChatEvent,
@@ -170,6 +171,7 @@ class Runtime:
         clock.lap("prefill_graphs_s")
         engine.warm_up(rt._live_state())  # (CUDA: kernels compiled, decode graph captured)
         clock.lap("warm_up_s")
+        settle()  # (what start-up made, out of the cycle collector's later passes)
         rt.startup = clock.laps
         return rt
 
@@ -374,13 +376,11 @@ class Runtime:
         self._state = None
         self.engine = None  # type: ignore[assignment]
         self.tokenizer = None
-        try:
-            import torch
+        unsettle()  # (those of this runtime may go now)
+        import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover
-            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> Runtime:
         return self
