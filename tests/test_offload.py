@@ -131,6 +131,19 @@ def test_q_star_rounding():
             assert split_time(m, q, 1, bp, bh) == pytest.approx(split_time(m, best, 1, bp, bh))
 
 
+def test_q_star_is_the_fastest_split_ties_to_more_copies():
+    """Against every q: the least max(copy side, CPU side) with copies queued ahead, and of
+    equal times the most copies."""
+    rng = random.Random(4)
+    for _ in range(2000):
+        m, queued = rng.randrange(0, 24), rng.choice([0.0, rng.uniform(0, 12)])
+        bp, bh = rng.choice([1.0, 2.0, 55.0, rng.uniform(0.1, 80)]), rng.uniform(0.1, 80)
+        cost = [max((queued + q) / bp, (m - q) / bh) for q in range(m + 1)]
+        want = max(q for q in range(m + 1) if cost[q] == min(cost))
+        assert cost[q_star(m, bp, bh, queued)] == pytest.approx(cost[want]), (m, queued, bp, bh)
+    assert q_star(7, 1.0, 1.0) == 4  # 3 or 4 copies both take 4: the copies
+
+
 def _store(layers=3, experts=8) -> ExpertStore:
     store = ExpertStore(range(layers), experts, hidden=4, inter=2, dtype=torch.float32, pin=False)
     for layer in store.layers:

@@ -64,11 +64,14 @@ def q_star(misses: int, b_copy: float, b_cpu: float, queued: float = 0.0) -> int
     if b_copy <= 0:
         return 0
     ideal = (misses * b_copy - queued * b_cpu) / (b_copy + b_cpu)
-    candidates = {max(0, min(misses, math.floor(ideal))), max(0, min(misses, math.ceil(ideal)))}
-    return min(
-        sorted(candidates),
-        key=lambda q: (max((queued + q) / b_copy, (misses - q) / b_cpu), -q),
-    )
+    low = max(0, min(misses, math.floor(ideal)))
+    high = max(0, min(misses, math.ceil(ideal)))
+    if low == high:
+        return low
+    # (a host step asks once per MoE layer: two candidates compared inline, ties to more copies)
+    t_low = max((queued + low) / b_copy, (misses - low) / b_cpu)
+    t_high = max((queued + high) / b_copy, (misses - high) / b_cpu)
+    return high if t_high <= t_low else low
 
 
 def split_time(misses: int, q: int, expert_bytes: int, b_copy: float, b_cpu: float) -> float:
