@@ -901,32 +901,42 @@ def _graph_host_steps(store, kernel, prefetch: bool):
     return experts, cache, steps()
 
 
+def _random_bf16_store() -> ExpertStore:
+    """Two layers of 8 bf16 experts (64 x 32) with random weights."""
+    torch.manual_seed(0)
+    store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
+    for layer in store.layers:
+        store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
+    return store
+
+
+def _assert_host_step_is_dense(store, cache, layer, ids, w, x, io) -> None:
+    """The device slots the step filled in, plus its CPU sum, give the token's dense sum."""
+    from agentrt.models.moe import expert_ffn
+
+    x = x[None].float()
+    on_device = sum(
+        io.gw_h[j] * expert_ffn(x, cache.gate_up(s).float(), cache.down(s).float())[0]
+        for j, s in enumerate(io.slot_h.tolist())
+    )
+    gate_up, down = store.gate_up(layer).float(), store.down(layer).float()
+    dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
+    torch.testing.assert_close(
+        on_device + io.cpu_h, dense, rtol=0, atol=3e-2 * dense.abs().max().item()
+    )
+
+
 @pytest.mark.parametrize("prefetch,pooled", [(False, False), (True, False), (True, True)])
 def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled, monkeypatch):
     """A graph host step whose CPU experts go through the native kernel (bf16 store): device
     slots plus the kernel's sum give the token's weighted expert sum. `pooled`: the kernel runs
     on its thread pool while the host step prefetches into other slots and fills the inputs."""
-    from agentrt.models.moe import expert_ffn
-
     kernel = _native_or_skip()
     monkeypatch.setattr(kernel, "pooled", pooled)
-    torch.manual_seed(0)
-    store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
-    for layer in store.layers:
-        store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
+    store = _random_bf16_store()
     experts, cache, steps = _graph_host_steps(store, kernel, prefetch)
-    for layer, ids, w, x, io in steps:
-        x = x[None]
-        slots = io.slot_h.tolist()
-        on_device = sum(
-            io.gw_h[j] * expert_ffn(x.float(), cache.gate_up(s).float(), cache.down(s).float())[0]
-            for j, s in enumerate(slots)
-        )
-        gate_up, down = store.gate_up(layer).float(), store.down(layer).float()
-        dense = sum(w[j] * expert_ffn(x.float(), gate_up[e], down[e])[0] for j, e in enumerate(ids))
-        torch.testing.assert_close(
-            on_device + io.cpu_h, dense, rtol=0, atol=3e-2 * dense.abs().max().item()
-        )
+    for step in steps:
+        _assert_host_step_is_dense(store, cache, *step)
     assert experts.totals.cpu > 0  # (3 slots for 4 experts a token: some always run on the CPU)
     assert (experts.totals.prefetched > 0) == prefetch
 
@@ -934,14 +944,9 @@ def test_host_step_with_the_native_kernel_equals_the_dense_sum(prefetch, pooled,
 def test_host_step_runs_a_copy_that_found_no_slot_after_the_pooled_experts(monkeypatch):
     """A graph host step posts its CPU experts before admitting its copies; a copy that then
     finds no slot runs on the CPU after the pool's experts, added to their sum."""
-    from agentrt.models.moe import expert_ffn
-
     kernel = _native_or_skip()
     monkeypatch.setattr(kernel, "pooled", True)
-    torch.manual_seed(0)
-    store = ExpertStore(range(2), 8, hidden=64, inter=32, dtype=torch.bfloat16, pin=False)
-    for layer in store.layers:
-        store.flat[layer].copy_(torch.randn_like(store.flat[layer], dtype=torch.float32) * 0.2)
+    store = _random_bf16_store()
     experts, cache, steps = _graph_host_steps(store, kernel, prefetch=False)
     admit, refused = cache.admit, []
 
@@ -953,18 +958,9 @@ def test_host_step_runs_a_copy_that_found_no_slot_after_the_pooled_experts(monke
         return admit(layer, expert, exclude)
 
     monkeypatch.setattr(cache, "admit", every_other)
-    for layer, ids, w, x, io in steps:
+    for step in steps:
         refused.clear()
-        x = x[None].float()
-        on_device = sum(
-            io.gw_h[j] * expert_ffn(x, cache.gate_up(s).float(), cache.down(s).float())[0]
-            for j, s in enumerate(io.slot_h.tolist())
-        )
-        gate_up, down = store.gate_up(layer).float(), store.down(layer).float()
-        dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
-        torch.testing.assert_close(
-            on_device + io.cpu_h, dense, rtol=0, atol=3e-2 * dense.abs().max().item()
-        )
+        _assert_host_step_is_dense(store, cache, *step)
         cache.check()
     assert experts.totals.cpu > 0
 
