@@ -421,6 +421,37 @@ def test_calibration_profile_round_trip(tmp_path):
     assert load_profile(path) == profile
 
 
+@pytest.mark.parametrize("placement", [{}, {"expert_cache_slots": 8}, {"vram_budget": "1100MiB"}])
+def test_close_releases_the_model(placement):
+    """After `close` nothing keeps the model (under a budget the model and its experts object
+    refer to each other: `close` collects them), so its memory goes back, on a GPU to the
+    allocator; with the collector off, as between its passes."""
+    import gc
+    import weakref
+
+    rt = Runtime.open("tiny", cache="off", **placement)
+    rt.generate([1, 2, 3], max_tokens=2)
+    model = weakref.ref(rt.engine.model)
+    gc.disable()
+    try:
+        rt.close()
+        assert model() is None
+    finally:
+        gc.enable()
+
+
+def test_collector_clock_counts_passes_by_generation():
+    import gc
+
+    from agentrt.host.heap import CollectorClock
+
+    with CollectorClock() as clock:
+        gc.collect(0)
+        gc.collect()
+    assert clock.passes[0] >= 1 and clock.passes[2] >= 1 and clock.seconds > 0
+    assert clock._callback not in gc.callbacks
+
+
 def test_metrics_report_the_expert_cache():
     from agentrt.server.app import ChatServer, ServerConfig
 
@@ -950,7 +981,7 @@ def test_host_step_runs_a_copy_that_found_no_slot_after_the_pooled_experts(monke
     experts, cache, steps = _graph_host_steps(store, kernel, prefetch=False)
     admit, refused = cache.admit, []
 
-    def every_other(layer, expert, exclude):  # the second admission of each step fails
+    def every_other(layer, expert, exclude):  # every other admission fails
         if len(refused) % 2:
             refused.append(None)
             return None
@@ -1545,11 +1576,12 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     assert mxfp4_kernel(_packed_store(False)[1])._lock is kernel._lock
 
 
-@pytest.mark.parametrize("pooled", [False, True])
-def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, monkeypatch):
+@pytest.mark.parametrize("pooled,refused", [(False, False), (True, False), (True, True)])
+def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, refused, monkeypatch):
     """A graph host step over packed MXFP4 experts: the token's experts that found no slot run
     on packed rows' kernel (on its thread pool with `pooled`, while the host step prefetches
-    and fills the inputs), and the pinned buffer gets their weighted sum."""
+    and fills the inputs), and the pinned buffer gets their weighted sum; `refused`: every
+    other admission fails, and those copies run after the pool's experts, added."""
     from agentrt.models.moe import expert_ffn
     from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
 
@@ -1558,7 +1590,15 @@ def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, monkeypatch):
     if kernel is None:
         pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
     monkeypatch.setattr(kernel, "pooled", pooled)
-    experts, _, steps = _graph_host_steps(store, kernel, True)
+    experts, cache, steps = _graph_host_steps(store, kernel, True)
+    if refused:
+        admit, calls = cache.admit, []
+
+        def every_other(*args):  # the first, third, ... admission fails
+            calls.append(args)
+            return None if len(calls) % 2 else admit(*args)
+
+        monkeypatch.setattr(cache, "admit", every_other)
     for layer, ids, w, x, io in steps:
         on_cpu = [j for j in range(4) if io.gw_h[j] == 0]
         want = sum(

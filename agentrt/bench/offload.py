@@ -56,7 +56,7 @@ from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
 from agentrt.errors import AgentrtError
-from agentrt.host.heap import CollectorClock, settle, unsettle
+from agentrt.host.heap import CollectorClock
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
 from agentrt.models.registry import config_of, open_model
@@ -290,7 +290,6 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
     for token in ids[prompt_len : prompt_len + WARMUP_STEPS]:
         engine.decode_step(state, token)
     engine.synchronize()
-    settle()  # (as a runtime's start-up ends)
     before = _counters(experts)
     timed_from = len(getattr(experts, "route_log", None) or ())
     t0 = time.perf_counter()
@@ -335,7 +334,6 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         experts.close()
     model.set_experts(load_sink(store))  # drop the device cache / resident copy
     del engine, state, experts
-    unsettle()
     return run
 
 

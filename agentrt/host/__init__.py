@@ -1,4 +1,3 @@
 """What agentrt needs from the host process, below every layer: private files and directories
 (`private.py`), CPU thread settings (`cputhreads.py`), the shared libraries loaded (`libs.py`),
-the cycle collector around a loaded engine (`heap.py`). Knows nothing of models, engines or
-sessions."""
+the cycle collector's time (`heap.py`). Knows nothing of models, engines or sessions."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -19,7 +20,6 @@ from typing import Any
 from agentrt.engine import Cancelled, Engine, Generation, SamplingParams
 from agentrt.engine.reuse import NoReuse, PrefixReuse, SemanticReuse
 from agentrt.errors import ChatTemplateError, InvalidArgumentError
-from agentrt.host.heap import settle, unsettle
 from agentrt.offload.packed_load import finish_loading, load_sink
 from agentrt.session.chat import (
     ChatEvent,
@@ -171,7 +171,6 @@ class Runtime:
         clock.lap("prefill_graphs_s")
         engine.warm_up(rt._live_state())  # (CUDA: kernels compiled, decode graph captured)
         clock.lap("warm_up_s")
-        settle()  # (what start-up made, out of the cycle collector's later passes)
         rt.startup = clock.laps
         return rt
 
@@ -376,7 +375,8 @@ class Runtime:
         self._state = None
         self.engine = None  # type: ignore[assignment]
         self.tokenizer = None
-        unsettle()  # (those of this runtime may go now)
+        self._source = None
+        gc.collect()  # (an offloaded model and its experts object refer to each other)
         import torch
 
         if torch.cuda.is_available():
