@@ -227,7 +227,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             self.route_log.append((layer, list(pairs)))
         try:
             # (every slot but those of the layer's own resident experts can take a copy)
-            q = min(self._copies_for(len(misses), synced), self.cache.num_slots - len(hits))
+            q = self._copies_for(len(misses), synced, self.cache.num_slots - len(hits))
             ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
             cpu = ranked[q:]
             if start_cpu is not None:
@@ -258,11 +258,13 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             self.cache.stats[layer].prefetch_hits += right
             self.totals.prefetch_hits += right
 
-    def _copies_for(self, misses: int, synced: bool) -> int:
-        """How many of `misses` experts to copy (q*; all of them without the split)."""
+    def _copies_for(self, misses: int, synced: bool, room: int) -> int:
+        """How many of `misses` experts to copy (q*; all of them without the split), at most
+        `room` (the slots that can take one)."""
         if not self.split:
-            return misses
+            return min(misses, room)
         q = q_star(misses, self.bw.copy, self.bw.cpu, self._queued() if synced else 0.0)
+        q = min(q, room)
         if self.adaptive and q == misses >= 2:
             self._copy_only_decisions += 1
             if self._copy_only_decisions % PROBE_EVERY == 0:
