@@ -207,7 +207,7 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
 
 
 _DECODE_OFFLOAD_ONLY = (
-    "split", "expert_policy", "prefetch", "text", "tokenizer", "repeat", "cpu_kernel",
+    "split", "expert_policy", "prefetch", "cpu_warm", "text", "tokenizer", "repeat", "cpu_kernel",
     "expert_format", "py_profile",
 )  # fmt: skip
 
@@ -251,6 +251,14 @@ _DECODE_OFFLOAD_ONLY = (
     ("on", "off"),
     "on",
     "For --offload auto: comma-separated next-layer prefetch settings, on and/or off.",
+)
+@csv_option(
+    "--cpu-warm",
+    ("on", "off"),
+    "on",
+    "For --offload auto with prefetch: comma-separated settings of the CPU experts' warm-up "
+    "(the next layer's likely CPU experts read into the CPU's caches while the GPU works), "
+    "on and/or off.",
 )
 @click.option(
     "--vram-budget",
@@ -300,6 +308,7 @@ def bench_decode(
     split,
     expert_policy,
     prefetch,
+    cpu_warm,
     vram_budget,
     text,
     tokenizer,
@@ -320,7 +329,7 @@ def bench_decode(
     if not offload:
         only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
     elif "auto" not in offload:
-        only_with(["split", "expert_policy", "prefetch"], "with --offload auto")
+        only_with(["split", "expert_policy", "prefetch", "cpu_warm"], "with --offload auto")
     if len(prompt_len) > 1 and not offload:
         raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
     if offload:
@@ -331,7 +340,11 @@ def bench_decode(
         from agentrt.session.options import packed_experts
 
         runs = bo.settings(
-            offload, [v == "on" for v in split], expert_policy, [v == "on" for v in prefetch]
+            offload,
+            [v == "on" for v in split],
+            expert_policy,
+            [v == "on" for v in prefetch],
+            [v == "on" for v in cpu_warm],
         )
         report = bo.offload_decode(
             model,

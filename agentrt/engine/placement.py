@@ -147,6 +147,7 @@ def install(
             adaptive=not given,
             routers=routers,
             cpu_kernel=kernel,
+            warm_cpu=config.cpu_warm,
             prefill_plan=config.prefill_plan,
             staging_bytes=config.staging_bytes,
             slots_for_kv=_slots_for_kv(model, store, config),

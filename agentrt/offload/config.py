@@ -65,6 +65,9 @@ class OffloadConfig:
     policy: str = "lfu"
     # decode: copy ahead the experts the next layer's router predicts from this layer's input
     prefetch: bool = True
+    # decode with prefetch and the native kernel's pool: read the next layer's likely CPU
+    # experts (predicted, missing, not copied ahead) into the CPU's caches during its piece
+    cpu_warm: bool = True
     # a decode token's CPU experts: torch's kernels, the native bf16 kernel built at first use
     # (offload/cpu_kernel.py; falls back to torch's without a C compiler), or auto: native where
     # the CPU has AVX512-BF16 or AVX2 with FMA

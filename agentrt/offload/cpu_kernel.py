@@ -26,6 +26,7 @@ kernel read expert weights at 55-75 GB/s against torch's 22-35 (16 cores).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,12 +65,14 @@ class _Guard:
         self.lock = threading.Lock()
         self.args: tuple | None = None  # what a posted call reads (kept alive until finish)
         self.resting = False  # the pool's threads sent to sleep until the next posted call
+        self.warming = None  # what a posted warm-up reads (kept until it is waited for)
         self.spin_s: float | None = None  # their spin (`pool_spin_s()`, read once per library)
         os.register_at_fork(after_in_child=self._forget_calls)
 
     def _forget_calls(self) -> None:
         self.lock = threading.Lock()
         self.args = None
+        self.warming = None
 
 
 _GUARDS: dict[int, _Guard] = {}  # library handle -> its guard
@@ -144,12 +148,48 @@ class PoolCalls:
             self._guard.resting = True
             self._spin(0.0)
 
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The library's lock, once a posted warm-up is done (a call on the caller's OpenMP
+        team would compete with its threads for the cores)."""
+        with self._lock:
+            self._settle()
+            yield
+
+    def _post_warm(self, start, args: tuple, alive: tuple) -> bool:
+        """Post a warm-up `start(*args, pool_threads, active)` (see `NativeExperts.warm`) and
+        return at once, keeping `alive` until the next call (or `settle`) waits for it. False
+        (nothing posted) where another thread's call runs or the pool is off."""
+        guard = self._guard
+        if not self.pooled or not guard.lock.acquire(blocking=False):
+            return False
+        try:
+            self._settle()
+            code = start(*args, self.pool_threads, self.active_threads())
+            if code == 0:
+                guard.warming = alive
+            return code == 0
+        finally:
+            guard.lock.release()
+
+    def settle(self) -> None:
+        """Wait for a posted warm-up, if any."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        """(Under the lock.) Wait for a posted warm-up and release what it reads."""
+        if self._guard.warming is not None:
+            self._wait()
+            self._guard.warming = None
+
     def _post(self, start, make) -> None:
         """Under the lock, `make()` -> (C arguments, what must stay alive), then
         `start(*arguments, pool_threads)`; `finish` must follow. Raises OSError (and turns
         `pooled` off) where the pool's threads cannot be made."""
         guard = self._guard
         guard.lock.acquire()
+        self._settle()
         if guard.resting:  # (a decode begins: the pool spins between its calls again)
             guard.resting = False
             self._spin(guard.spin_s)
@@ -215,6 +255,9 @@ class NativeExperts(PoolCalls):
         self._rows = lib.experts_rows_bf16
         self._rows.argtypes = [_P, _P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int, _P]
         self._rows.restype = None
+        self._warm = lib.experts_warm
+        self._warm.argtypes = [_P, _P] + [ctypes.c_int] * 5
+        self._warm.restype = ctypes.c_int
         lib.experts_fast_path.restype = ctypes.c_int
         self.fast_path = bool(lib.experts_fast_path())  # AVX512-BF16 or AVX2 dots compiled in
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}  # activations per shape
@@ -231,7 +274,7 @@ class NativeExperts(PoolCalls):
     ) -> None:
         """`out` (fp32 `[H]`) = sum_e weights[e] * expert_e(x) (plus `out` if `accumulate`), for
         contiguous bf16 CPU weights `gate_up[e] [2I, H]`, `down[e] [H, I]` and `x [H]`."""
-        with self._lock:
+        with self._turn():
             self._fn(*self._args_of(gate_up, down, weights, x, out, accumulate))
 
     def run_rows(
@@ -247,7 +290,7 @@ class NativeExperts(PoolCalls):
         consecutive rows for expert e; `out` (fp32 `[rows, H]`) gets each row's expert output
         times its `weights` (fp32 `[rows]`). On the calling thread's OpenMP team."""
         args, alive = self._rows_args(gate_up, down, counts, x, weights, out)
-        with self._lock:
+        with self._turn():
             self._rows(*args)
         del alive  # (the scratch and the C arrays the call read)
 
@@ -272,6 +315,22 @@ class NativeExperts(PoolCalls):
             return args, (gate_up, down, x, out)
 
         self._post(self._start, make)
+
+    def warm(
+        self, gate_up: list[int], down: list[int], hidden: int, inter: int, owner: object = None
+    ) -> bool:
+        """Post a read of experts a later call will likely compute (the addresses of their
+        `gate_up [2I, H]` and `down [H, I]` bf16 weights, in the memory of `owner`, which is
+        kept alive until the read is waited for) into the caches of the pool's cores, each
+        thread the rows of its share of that call's items, and return at once: it runs while
+        the caller waits for other work (a graph piece), and the next call (or `settle`) waits
+        for it first. False (nothing posted) where another thread's call runs or the pool is
+        off."""
+        if not gate_up:
+            return False
+        arrays = [(_P * len(gate_up))(*gate_up), (_P * len(down))(*down)]
+        args = (*arrays, len(gate_up), hidden, inter)
+        return self._post_warm(self._warm, args, (*arrays, owner))
 
     def _args_of(self, gate_up, down, weights, x, out, accumulate: bool) -> tuple:
         """The C call's arguments, the activations' scratch (of this shape) last."""

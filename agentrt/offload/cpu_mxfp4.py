@@ -62,7 +62,7 @@ class PackedCPUExperts(PoolCalls):
                     accumulate: bool = False) -> None:  # fmt: skip
         """`out` (fp32 `[H]`, contiguous) = sum over `experts` of `layer` of weights[i] times
         the expert's output for `x` (`[H]`), plus `out` if `accumulate`."""
-        with self._lock:
+        with self._turn():
             args, alive = self._experts_args(layer, experts, weights, x, out, accumulate)
             self._fn(*args)
         del alive  # (the C arrays and the input the call read)
@@ -99,7 +99,7 @@ class PackedCPUExperts(PoolCalls):
         x32 = x.float().contiguous()
         w32 = scale.reshape(-1).float().contiguous()
         result = torch.empty(x32.shape, dtype=torch.float32)
-        with self._lock:
+        with self._turn():
             scratch = self._scratch_for(self._need(n, s.hidden, s.inter, x32.shape[0]))
             self._rows(
                 row_ptrs, starts, n, x32.data_ptr(), w32.data_ptr(), result.data_ptr(),

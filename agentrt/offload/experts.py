@@ -76,6 +76,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         adaptive: bool = True,
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel: NativeExperts | PackedCPUExperts | None = None,
+        warm_cpu: bool = True,
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
         slots_for_kv: Callable[[int], int] | None = None,
@@ -105,6 +106,10 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
         self._mark = self.fast.new_event() if self.fast is not None else None
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
+        # layer -> the experts a graph host step read into the CPU's caches for it (missing
+        # there, they go to its CPU side); `warm_cpu`: whether host steps post those reads
+        self._warmed: dict[int, set[int]] = {}
+        self.warm_cpu = warm_cpu
         # (layer, routed experts) of each planned decode layer, kept while a benchmark sets a
         # list here: it replays them through a plain LRU (the routing's regime)
         self.route_log: list[tuple[int, list[int]]] | None = None
@@ -229,6 +234,9 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             # (every slot but those of the layer's own resident experts can take a copy)
             q = self._copies_for(len(misses), synced, self.cache.num_slots - len(hits))
             ranked = [e for _, e in policy.rank((layer, e) for e in misses)] if q else misses
+            warm = self._warmed.pop(layer, None)
+            if warm:  # (read into the CPU's caches: the CPU side takes them first)
+                ranked = [e for e in ranked if e not in warm] + [e for e in ranked if e in warm]
             cpu = ranked[q:]
             if start_cpu is not None:
                 start_cpu(cpu)
@@ -247,6 +255,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         stats.misses += len(misses)
         stats.copied += len(copied)
         stats.cpu += len(cpu)
+        if warm:
+            self.totals.warm_used += len(warm.intersection(cpu))
         return hits + copied, cpu
 
     def _count_prefetch_hits(self, layer: int, hits: list[int]) -> None:
@@ -414,7 +424,10 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         return out
 
     def close(self) -> None:
-        """Nothing to release (kept for callers that close what they open)."""
+        """Wait for a warm-up the CPU kernel's pool may still run over the host store (the
+        store may be freed next)."""
+        if self.cpu_kernel is not None:
+            self.cpu_kernel.settle()
 
 
 class _EventRing:

@@ -151,8 +151,9 @@ void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const in
 
 /* A decode call: out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * down_e @ act_e,
    act_e = bf16(silu(g) * u), [g; u] = gate_up_e @ x (act: [n * inter] bf16 scratch). Its items
-   in two phases: the (expert, row) activations (gate and up rows together, so no scratch),
-   then the output rows; the OpenMP path (experts_bf16) and the pool of threadpool.c (built in
+   in two phases: the (row, expert) activations (gate and up rows together, so no scratch; row
+   major, so a pool thread's share is about the same rows of every expert, whatever their
+   number: those `experts_warm` read for it), then the output rows; the OpenMP path (experts_bf16) and the pool of threadpool.c (built in
    front of this file: experts_start posts a call and returns, agentrt_pool_wait waits for it
    and returns its seconds) compute the same items alike, whichever thread takes one. */
 typedef struct {
@@ -164,7 +165,7 @@ static void job_items(const void* arg, int phase, long lo, long hi) {
     const job_t* j = (const job_t*)arg;
     if (phase == 0) {
         for (long p = lo; p < hi; p++) {
-            int e = (int)(p / j->inter), i = (int)(p % j->inter);
+            int e = (int)(p % j->n), i = (int)(p / j->n);
             const uint16_t* gu = j->gate_up[e];
             float g = dot(gu + (int64_t)i * j->hidden, j->x, j->hidden);
             float u = dot(gu + (int64_t)(j->inter + i) * j->hidden, j->x, j->hidden);
@@ -202,6 +203,42 @@ int experts_start(const uint16_t** gate_up, const uint16_t** down, const float* 
     job_t j = {gate_up, down, weights, n, x, out, hidden, inter, accumulate, act};
     job = j;
     pool_task task = {job_items, &job, 2, {(long)n * inter, hidden}};
+    return pool_start(task, threads, active);
+}
+/* A warm-up of n experts a later decode call will likely compute: each pool thread reads the
+   rows of its share of that call's items (gate/up rows of its activations, then down rows of
+   its outputs; the same items whatever the number of experts, up to a row at the ends) into
+   its core's caches, one load per cache line. */
+typedef struct { const uint16_t** gate_up; const uint16_t** down; int n, hidden, inter; } warm_t;
+static warm_t warm_job;
+static uint64_t warm_sink;  /* (the loads' sum, so the compiler keeps them) */
+static uint64_t touch(const uint16_t* row, long count) {
+    const volatile uint8_t* bytes = (const volatile uint8_t*)row;
+    uint64_t s = 0;
+    for (long off = 0; off < count * 2; off += 64) s += bytes[off];
+    return s;
+}
+static void warm_items(const void* arg, int phase, long lo, long hi) {
+    const warm_t* j = (const warm_t*)arg;
+    uint64_t s = 0;
+    for (long p = lo; p < hi; p++) {
+        if (phase == 0) {
+            int e = (int)(p % j->n), i = (int)(p / j->n);
+            s += touch(j->gate_up[e] + (int64_t)i * j->hidden, j->hidden);
+            s += touch(j->gate_up[e] + (int64_t)(j->inter + i) * j->hidden, j->hidden);
+        } else {
+            for (int e = 0; e < j->n; e++) s += touch(j->down[e] + p * j->inter, j->inter);
+        }
+    }
+    __atomic_fetch_add(&warm_sink, s, __ATOMIC_RELAXED);
+}
+/* post the warm-up (the arrays must stay valid until agentrt_pool_wait); as experts_start */
+int experts_warm(const uint16_t** gate_up, const uint16_t** down, int n, int hidden, int inter,
+                 int threads, int active) {
+    if (!pool_idle()) return -2;
+    warm_t j = {gate_up, down, n, hidden, inter};
+    warm_job = j;
+    pool_task task = {warm_items, &warm_job, 2, {(long)n * inter, hidden}};
     return pool_start(task, threads, active);
 }
 /* whether the build has vector dot products (AVX512-BF16, or AVX2 with FMA), else a plain

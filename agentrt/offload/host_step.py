@@ -13,6 +13,7 @@ import torch
 
 from agentrt.models import expert_gemv
 from agentrt.models.moe import expert_ffn
+from agentrt.offload.cpu_kernel import row_pointers
 from agentrt.offload.packed import token_experts
 
 
@@ -103,9 +104,10 @@ class CapturedDecode:
             else:
                 pairs = {e: [row] for row, e in enumerate(ids)}
                 gpu, cpu = self._plan_decode(layer, pairs, True, start, awaited)
+            likely: list[int] = []  # the next layer's likely CPU experts
             if self.routers is not None and layer in self.next_layer:
                 own = self.cache.stats[layer].copied - copied_before
-                self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
+                likely = self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
             slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
             io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
             io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
@@ -125,12 +127,27 @@ class CapturedDecode:
             self._host_cpu_experts(*args, accumulate=running)
         elif not running:
             io.cpu_np.fill(0.0)
+        if likely and pooled and self.warm_cpu and self.cpu_kernel is not None:
+            self._warm_next(layer, likely[: max(1, len(ids) // 2)])
         if pending is not None:
             self._read_copy_timing(pending)
         # (the copies went on the current stream: the next piece, which reads the slots they
         # fill, runs after them)
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
+
+    def _warm_next(self, layer: int, experts: list[int]) -> None:
+        """Post a read of the next layer's likely CPU experts into the caches of the native
+        bf16 kernel's pool: it runs while the GPU works through the next piece, and the next
+        host step, which puts these experts on the CPU side of its plan where they miss, finds
+        them in its threads' caches (the next post waits for the read first)."""
+        nxt, s = self.next_layer[layer], self.store
+        gate_up = row_pointers(s.flat[nxt], experts)
+        offset = 2 * s.inter * s.hidden * s.flat[nxt].element_size()  # (down after gate_up)
+        down = [address + offset for address in gate_up]
+        if self.cpu_kernel.warm(gate_up, down, s.hidden, s.inter, owner=s.flat[nxt]):
+            self._warmed[nxt] = set(experts)
+            self.totals.warmed += len(experts)
 
     def _start_native(self, layer: int, io, cpu: list[int], weights: list[float]) -> bool:
         """Post the token's CPU experts to the native kernel's thread pool (weighted and summed

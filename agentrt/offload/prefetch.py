@@ -21,25 +21,31 @@ class Prefetch:
             return x.new_empty(0, dtype=torch.long)
         return torch.topk(F.linear(x[:1], self.routers[nxt]), k, dim=-1).indices[0]
 
-    def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> None:
+    def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> list[int]:
         """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
         first, as many as `_prefetch_cap` allows given this layer's `own` copies), into victim
         slots outside `busy` (this layer's experts) and the prediction. On a GPU they go on the
         copy stream after this layer's own copies, so they run while this layer's GPU experts
         and the next layer's attention compute; the next layer's host step makes its stream
         wait for them before anything reads or refills those slots (every prefetch of a step is
-        awaited within it: the last layer has no next)."""
+        awaited within it: the last layer has no next). Returns the predicted experts the next
+        layer lacks that were not copied ahead (the CPU's likely share there)."""
         nxt = self.next_layer.get(layer)
         if nxt is None or not predicted:
-            return
+            return []
         lookup = self.cache.slot_of[nxt]
-        want = [e for e in dict.fromkeys(predicted) if lookup[e] < 0][: self._prefetch_cap(own)]
-        if not want:
-            return
+        missing = [e for e in dict.fromkeys(predicted) if lookup[e] < 0]
+        want = missing[: self._prefetch_cap(own)]
+        done = self._prefetch(layer, nxt, want, busy, predicted) if want else []
+        return [e for e in missing if e not in done]
+
+    def _prefetch(self, layer: int, nxt: int, want: list[int], busy, predicted) -> list[int]:
+        """Admit and copy `want` into `nxt`'s slots (see `_prefetch_after`); returns those
+        copied."""
         exclude = {(layer, e) for e in busy} | {(nxt, e) for e in predicted}
         done, targets = self._admit(nxt, want, exclude)
         if not done:
-            return
+            return done
         rows = self.store.expert_views(nxt)[0]
         sources = [rows[e] for e in done]
         if self.on_cuda:
@@ -51,6 +57,7 @@ class Prefetch:
         self.cache.stats[nxt].prefetched += len(done)
         self.totals.prefetched += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
+        return done
 
     def _issue_ahead(self, layer: int, targets: list, sources: list, experts: list):
         """Queue prefetch copies on the copy stream behind what the current stream has queued

@@ -33,6 +33,10 @@ class Totals:
     cpu_wait_seconds: float = 0.0
     prefetched: int = 0  # experts copied ahead for the next layer (see `_prefetch_after`)
     prefetch_hits: int = 0  # of which the next layer did route to
+    # experts read into the CPU's caches ahead of the next layer (`_warm_next`), and of which
+    # that layer then computed on the CPU
+    warmed: int = 0
+    warm_used: int = 0
 
 
 @dataclass

@@ -3,9 +3,10 @@
    the process would take libgomp over the core count, and then it cuts every team's spinning
    short. pool_start posts a task and returns, pool_wait waits for it and returns its seconds;
    the caller works meanwhile (the pool is one thread smaller than its cores). A task is a
-   function over item ranges in up to 4 phases: the threads claim chunks of a phase's items
-   from a shared counter (a thread that the OS preempts, e.g. for the state-cache writer, holds
-   up no one for the rest of a fixed share), and wait for each other between phases; a task
+   function over item ranges in up to 4 phases: each thread claims chunks of a phase's items
+   from its own equal share, then from the others' (a thread that the OS preempts, e.g. for the
+   state-cache writer, holds up no one for the rest of its share), and they wait for each
+   other between phases; a task
    may take fewer threads than the pool has (the caller leaves cores to other busy threads). Waits spin
    briefly (a host step is shorter than a sleep and wake-up), then sleep on a condition
    variable (how long they spin: agentrt_pool_spin, 20 ms by default). One task at a time
@@ -32,7 +33,10 @@ static int pool_pending = 0;     /* atomic: pool threads yet to finish the poste
 static unsigned pool_finished = 0;  /* atomic: the generation of the last task done */
 static int pool_broken = 0;  /* the pool could not be made */
 static unsigned pool_bar_count = 0, pool_bar_phase = 0;  /* atomic: the barrier between phases */
-static long pool_claimed[POOL_PHASES];  /* atomic: items of each phase handed out so far */
+/* each thread's share of a phase's items: its next unclaimed item (atomic) and its end */
+#define POOL_MAX 256
+typedef struct { long next, end; char pad[48]; } pool_share;  /* (a cache line each) */
+static pool_share pool_shares[POOL_PHASES][POOL_MAX];
 static int pool_chunk = 16;  /* items per claim; 0: fixed equal shares (benchmarks compare) */
 static double pool_started_at = 0.0, pool_seconds = 0.0;
 static unsigned pool_made_at = 0;  /* the generation when the threads were made */
@@ -79,16 +83,26 @@ static void pool_barrier(unsigned size) {
         pool_await(&pool_bar_phase, phase, 0);
     }
 }
-/* the next range [lo, hi) of a phase's `total` items for thread t, or 0 when none is left */
+/* the next range [lo, hi) of a phase's `total` items for thread t, or 0 when none is left:
+   claims of pool_chunk items from its own share first (the same items of every task of a
+   shape: what it read for the last one may still be in its core's caches), then from the other
+   threads' shares (a thread that the OS preempts holds up no one for the rest of its share);
+   *turn: which share it claims from (0: its own) */
 static int pool_claim(int phase, long total, int t, int size, int* turn, long* lo, long* hi) {
     if (pool_chunk <= 0) {
         if ((*turn)++) return 0;
         *lo = total * t / size; *hi = total * (t + 1) / size;
         return 1;
     }
-    *lo = __atomic_fetch_add(&pool_claimed[phase], pool_chunk, __ATOMIC_RELAXED);
-    *hi = *lo + pool_chunk < total ? *lo + pool_chunk : total;
-    return *lo < total;
+    for (; *turn < size; (*turn)++) {
+        pool_share* share = &pool_shares[phase][(t + *turn) % size];
+        *lo = __atomic_fetch_add(&share->next, pool_chunk, __ATOMIC_RELAXED);
+        if (*lo < share->end) {
+            *hi = *lo + pool_chunk < share->end ? *lo + pool_chunk : share->end;
+            return 1;
+        }
+    }
+    return 0;
 }
 /* the posted task as words, each copied atomically (the seqlock's data) */
 typedef union { pool_task task; uint64_t words[sizeof(pool_task) / 8]; } pool_words;
@@ -169,11 +183,17 @@ static int pool_start(pool_task task, int threads, int active) {
     if (!pool_idle()) return -2;
     if (pool_broken || (pool_size == 0 && pool_make(threads) != 0)) { pool_broken = 1; return -1; }
     task.active = active < 1 ? 1 : (active > pool_size ? pool_size : active);
+    if (task.active > POOL_MAX) task.active = POOL_MAX;
     task.generation = pool_generation + 1;
     pool_write_task(task);
     pool_started_at = pool_now();
     for (int phase = 0; phase < POOL_PHASES; phase++)
-        __atomic_store_n(&pool_claimed[phase], 0, __ATOMIC_RELAXED);
+        for (int t = 0; t < task.active; t++) {
+            long total = phase < task.phases ? task.items[phase] : 0;
+            pool_shares[phase][t].end = total * (t + 1) / task.active;
+            __atomic_store_n(&pool_shares[phase][t].next, total * t / task.active,
+                             __ATOMIC_RELAXED);
+        }
     __atomic_store_n(&pool_pending, task.active, __ATOMIC_RELAXED);
     pool_publish(&pool_generation, pool_generation + 1);
     return 0;

@@ -1,0 +1,95 @@
+"""The next layer's likely CPU experts read into the CPU's caches during a graph piece: the
+native pool's warm-up (`PoolCalls.warm`), and the host step that posts it and the plan that
+puts the warmed experts on the CPU side."""
+
+from __future__ import annotations
+
+import torch
+from test_offload import (
+    _assert_host_step_is_dense,
+    _graph_host_steps,
+    _native_or_skip,
+    _random_bf16_store,
+)
+
+from agentrt.offload.cpu_kernel import row_pointers
+from agentrt.offload.experts import Bandwidths, OffloadedExperts
+from agentrt.offload.slots import ExpertCache
+
+
+def _warm(kernel, store, layer: int, experts: list[int]) -> bool:
+    gate_up = row_pointers(store.flat[layer], experts)
+    offset = 2 * store.inter * store.hidden * 2
+    return kernel.warm(gate_up, [a + offset for a in gate_up], store.hidden, store.inter)
+
+
+def test_a_call_after_a_warm_up_gives_the_same_bits(monkeypatch):
+    """A posted warm-up only reads: the pool's next call waits for it and computes the same
+    bits as a call without one, whichever experts it read; with the pool off nothing is
+    posted. Each thread's own share first, then the others': every item is computed once."""
+    kernel = _native_or_skip()
+    store = _random_bf16_store()
+    _, gate_up, down = store.expert_views(0)
+    x = torch.randn(store.hidden).to(torch.bfloat16)
+    plain, warmed = (torch.zeros(store.hidden) for _ in range(2))
+    kernel.run([gate_up[1], gate_up[5]], [down[1], down[5]], [0.4, 0.6], x, plain)
+    monkeypatch.setattr(kernel, "pooled", False)
+    assert not _warm(kernel, store, 0, [1, 5])
+    monkeypatch.setattr(kernel, "pooled", True)
+    for experts in ([1, 5], [5], [0, 1, 5, 7], []):
+        assert _warm(kernel, store, 0, experts) == bool(experts)
+        kernel.start([gate_up[1], gate_up[5]], [down[1], down[5]], [0.4, 0.6], x, warmed)
+        kernel.finish()
+        assert torch.equal(warmed, plain)
+    assert _warm(kernel, store, 0, [2])
+    kernel.settle()
+    kernel.settle()  # (nothing posted: returns at once)
+    again = torch.zeros(store.hidden)
+    kernel.run([gate_up[1], gate_up[5]], [down[1], down[5]], [0.4, 0.6], x, again)
+    assert torch.equal(again, plain)
+
+
+def test_host_steps_warm_the_next_layers_likely_cpu_experts(monkeypatch):
+    """With the pool and prefetch, a host step reads the predicted experts the next layer lacks
+    and did not get copied into the CPU's caches; the steps stay equal to the dense sum, and
+    `warm_cpu=False` (`OffloadConfig.cpu_warm`) turns the reads off."""
+    kernel = _native_or_skip()
+    monkeypatch.setattr(kernel, "pooled", True)
+    for warm in (True, False):
+        store = _random_bf16_store()
+        experts, cache, steps = _graph_host_steps(store, kernel, prefetch=True)
+        experts.warm_cpu = warm
+        monkeypatch.setattr(experts, "_prefetch_cap", lambda own=0: 1)
+        for step in steps:
+            _assert_host_step_is_dense(store, cache, *step)
+        kernel.settle()
+        assert (experts.totals.warmed > 0) == warm
+        assert 0 < experts.totals.warm_used <= experts.totals.warmed or not warm
+
+
+def test_the_plan_puts_warmed_misses_on_the_cpu_side():
+    """Of a layer's misses, those read into the CPU's caches for it go to the CPU side first:
+    here the two the policy would copy (q* = 2 of 4 at equal bandwidths) run on the CPU, and
+    the other two are copied."""
+    store = _random_bf16_store()
+    cache = ExpertCache(store, 6, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
+    misses = [0, 3, 5, 6]
+    ranked = [e for _, e in cache.policy.rank((1, e) for e in misses)]
+    experts._warmed[1] = set(ranked[:2])
+    gpu, cpu = experts._plan_decode(1, {e: [row] for row, e in enumerate(misses)}, True)
+    assert sorted(cpu) == sorted(ranked[:2]) and sorted(gpu) == sorted(ranked[2:])
+    assert experts.totals.warm_used == 2 and 1 not in experts._warmed
+
+
+def test_close_waits_for_a_posted_warm_up(monkeypatch):
+    """`OffloadedExperts.close` waits for a warm-up still posted over its store (which may be
+    freed next) and releases what it held."""
+    kernel = _native_or_skip()
+    monkeypatch.setattr(kernel, "pooled", True)
+    store = _random_bf16_store()
+    cache = ExpertCache(store, 3, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel)
+    assert _warm(kernel, store, 1, [0, 2, 4]) and kernel._guard.warming is not None
+    experts.close()
+    assert kernel._guard.warming is None
