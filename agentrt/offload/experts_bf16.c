@@ -153,9 +153,10 @@ void experts_rows_bf16(const uint16_t** gate_up, const uint16_t** down, const in
    act_e = bf16(silu(g) * u), [g; u] = gate_up_e @ x (act: [n * inter] bf16 scratch). Its items
    in two phases: the (row, expert) activations (gate and up rows together, so no scratch; row
    major, so a pool thread's share is about the same rows of every expert, whatever their
-   number: those `experts_warm` read for it), then the output rows; the OpenMP path (experts_bf16) and the pool of threadpool.c (built in
-   front of this file: experts_start posts a call and returns, agentrt_pool_wait waits for it
-   and returns its seconds) compute the same items alike, whichever thread takes one. */
+   number: those `experts_warm` read for it), then the output rows; the OpenMP path
+   (experts_bf16) and the pool of threadpool.c (built in front of this file: experts_start
+   posts a call and returns, agentrt_pool_wait waits for it and returns its seconds) compute
+   the same items alike, whichever thread takes one. */
 typedef struct {
     const uint16_t** gate_up; const uint16_t** down; const float* weights; int n;
     const uint16_t* x; float* out; int hidden, inter, accumulate; uint16_t* act;

@@ -6,10 +6,10 @@
    function over item ranges in up to 4 phases: each thread claims chunks of a phase's items
    from its own equal share, then from the others' (a thread that the OS preempts, e.g. for the
    state-cache writer, holds up no one for the rest of its share), and they wait for each
-   other between phases; a task
-   may take fewer threads than the pool has (the caller leaves cores to other busy threads). Waits spin
-   briefly (a host step is shorter than a sleep and wake-up), then sleep on a condition
-   variable (how long they spin: agentrt_pool_spin, 20 ms by default). One task at a time
+   other between phases; a task may take fewer threads than the pool has (the caller leaves
+   cores to other busy threads). Waits spin briefly (a host step is shorter than a sleep and
+   wake-up), then sleep on a condition variable (how long they spin: agentrt_pool_spin, 20 ms
+   by default). One task at a time
    (pool_start returns -2 otherwise, -1 where the threads cannot be made). */
 #include <stdint.h>
 #include <immintrin.h>
