@@ -99,8 +99,7 @@ def main() -> None:
         spin(args.gap_us * 1e-6)
         times["warm"].append(timed_call(kernel, gate_up, down, ids, x, out))
         ids = rng.sample(range(num), args.experts)
-        addresses = [[t[e].data_ptr() for e in ids] for t in (gate_up, down)]
-        kernel.warm(*addresses, args.hidden, args.inter)
+        kernel.warm([gate_up[e] for e in ids], [down[e] for e in ids])
         spin(args.gap_us * 1e-6)
         times["touched"].append(timed_call(kernel, gate_up, down, ids, x, out))
         load.drain()

@@ -12,15 +12,13 @@ from test_offload import (
     _random_bf16_store,
 )
 
-from agentrt.offload.cpu_kernel import row_pointers
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.slots import ExpertCache
 
 
 def _warm(kernel, store, layer: int, experts: list[int]) -> bool:
-    gate_up = row_pointers(store.flat[layer], experts)
-    offset = 2 * store.inter * store.hidden * 2
-    return kernel.warm(gate_up, [a + offset for a in gate_up], store.hidden, store.inter)
+    _, gate_up, down = store.expert_views(layer)
+    return kernel.warm([gate_up[e] for e in experts], [down[e] for e in experts])
 
 
 def test_a_call_after_a_warm_up_gives_the_same_bits(monkeypatch):

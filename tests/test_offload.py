@@ -423,9 +423,9 @@ def test_calibration_profile_round_trip(tmp_path):
 
 @pytest.mark.parametrize("placement", [{}, {"expert_cache_slots": 8}, {"vram_budget": "1100MiB"}])
 def test_close_releases_the_model(placement):
-    """After `close` nothing keeps the model (under a budget the model and its experts object
-    refer to each other: `close` collects them), so its memory goes back, on a GPU to the
-    allocator; with the collector off, as between its passes."""
+    """After `close` nothing keeps the model (no reference cycle holds it: under a budget the
+    experts object keeps the model's sizes, not the model), so its memory goes back, on a GPU
+    to the allocator; with the collector off, as between its passes."""
     import gc
     import weakref
 

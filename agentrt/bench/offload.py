@@ -199,7 +199,7 @@ def offload_decode(
         config = OffloadConfig(
             mode=setting["offload"] if setting["offload"] != "none" else "auto",
             split=setting.get("split", True),
-            policy=setting.get("policy", "lfu"),
+            policy=setting.get("policy", OffloadConfig.policy),
             prefetch=setting.get("prefetch", True),
             cpu_warm=setting.get("cpu_warm", True),
             cpu_kernel=cpu_kernel,

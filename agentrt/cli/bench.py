@@ -24,7 +24,7 @@ from agentrt.cli.options import (
 )
 from agentrt.cli.tables import print_report as _report
 from agentrt.cli.unused import given, only_with
-from agentrt.offload.config import PREFILL_PLANS
+from agentrt.offload.config import PREFILL_PLANS, OffloadConfig
 
 
 @main.group()
@@ -243,8 +243,9 @@ _DECODE_OFFLOAD_ONLY = (
 @csv_option(
     "--expert-policy",
     ("lru", "lfu"),
-    "lfu",
-    "For --offload auto: comma-separated cache policies (lfu, the runtime's default; lru).",
+    OffloadConfig.policy,
+    "For --offload auto: comma-separated cache policies, lru and/or lfu (default "
+    f"{OffloadConfig.policy}, the runtime's).",
 )
 @csv_option(
     "--prefetch",

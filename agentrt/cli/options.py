@@ -15,7 +15,14 @@ import click
 
 from agentrt.cli.unused import refuse_unused
 from agentrt.errors import AgentrtError, InvalidArgumentError
-from agentrt.offload.config import CPU_KERNELS, PREFILL_PLANS, offload_mode, parse_bytes
+from agentrt.offload.config import (
+    CPU_KERNELS,
+    PREFILL_PLANS,
+    OffloadConfig,
+    offload_mode,
+    parse_bytes,
+)
+from agentrt.offload.policy import HALF_LIFE
 
 DEVICE_HELP = "cpu, cuda, or auto (cuda when available)."
 MODEL_HELP = (
@@ -393,11 +400,11 @@ def offload_options(lists: bool = False) -> list:
         click.option(
             "--expert-policy",
             type=click.Choice(["lru", "lfu"]),
-            default="lfu",
+            default=OffloadConfig.policy,
             show_default=True,
             help="Expert-cache replacement policy (--offload auto): lfu evicts the expert used "
-            "least often (counts fade with a half-life of 4,096 uses, so favourites that fall "
-            "out of use leave), lru the one used least recently.",
+            f"least often (counts fade with a half-life of {HALF_LIFE:,} uses, so favourites "
+            "that fall out of use leave), lru the one used least recently.",
         ),
         click.option(
             "--recalibrate",

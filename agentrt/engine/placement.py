@@ -6,6 +6,7 @@ and install `OffloadedExperts` in the model (auto mode), or place the static / l
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +51,21 @@ def staging_bytes(store: ExpertStore, config: OffloadConfig) -> int:
     return staging_bytes_for(store.num_experts, store.expert_bytes, config.staging_bytes)
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What a model takes from the budget besides its experts' slots: the dense weights'
+    bytes, KV bytes per token, and the experts a token routes to (the fewest slots)."""
+
+    dense: int
+    kv_per_token: int
+    top_k: int
+
+    @classmethod
+    def of(cls, model: CausalLM) -> Footprint:
+        top_k = model.config.num_experts_per_tok
+        return cls(dense_bytes(model), kv_bytes_per_token(model), top_k)
+
+
 def slots_for_budget(
     model: CausalLM, store: ExpertStore, config: OffloadConfig, kv_bytes: int | None = None
 ) -> int:
@@ -59,12 +75,19 @@ def slots_for_budget(
         return config.expert_cache_slots
     if config.vram_budget is None:
         return len(store.layers) * store.num_experts  # no budget: room for every expert
-    reserved = config.kv_reserve_tokens * kv_bytes_per_token(model)
+    return _budget_slots(Footprint.of(model), store, config, kv_bytes)
+
+
+def _budget_slots(
+    model: Footprint, store: ExpertStore, config: OffloadConfig, kv_bytes: int | None
+) -> int:
+    """`slots_for_budget` under a budget, from the model's `Footprint`."""
+    reserved = config.kv_reserve_tokens * model.kv_per_token
     kv = reserved if kv_bytes is None else max(kv_bytes, reserved)
-    fixed = dense_bytes(model) + config.workspace_bytes + staging_bytes(store, config)
+    fixed = model.dense + config.workspace_bytes + staging_bytes(store, config)
     free = config.vram_budget - fixed - kv
     slots = free // store.expert_bytes
-    if slots < model.config.num_experts_per_tok:
+    if slots < model.top_k:
         need = (fixed + kv) / 2**30
         raise InvalidArgumentError(
             f"vram budget {config.vram_budget / 2**30:.1f} GiB leaves no room for experts "
@@ -120,10 +143,12 @@ def bandwidths(
 
 def _slots_for_kv(model, store, config: OffloadConfig):
     """How many slots the budget leaves beside a KV of given bytes (None without a budget, or
-    with an explicit slot count: the cache's size is then fixed)."""
+    with an explicit slot count: the cache's size is then fixed). It keeps the model's sizes,
+    not the model, which holds the experts object that keeps this."""
     if config.vram_budget is None or config.expert_cache_slots is not None:
         return None
-    return lambda kv: slots_for_budget(model, store, config, kv)
+    sizes = Footprint.of(model)
+    return lambda kv: _budget_slots(sizes, store, config, kv)
 
 
 def install(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentrt.errors import InvalidArgumentError
+from agentrt.offload.policy import DEFAULT_POLICY
 
 GIB = 2**30
 
@@ -62,7 +63,7 @@ class OffloadConfig:
 
     mode: str = "none"
     split: bool = True
-    policy: str = "lfu"
+    policy: str = DEFAULT_POLICY
     # decode: copy ahead the experts the next layer's router predicts from this layer's input
     prefetch: bool = True
     # decode with prefetch and the native kernel's pool: read the next layer's likely CPU

@@ -165,9 +165,10 @@ class PoolCalls:
             return False
         try:
             self._settle()
+            guard.warming = alive  # (before the post: an interrupt may land once it runs)
             code = start(*args, self.pool_threads, self.active_threads())
-            if code == 0:
-                guard.warming = alive
+            if code != 0:
+                guard.warming = None
             return code == 0
         finally:
             guard.lock.release()
@@ -216,10 +217,10 @@ class PoolCalls:
         return max(1, self.pool_threads - busy_helpers())
 
     def schedule(self, chunk: int) -> None:
-        """How the pool's threads divide later calls: claims of `chunk` items from a shared
-        counter (the default, 16), or fixed equal shares (0: a preempted thread then holds up
-        the rest; benchmarks compare the two)."""
-        with self._lock:
+        """How the pool's threads divide later calls: claims of `chunk` items from each
+        thread's own equal share, then from the others' (the default, 16), or fixed equal
+        shares (0: a preempted thread then holds up the rest; benchmarks compare the two)."""
+        with self._turn():  # (not while a warm-up's threads claim items)
             self._schedule(chunk)
 
     @property
@@ -316,21 +317,19 @@ class NativeExperts(PoolCalls):
 
         self._post(self._start, make)
 
-    def warm(
-        self, gate_up: list[int], down: list[int], hidden: int, inter: int, owner: object = None
-    ) -> bool:
-        """Post a read of experts a later call will likely compute (the addresses of their
-        `gate_up [2I, H]` and `down [H, I]` bf16 weights, in the memory of `owner`, which is
-        kept alive until the read is waited for) into the caches of the pool's cores, each
-        thread the rows of its share of that call's items, and return at once: it runs while
-        the caller waits for other work (a graph piece), and the next call (or `settle`) waits
-        for it first. False (nothing posted) where another thread's call runs or the pool is
-        off."""
+    def warm(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> bool:
+        """Post a read of experts a later call will likely compute (their weights as `start`
+        takes them, kept alive until the read is waited for) into the caches of the pool's
+        cores, each thread the rows of its share of that call's items, and return at once: it
+        runs while the caller waits for other work (a graph piece), and the next call (or
+        `settle`) waits for it first. False (nothing posted) where another thread's call runs
+        or the pool is off."""
         if not gate_up:
             return False
-        arrays = [(_P * len(gate_up))(*gate_up), (_P * len(down))(*down)]
-        args = (*arrays, len(gate_up), hidden, inter)
-        return self._post_warm(self._warm, args, (*arrays, owner))
+        hidden, inter = down[0].shape
+        pointers = _pointers(gate_up, down)
+        args = (*pointers, len(gate_up), hidden, inter)
+        return self._post_warm(self._warm, args, (*pointers, gate_up, down))
 
     def _args_of(self, gate_up, down, weights, x, out, accumulate: bool) -> tuple:
         """The C call's arguments, the activations' scratch (of this shape) last."""

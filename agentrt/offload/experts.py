@@ -107,9 +107,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._mark = self.fast.new_event() if self.fast is not None else None
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         # layer -> the experts a graph host step read into the CPU's caches for it (missing
-        # there, they go to its CPU side); `warm_cpu`: whether host steps post those reads
+        # there, they go to its CPU side)
         self._warmed: dict[int, set[int]] = {}
-        self.warm_cpu = warm_cpu
         # (layer, routed experts) of each planned decode layer, kept while a benchmark sets a
         # list here: it replays them through a plain LRU (the routing's regime)
         self.route_log: list[tuple[int, list[int]]] | None = None
@@ -120,6 +119,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         # a decode token's CPU experts through the native bf16 kernel (None: torch's kernels;
         # it computes bias-free SwiGLU experts only)
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 and store.plain else None
+        # whether graph host steps post those reads (the native bf16 kernel's pool has them)
+        self.warm_cpu = warm_cpu and self.cpu_kernel is not None
         # packed MXFP4 experts: the native kernel that reads their rows (`cpu_mxfp4.py`)
         self.packed_cpu = cpu_kernel if store.packed else None
         self.totals = Totals()

@@ -13,7 +13,6 @@ import torch
 
 from agentrt.models import expert_gemv
 from agentrt.models.moe import expert_ffn
-from agentrt.offload.cpu_kernel import row_pointers
 from agentrt.offload.packed import token_experts
 
 
@@ -127,7 +126,7 @@ class CapturedDecode:
             self._host_cpu_experts(*args, accumulate=running)
         elif not running:
             io.cpu_np.fill(0.0)
-        if likely and pooled and self.warm_cpu and self.cpu_kernel is not None:
+        if likely and pooled and self.warm_cpu:
             self._warm_next(layer, likely[: max(1, len(ids) // 2)])
         if pending is not None:
             self._read_copy_timing(pending)
@@ -141,11 +140,8 @@ class CapturedDecode:
         bf16 kernel's pool: it runs while the GPU works through the next piece, and the next
         host step, which puts these experts on the CPU side of its plan where they miss, finds
         them in its threads' caches (the next post waits for the read first)."""
-        nxt, s = self.next_layer[layer], self.store
-        gate_up = row_pointers(s.flat[nxt], experts)
-        offset = 2 * s.inter * s.hidden * s.flat[nxt].element_size()  # (down after gate_up)
-        down = [address + offset for address in gate_up]
-        if self.cpu_kernel.warm(gate_up, down, s.hidden, s.inter, owner=s.flat[nxt]):
+        nxt = self.next_layer[layer]
+        if self.cpu_kernel.warm(*self._native_args(nxt, experts)):
             self._warmed[nxt] = set(experts)
             self.totals.warmed += len(experts)
 

@@ -12,6 +12,9 @@ from collections.abc import Iterable
 Key = tuple[int, int]
 
 
+HALF_LIFE = 4096  # uses over which an LFU count fades to half (the default)
+
+
 class LRU:
     name = "lru"
 
@@ -54,7 +57,7 @@ class LFU(LRU):
     name = "lfu"
     RESCALE_AT = 1e200  # the weight at which counts and weight are scaled down together
 
-    def __init__(self, half_life: int = 4096) -> None:
+    def __init__(self, half_life: int = HALF_LIFE) -> None:
         super().__init__()
         self.count: dict[Key, float] = {}
         self.half_life = half_life
@@ -138,3 +141,4 @@ class LFU(LRU):
 
 
 POLICIES = {"lru": LRU, "lfu": LFU}
+DEFAULT_POLICY = "lfu"  # the expert cache's (OffloadConfig.policy)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrt.offload.mxfp4_rows import unpack
-from agentrt.offload.policy import POLICIES, Key
+from agentrt.offload.policy import DEFAULT_POLICY, POLICIES, Key
 from agentrt.offload.store import ExpertStore
 
 
@@ -29,7 +29,9 @@ class LayerStats:
 
 
 class ExpertCache:
-    def __init__(self, store: ExpertStore, num_slots: int, device, policy: str = "lfu") -> None:
+    def __init__(
+        self, store: ExpertStore, num_slots: int, device, policy: str = DEFAULT_POLICY
+    ) -> None:
         self.store = store
         self.device = torch.device(device)
         self.slot_of = {layer: [-1] * store.num_experts for layer in store.layers}

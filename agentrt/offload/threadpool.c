@@ -187,9 +187,9 @@ static int pool_start(pool_task task, int threads, int active) {
     task.generation = pool_generation + 1;
     pool_write_task(task);
     pool_started_at = pool_now();
-    for (int phase = 0; phase < POOL_PHASES; phase++)
+    for (int phase = 0; phase < task.phases; phase++)  /* (pool_claim reads no others) */
         for (int t = 0; t < task.active; t++) {
-            long total = phase < task.phases ? task.items[phase] : 0;
+            long total = task.items[phase];
             pool_shares[phase][t].end = total * (t + 1) / task.active;
             __atomic_store_n(&pool_shares[phase][t].next, total * t / task.active,
                              __ATOMIC_RELAXED);

@@ -44,7 +44,7 @@ class RuntimeConfig:
     state_cache: StateCacheConfig | None = None  # a full state-cache config
     offload: str | OffloadConfig | None = None  # a placement name or a full OffloadConfig
     split: bool = True
-    expert_policy: str = "lfu"
+    expert_policy: str = OffloadConfig.policy
     cpu_moe_layers: int | None = None
     recalibrate: bool = False
     cpu_layers: int | None = None

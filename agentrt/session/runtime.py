@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import gc
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -373,10 +372,11 @@ class Runtime:
             self.reuse.close()
         self.reuse = NoReuse()
         self._state = None
+        if self.engine is not None and self.engine.offload is not None:
+            self.engine.offload.close()  # (a CPU warm-up over its host store is waited for)
         self.engine = None  # type: ignore[assignment]
         self.tokenizer = None
         self._source = None
-        gc.collect()  # (an offloaded model and its experts object refer to each other)
         import torch
 
         if torch.cuda.is_available():
