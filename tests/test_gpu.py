@@ -573,7 +573,7 @@ def test_packed_mxfp4_offload_on_cuda_matches_resident(model, split):
     rt.engine.offload.cache.check()
 
 
-@pytest.mark.parametrize("plan", ["stream", "routed", "auto"])
+@pytest.mark.parametrize("plan", ["stream", "routed", "reserve", "auto"])
 def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
     """bf16 offloaded prefill (grouped GEMMs from the staging ring, copies on the copy stream,
     CPU experts with the split) stays as close to the resident model as bf16 allows, for a
@@ -607,9 +607,11 @@ def test_offloaded_prefill_plans_on_cuda_match_resident(plan):
     assert totals.layers > 0 and totals.copied > 0
     if plan == "stream":
         assert set(totals.plans) == {"stream"}
+    if plan == "reserve":
+        assert "reserve" in totals.plans and totals.cpu > 0
 
 
-@pytest.mark.parametrize("plan", ["stream", "routed"])
+@pytest.mark.parametrize("plan", ["stream", "routed", "reserve"])
 def test_offloaded_prefill_on_cuda_in_fp32_equals_resident(plan):
     """fp32 offloaded prefill on the GPU: the staging ring's raw copies from the host store and
     from cache slots (hits after the first chunk admitted experts) bring the right experts, to

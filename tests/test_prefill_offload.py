@@ -12,12 +12,17 @@ import torch
 
 from agentrt import Runtime
 from agentrt.offload.config import OffloadConfig
+from agentrt.offload.passes import PassClock
 from agentrt.offload.planner import (
+    EXPLORE_EVERY,
     Costs,
     choose,
+    pick_strategy,
     plan_ahead,
     predicted_plan,
+    reserve_plan,
     routed_plan,
+    size_class,
     stream_plan,
 )
 
@@ -71,6 +76,42 @@ def test_plan_ahead_weighs_streaming_prediction_and_waiting():
     assert plan_ahead(10, None, 12.0, costs) == "stream"
 
 
+def test_routed_plan_counts_the_copies_queued_ahead_of_its_own():
+    routed = {1: 1, 2: 1, 3: 4}
+    # 3 s of copies alone: e1 to the CPU (1.5 s against 2 s of copies) and no more
+    assert routed_plan(routed, COSTS, split=True).cpu == (1,)
+    # behind 10 s of copies queued ahead, every late expert is cheaper on the CPU (6.5 s)
+    plan = routed_plan(routed, COSTS, split=True, queued_s=10.0)
+    assert plan.cpu == (1, 2, 3) and plan.copy == () and plan.seconds == pytest.approx(10.0)
+
+
+def test_reserve_plan_balances_the_streamed_copies_against_the_cpu_after_the_routing():
+    # 10 missing experts, 64 pairs over 16 experts: a reserved expert is routed with
+    # p = 1 - e^-4 = 0.98, 4.07 tokens then: 0.98 * (1 + 0.5 * 4) = 2.95 s each on the CPU
+    k, seconds = reserve_plan(10, 64, 16, COSTS)
+    assert k == 2 and seconds == pytest.approx(8.0)  # (copies 8 s, CPU 5.9 s; 3: CPU 8.85 s)
+    # the CPU waits 4 s for the exposed time and the dispatch: a smaller reserve
+    waiting = replace(COSTS, exposed_s=3.0, dispatch_s=1.0)
+    assert reserve_plan(10, 64, 16, waiting) == (1, pytest.approx(9.0))
+    # a reserved expert that is rarely routed (p = 0.22, then 1 token) costs little: a larger
+    # reserve (copies 2 s, CPU 8 * 0.22 * 1.5 = 2.65 s)
+    assert reserve_plan(10, 4, 16, COSTS) == (8, pytest.approx(2.654, abs=0.001))
+    # nothing beats streaming: the CPU far slower than the copies, or nothing missing
+    slow = Costs(100, 100.0, 1.0, 1.0, 0.5)
+    assert reserve_plan(10, 64, 16, slow) == (0, pytest.approx(10.0))
+    assert reserve_plan(0, 64, 16, COSTS) == (0, 0.0)
+
+
+def test_auto_measures_each_strategy_then_keeps_the_fastest_and_looks_again_now_and_then():
+    both = ("reserve", "routed")
+    assert pick_strategy({}, 0, both) == "reserve"
+    assert pick_strategy({"reserve": 1.0}, 1, both) == "routed"
+    measured = {"reserve": 1.0, "routed": 0.8}
+    picks = [pick_strategy(measured, n, both) for n in range(2, 2 + 2 * EXPLORE_EVERY)]
+    assert picks.count("reserve") == 2 and picks.count("routed") == 2 * EXPLORE_EVERY - 2
+    assert pick_strategy(measured, 5, ("routed",)) == "routed"
+
+
 def test_predicted_plan_copies_ahead_the_experts_predicted_the_most_tokens():
     predicted = {1: 1, 2: 1, 3: 20, 4: 20}
     # four copies: 4 s; e1 to the CPU (1.5 s): 3 s; e2 too would leave the CPU at 3 s
@@ -101,7 +142,7 @@ def dense():
 
 
 @pytest.mark.parametrize("split", [True, False])
-@pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "auto"])
+@pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "reserve", "auto"])
 def test_every_plan_equals_the_dense_model(dense, plan, split):
     ids, want = dense
     rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config(plan, split))
@@ -117,12 +158,52 @@ def test_every_plan_equals_the_dense_model(dense, plan, split):
     if plan == "predicted":  # (the first layer of each chunk has no prediction)
         assert "predicted" in kinds and kinds <= {"routed", "split", "predicted"}
         assert 0.0 <= rt.engine.offload.prefill.accuracy <= 1.0
+    if plan == "reserve" and split:  # (the first layer of each chunk has nothing ahead)
+        assert "reserve" in kinds and kinds <= {"stream", "routed", "split", "reserve"}
+        assert totals.cpu > 0
+    if plan == "reserve" and not split:  # (no CPU side to reserve for)
+        assert "reserve" not in kinds
+    if plan == "auto":  # (each strategy timed on its own pass of the chunk's size first)
+        clock = rt.engine.offload.prefill.clock
+        strategies = {"reserve", "routed"} if split else {"routed"}
+        assert set(clock.measured[size_class(48)]) == strategies  # (7 passes of 48 tokens)
     if not split:
         assert totals.cpu == 0
     rt.engine.offload.cache.check()
 
 
-@pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "auto"])
+class _Event:
+    """A CUDA event's stand-in: `done` once its work ran, `at` its time in milliseconds."""
+
+    def __init__(self, at: float, done: bool = True) -> None:
+        self.at, self.done = at, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end) -> float:
+        return end.at - self.at
+
+
+def test_pass_clock_reads_a_pass_once_its_work_ran_and_picks_by_the_times():
+    clock = PassClock(("reserve", "routed"))
+    assert clock.begin(9, _Event(-5000.0)) == "reserve"  # a size's first pass: not timed
+    clock.end(_Event(0.0))
+    assert clock.begin(9, _Event(0.0)) == "reserve" and clock.measured[9] == {}
+    late = _Event(900.0, done=False)
+    clock.end(late)
+    assert clock.begin(9, _Event(900.0)) == "routed"  # (reserve's pass not read yet)
+    clock.end(_Event(1400.0))
+    assert clock.measured[9] == {}
+    late.done = True
+    assert clock.begin(9, _Event(1400.0)) == "routed"  # 0.5 s against 0.9 s
+    assert clock.measured[9] == {"reserve": 0.9, "routed": 0.5}
+    clock.begin(10, _Event(1500.0))
+    clock.begin(10, _Event(2000.0))  # a pass that never reached its last layer: not read
+    assert clock.begin(10, _Event(3000.0)) == "reserve" and clock.measured[10] == {}
+
+
+@pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "reserve", "auto"])
 def test_every_plan_equals_the_dense_model_with_expert_biases(tiny_gpt_oss, plan):
     """gpt-oss experts (biases, the clamped SwiGLU) through each plan: the staged parts'
     grouped GEMMs, the CPU experts (torch's kernels) and the combine equal the dense model."""
@@ -208,7 +289,13 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
     for r in runs[2:]:
         assert r["tokens"] in (96, 16) and r["seconds"] > 0
         assert r["floor_s"] >= r["resident_s"] > 0 and r["vs_floor"] > 0
-        assert set(r["plan_per_layer"].values()) <= {"stream", "routed", "split", "predicted"}
+        assert set(r["plan_per_layer"].values()) <= {
+            "stream",
+            "routed",
+            "split",
+            "predicted",
+            "reserve",
+        }
         assert 0.0 <= r["cpu_pair_share"] <= 1.0
         # the profiled run's costliest functions, costliest first
         own = [f["own_ms"] for f in r["profile"]]

@@ -31,8 +31,9 @@ from agentrt.errors import InvalidArgumentError
 from agentrt.models.registry import config_of
 from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
+from agentrt.offload.planner import STRATEGIES
 
-FIXED_PLANS = ("stream", "routed")
+FIXED_PLANS = ("stream", "routed", "predicted", "reserve")
 
 
 def offload_prefill(
@@ -220,12 +221,15 @@ class _Rows:
         self.profile = profile  # one more run of each offloaded row under cProfile
 
     def time(self, engine: Engine, plan: str, experts) -> list[dict]:
-        """The rows of one engine, after a warm-up with every length (the first engine of the
-        invocation compiles and tunes the kernels for each shape; `auto` measures its costs
-        per size of chunk: two passes of each)."""
-        self._warm_up(engine, 2 if plan.split("@")[0] == "auto" else 1)
+        """The rows of one engine, each after warm-up passes of its own kind and length (the
+        first engine of the invocation compiles and tunes the kernels for each shape; `auto`
+        measures its costs and each of its strategies per size of chunk, in the row's own
+        setting: a first pass, one of each strategy, then one more)."""
+        passes = len(STRATEGIES) + 2 if plan.split("@")[0] == "auto" else 1
         out = []
         for length in self.lengths:
+            for _ in range(passes):
+                engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
             state = engine.new_state()  # (KV grows as the engine grows it: elastic under a budget)
             out.append(self._row(engine, plan, experts, "cold", length, state, None))
         if self.suffixes:
@@ -233,15 +237,12 @@ class _Rows:
             engine.prefill(state, self.ids[: self.prefix_len])
             snap = state.export()
             for length in self.suffixes:
+                part = self.ids[self.prefix_len : self.prefix_len + length]
+                for _ in range(passes):
+                    self._restart(state, snap)
+                    engine.prefill(state, part)
                 out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
         return out
-
-    def _warm_up(self, engine: Engine, passes: int) -> None:
-        """Kernels, autotuning, allocator pools and measured costs, before anything is timed."""
-        for length in sorted(set(self.lengths) | set(self.suffixes)):
-            for _ in range(passes):
-                engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
-        _sync(self.device)
 
     def _row(self, engine, plan, experts, kind, length, state, snap) -> dict:
         begin = self.prefix_len if kind == "suffix" else 0
@@ -301,6 +302,9 @@ def _streamer_state(streamer) -> dict:
         "dispatch_ms": 1e3 * streamer.dispatch_s,
         "overhead_ms": {2**b: 1e3 * v for b, v in sorted(streamer.overheads.items())},
         "prediction_accuracy": streamer.accuracy,
+        # auto: seconds per pass of each strategy by size of chunk, and the last pass's
+        "pass_s": {2**b: dict(v) for b, v in sorted(streamer.clock.measured.items())},
+        "mode": streamer.mode,
     }
 
 

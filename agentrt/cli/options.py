@@ -370,9 +370,11 @@ def offload_options(lists: bool = False) -> list:
             help="For --offload auto: how a prefill chunk's missing experts reach the GPU, per "
             "layer: stream (every missing expert, copied ahead while earlier layers compute), "
             "routed (only those the chunk routed to, with few-token ones on the CPU when "
-            "--split is on), predicted (the experts the next layer's router picks from this "
-            "layer's input copied ahead, the rest as routed; experimental), or auto (stream "
-            "or routed, the cheaper by measured costs). The staging ring "
+            "--split is on), reserve (every missing expert copied ahead but a few left to "
+            "the CPU, which computes those the chunk routed to once its routing is known; "
+            "needs --split on), predicted (the experts the next layer's router picks from "
+            "this layer's input copied ahead, the rest as routed; experimental), or auto "
+            "(stream, routed or reserve, the cheapest by measured costs). The staging ring "
             "takes half a layer of experts from the expert cache.",
         ),
         expert_format_option(

@@ -40,6 +40,7 @@ PREFILL_PLANS = (
     "stream",
     "routed",
     "predicted",
+    "reserve",
 )  # `OffloadConfig.prefill_plan` (offload/planner.py)
 CPU_KERNELS = ("auto", "torch", "native")  # `OffloadConfig.cpu_kernel` (offload/cpu_kernel.py)
 

@@ -15,14 +15,19 @@ missing ones reach them one of three ways:
 - `split`: `routed`, with the missing experts that received the fewest tokens computed on the
   CPU meanwhile (the q* idea per expert: a CPU expert reads its weights once and pays for each
   of its tokens; a copy costs the same whatever its tokens), as many as lower the slower side.
+- `reserve`: stream every missing expert but a few set aside for the CPU before the routing is
+  known (a chunk of a few hundred tokens reaches nearly every expert of a layer, so which ones
+  hardly matters): the copies never wait for the routing, and the CPU computes the reserved
+  experts the chunk routed to once it is known (`reserve_plan` sizes the reserve).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-PLANS = ("auto", "stream", "routed", "predicted")
+PLANS = ("auto", "stream", "routed", "predicted", "reserve")
 
 
 @dataclass(frozen=True)
@@ -68,23 +73,27 @@ def stream_plan(missing: Sequence[int], costs: Costs) -> LayerPlan:
     return LayerPlan("stream", tuple(missing), (), costs.copy_s(len(missing)))
 
 
-def routed_plan(routed_missing: Mapping[int, int], costs: Costs, split: bool) -> LayerPlan:
+def routed_plan(
+    routed_missing: Mapping[int, int], costs: Costs, split: bool, queued_s: float = 0.0
+) -> LayerPlan:
     """Copy the routed missing experts (`expert -> tokens`); with `split`, move those with the
     fewest tokens to the CPU while that lowers max(copy time, dispatch + CPU time) (the CPU
-    experts run once the layer's device work is dispatched)."""
+    experts run once the layer's device work is dispatched). `queued_s`: copies already ahead
+    of these on the copy engine (the layer's experts copied before its routing)."""
     num_copy, cpu_time, on_cpu = len(routed_missing), costs.dispatch_s, []
     if split and costs.cpu_s(0) < float("inf"):
         per_copy = costs.copy_s(1)  # (the loop runs per layer and chunk: its costs as numbers)
         read, per_token = costs.cpu_s(0), costs.token_flops / costs.cpu_flops
         for count, expert in sorted((c, e) for e, c in routed_missing.items()):
             moved = cpu_time + read + count * per_token
-            if max((num_copy - 1) * per_copy, moved) >= max(num_copy * per_copy, cpu_time):
+            before = max(queued_s + num_copy * per_copy, cpu_time)
+            if max(queued_s + (num_copy - 1) * per_copy, moved) >= before:
                 break
             num_copy, cpu_time = num_copy - 1, moved
             on_cpu.append(expert)
     cpu = set(on_cpu)
     copy = tuple(sorted(e for e in routed_missing if e not in cpu))
-    seconds = costs.exposed_s + max(costs.copy_s(len(copy)), cpu_time)
+    seconds = costs.exposed_s + max(queued_s + costs.copy_s(len(copy)), cpu_time)
     return LayerPlan("split" if on_cpu else "routed", copy, tuple(sorted(on_cpu)), seconds)
 
 
@@ -124,6 +133,28 @@ def predicted_plan(
     return plan.copy, ahead + costs.copy_s(round(num_late))
 
 
+def reserve_plan(num_missing: int, pairs: int, num_experts: int, costs: Costs) -> tuple[int, float]:
+    """How many of a layer's `num_missing` missing experts to set aside for the CPU before its
+    routing is known (the rest stream), for a chunk of `pairs` (token, expert) pairs over
+    `num_experts` experts, routed about evenly: a reserved expert receives a token with
+    probability p = 1 - exp(-pairs / num_experts), and then pairs / num_experts / p tokens on
+    average. Balances the copies, max(0, M - K) experts, which do not wait for the routing,
+    against the CPU side, which does: the exposed time, the dispatch, then K experts times p.
+    Returns (K, the predicted seconds); K = 0 where no reserve beats streaming."""
+    if num_missing <= 0 or pairs <= 0 or costs.cpu_s(0) == float("inf"):
+        return 0, costs.copy_s(num_missing)
+    mean = pairs / num_experts
+    hit = 1.0 - math.exp(-mean)
+    per_cpu = hit * costs.cpu_s(round(mean / hit))
+    per_copy, wait = costs.copy_s(1), costs.exposed_s + costs.dispatch_s
+    best = (costs.copy_s(num_missing), 0)
+    ideal = (num_missing * per_copy - wait) / (per_copy + per_cpu)
+    for k in {math.floor(ideal), math.ceil(ideal)}:
+        if 0 < k <= num_missing:
+            best = min(best, (max((num_missing - k) * per_copy, wait + k * per_cpu), k))
+    return best[1], best[0]
+
+
 def plan_ahead(num_missing: int, predicted_s: float | None, routed_s: float, costs: Costs) -> str:
     """What to copy for the next layer before its routing is known: `stream` (its
     `num_missing` missing experts), `predicted` (what `predicted_plan` picks, taking
@@ -135,6 +166,31 @@ def plan_ahead(num_missing: int, predicted_s: float | None, routed_s: float, cos
     if predicted_s is not None:
         options["predicted"] = predicted_s
     return min(options, key=lambda k: (options[k], k != "stream"))
+
+
+# what `auto` chooses between for each size of chunk, by the passes it measured: the reserve
+# plan (which streams where no reserve helps) and the routed one (copies wait for the routing,
+# unrouted experts are never copied: short suffixes)
+STRATEGIES = ("reserve", "routed")
+EXPLORE_EVERY = 16  # every this many passes of a size, auto takes the runner-up once
+
+
+def pick_strategy(
+    measured: Mapping[str, float], passes: int, candidates: Sequence[str], tried=()
+) -> str:
+    """The plan `auto` takes for its next pass of a size of chunk: a candidate neither measured
+    nor `tried` (run, not read yet) first, in order; then the fastest measured (`measured`:
+    seconds per pass), and every `EXPLORE_EVERY`-th of the `passes` so far the runner-up, so
+    that a host whose costs changed is noticed."""
+    for candidate in candidates:
+        if candidate not in measured and candidate not in tried:
+            return candidate
+    ranked = sorted((c for c in candidates if c in measured), key=lambda c: measured[c])
+    if not ranked:
+        return candidates[0]
+    if len(ranked) > 1 and passes % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+        return ranked[1]
+    return ranked[0]
 
 
 def size_class(tokens: int) -> int:

@@ -28,21 +28,24 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
-from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
+from agentrt.offload.copies import CudaCalls
 from agentrt.offload.mxfp4_rows import grouped_tile
 from agentrt.offload.packed import part_ffn, resident_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
+from agentrt.offload.passes import PassClock
 from agentrt.offload.planner import (
+    STRATEGIES,
     Costs,
     LayerPlan,
     choose,
     ema,
     plan_ahead,
     predicted_plan,
+    reserve_plan,
     routed_plan,
     size_class,
 )
-from agentrt.offload.prefill_cpu import cpu_order, run_cpu_experts
+from agentrt.offload.prefill_cpu import cpu_inputs, cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
 from agentrt.offload.slots import ExpertCache
 from agentrt.offload.stats import PrefillTotals
@@ -77,6 +80,9 @@ class PrefillStreamer:
     ) -> None:
         self.store, self.cache, self.bw = store, cache, bandwidths
         self.split, self.plan, self.adaptive = split, plan, adaptive
+        # the plan of the pass in progress: `plan`, or for auto the strategy its clock picked
+        self.mode = plan
+        self.clock = PassClock(STRATEGIES if split else ("routed",))
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = copy_stream
@@ -142,13 +148,28 @@ class PrefillStreamer:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x `[T, H]`, ids/weights `[T, k]` -> `[T, H]` (the weighted sum of the chosen experts)."""
-        if layer == self.layers[0]:  # a new pass: what an earlier one queued serves nothing
-            self.ring.drop()  # (one stopped part-way, even where this first layer is resident)
-            if self.cpu_kernel is not None:  # (decode's pool: asleep while the OpenMP team runs)
-                self.cpu_kernel.rest()
+        if layer == self.layers[0]:
+            self._begin_pass(x.shape[0])
         start = self._resident_start(layer)
         if start is not None:
-            return self._run_resident(layer, start, x, ids, weights)
+            out = self._run_resident(layer, start, x, ids, weights)
+        else:
+            out = self._timed_layer(layer, x, ids, weights)
+        if layer == self.layers[-1] and self.plan == "auto":
+            self.clock.end(self._mark())
+        return out
+
+    def _begin_pass(self, tokens: int) -> None:
+        """A new pass: what an earlier one queued serves nothing (one stopped part-way, even
+        where this first layer is resident); `auto` picks the plan of this pass."""
+        self.ring.drop()
+        if self.cpu_kernel is not None:  # (decode's pool: asleep while the OpenMP team runs)
+            self.cpu_kernel.rest()
+        if self.plan == "auto":
+            self.mode = self.clock.begin(size_class(tokens), self._mark())
+
+    def _timed_layer(self, layer, x, ids, weights) -> torch.Tensor:
+        """`_run_layer`, its host time counted (besides the sync and the CPU experts)."""
         t = self.totals
         t0, blocked = time.perf_counter(), t.cpu_seconds + t.wait_seconds
         try:
@@ -181,7 +202,7 @@ class PrefillStreamer:
         parts, plan = self._layer_plan(layer, counts_h)
         self._plan_ahead(layer, counts_h, predicted_h)
         order, ys, cpu_rows, tables = self._sorted(x, flat, weights, parts, plan, counts_h, top_k)
-        x_cpu = self._cpu_inputs(ys, cpu_rows) if plan.cpu else None
+        x_cpu = cpu_inputs(ys, cpu_rows, self.on_cuda) if plan.cpu else None
         self._count(layer, plan, counts_h, flat.numel())  # (before parts fill free slots)
         begin = 0
         for fill, part_tables in zip(parts, tables, strict=True):
@@ -254,7 +275,7 @@ class PrefillStreamer:
         """Tokens per expert of the next MoE layer as its router picks them from this layer's
         input (the `predicted` plan, with routers), else None."""
         nxt = self.next_layer.get(layer)
-        if self.routers is None or nxt is None or self.plan != "predicted":
+        if self.routers is None or nxt is None or self.mode != "predicted":
             return None
         ids = torch.topk(F.linear(x, self.routers[nxt]), top_k, dim=-1).indices
         return bincount(ids.reshape(-1), self.store.num_experts)
@@ -270,15 +291,17 @@ class PrefillStreamer:
         routed = {e: c for e, c in enumerate(counts) if c and lookup[e] < 0}
         late = {e: c for e, c in routed.items() if e not in covered}
         costs = self.costs()
-        if ahead:
-            self._observe_prediction(len(routed) - len(late), len(routed))
-            plan = routed_plan(late, costs, self.split)
+        if ahead:  # (predicted or reserve: the experts beyond those copied ahead, as routed)
+            kind = ahead[0].kind
+            if kind == "predicted":
+                self._observe_prediction(len(routed) - len(late), len(routed))
+            plan = routed_plan(late, costs, self.split, costs.copy_s(len(covered)))
             copy = tuple(sorted(covered | set(plan.copy)))
-            plan = LayerPlan("predicted", copy, plan.cpu, plan.seconds)
+            plan = LayerPlan(kind, copy, plan.cpu, plan.seconds)
         else:
             self._routed = (layer, routed_plan(routed, costs, self.split))
             plan = choose(
-                self.plan, self._missing(layer), routed, costs, self.split, self._routed[1]
+                self.mode, self._missing(layer), routed, costs, self.split, self._routed[1]
             )
         if plan.kind == "stream":
             experts = list(range(self.store.num_experts))
@@ -302,34 +325,45 @@ class PrefillStreamer:
         """Queue the next layer's fills now (copies start once a buffer of the ring is free)
         where it streams or takes predicted experts; issue what the ring can take."""
         nxt = self.next_layer.get(layer)
-        if nxt is not None and self.plan != "routed":
+        if nxt is not None and self.mode != "routed":
             choice, ahead = self._ahead_choice(layer, nxt, counts, predicted)
             if choice == "stream":
                 experts, missing = list(range(self.store.num_experts)), set(self._missing(nxt))
                 self.ring.queue.extend(self.ring.fills(nxt, experts, missing, "stream"))
             elif ahead:
-                self.ring.queue.extend(self.ring.fills(nxt, list(ahead), set(ahead), "predicted"))
+                self.ring.queue.extend(self.ring.fills(nxt, list(ahead), set(ahead), choice))
         self.ring.issue_ready()
 
     def _ahead_choice(self, layer, nxt, counts, predicted) -> tuple[str, tuple[int, ...]]:
-        """What the next layer copies before its routing: `stream`, `predicted` (and which
-        experts) or `none`; this layer's routing stands in for the next one's."""
-        if self.plan == "stream":
+        """What the next layer copies before its routing: `stream`, `predicted` or `reserve`
+        (and which experts) or `none`; this layer's routing stands in for the next one's."""
+        if self.mode == "stream":
             return "stream", ()
         here, costs = self.cache.slot_of[layer], self.costs()
         routed = {e: c for e, c in enumerate(counts) if c and here[e] < 0}
-        if self.plan == "predicted":
+        if self.mode == "predicted":
             lookup = self.cache.slot_of[nxt]
             guess = {e: c for e, c in enumerate(predicted) if c and lookup[e] < 0}
             late = len(routed) * (1 - self.accuracy)
             ahead = predicted_plan(guess, late, costs, self.split)[0] if guess else ()
             return "predicted", ahead
+        missing = self._missing(nxt)
+        if self.mode == "reserve" and self.split:  # (streams where no reserve helps)
+            reserve = reserve_plan(len(missing), sum(counts), len(counts), costs)[0]
+            return ("reserve", self._reserved(nxt, missing, reserve)) if reserve else ("stream", ())
         known = self._routed[1] if self._routed and self._routed[0] == layer else None
         routed_s = (known or routed_plan(routed, costs, self.split)).seconds
-        choice = plan_ahead(len(self._missing(nxt)), None, routed_s, costs)
+        choice = plan_ahead(len(missing), None, routed_s, costs)
         if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
             self.overheads[self.bucket] *= OVERHEAD_DECAY
         return choice, ()
+
+    def _reserved(self, layer: int, missing: list[int], reserve: int) -> tuple[int, ...]:
+        """The missing experts of `layer` copied ahead when `reserve` of them are left to the
+        CPU: those the expert cache's policy ranks lowest are reserved (the least used in
+        decode, likely routed the fewest tokens here too)."""
+        ranked = self.cache.policy.rank((layer, e) for e in missing)
+        return tuple(sorted(e for _, e in ranked[: len(missing) - reserve]))
 
     def _run_part(
         self, fill: Fill, counts: list[int], ys: Sorted, begin: int, tables: PartTables
@@ -340,28 +374,14 @@ class PrefillStreamer:
         copied, lookup = set(fill.copies), self.cache.slot_of[fill.layer]
         rows = [counts[e] for e in fill.experts]
         hits = [(pos, lookup[e]) for pos, e in enumerate(fill.experts) if pos not in copied]
-        self._copy_hits(buf, [(pos, slot) for pos, slot in hits if rows[pos]])
+        used = [(pos, slot) for pos, slot in hits if rows[pos]]
+        self.ring.copy_hits(buf, self.cache, used, self._stream)
         self._admit_free(fill, buf)
         end = begin + sum(rows)
         if end > begin:
             self._grouped_ffn(buf[: len(rows)], ys, begin, end, rows, tables, fill)
         self.ring.release(fill)
         return end
-
-    def _copy_hits(self, buf: torch.Tensor, hits: list[tuple[int, int]]) -> None:
-        """Cache hits (buffer position, slot) into the part's buffer, on the current stream."""
-        if self.calls is None:
-            for pos, slot in hits:
-                buf[pos].copy_(self.cache.slot_rows[slot])
-            return
-        slots = self.cache.slots
-        row = slots.stride(0) * slots.element_size()
-        assert row == buf.stride(0) * buf.element_size()
-        target, origin = buf.data_ptr(), slots.data_ptr()
-        for pos, slot in hits:
-            self.calls.copy_bytes(
-                target + pos * row, origin + slot * row, row, self._stream, DEVICE_TO_DEVICE
-            )
 
     def _admit_free(self, fill: Fill, buf: torch.Tensor) -> None:
         """While the expert cache has free slots (a fresh start), the part's copied experts
@@ -430,19 +450,6 @@ class PrefillStreamer:
         ys = Sorted(x_sorted, scale, torch.empty_like(x_sorted))
         return order, ys, (total - cpu_pairs, total), tables
 
-    def _cpu_inputs(self, ys: Sorted, rows: tuple[int, int]):
-        """The CPU rows' hidden states and routing weights, on their way to the host (queued
-        before any part, so they arrive without waiting for the copies), and their event."""
-        x, scale = ys.x_sorted[rows[0] : rows[1]], ys.scale[rows[0] : rows[1]]
-        if not self.on_cuda:
-            return x, scale, None
-        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, scale)]
-        pinned[0].copy_(x, non_blocking=True)
-        pinned[1].copy_(scale, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return pinned[0], pinned[1], event
-
     def _run_cpu(self, layer, plan: LayerPlan, counts, x_cpu, ys: Sorted, rows) -> None:
         """The CPU experts over their rows (in `cpu_order`), weighted, into `ys.out` (this
         thread runs them once the device's parts are dispatched)."""
@@ -477,12 +484,7 @@ class PrefillStreamer:
         stats.hits += len(routed) - len(missing)
         stats.misses += len(missing)
         stats.cpu += len(plan.cpu)
-        t.layers += 1
-        t.copied += len(plan.copy)
+        t.add_layer(plan.kind, len(plan.copy), len(plan.cpu), pairs, len(missing))
         t.copy_bytes += len(plan.copy) * self.store.expert_bytes
-        t.cpu += len(plan.cpu)
-        t.pairs += pairs
-        t.routed_missing += len(missing)
-        t.plans[plan.kind] += 1
         self.last_plans[layer] = plan.kind
         self.last_plan = plan

@@ -24,6 +24,21 @@ def cpu_order(experts, counts: list[int]) -> list[int]:
     return sorted(experts, key=lambda e: (counts[e], e))
 
 
+def cpu_inputs(ys, rows: tuple[int, int], on_cuda: bool):
+    """The CPU rows' hidden states and routing weights (`ys`: the layer's sorted pairs), on
+    their way to pinned host memory (queued before any part, so they arrive without waiting
+    for the copies), and their event (None off CUDA: the tensors themselves)."""
+    x, scale = ys.x_sorted[rows[0] : rows[1]], ys.scale[rows[0] : rows[1]]
+    if not on_cuda:
+        return x, scale, None
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, scale)]
+    pinned[0].copy_(x, non_blocking=True)
+    pinned[1].copy_(scale, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(x.device))
+    return pinned[0], pinned[1], event
+
+
 def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out):
     """`out[rows]` = weighted outputs of `experts` (of `layer`, in `cpu_order`) over their rows
     of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrt.offload.copies import CudaCalls
+from agentrt.offload.copies import DEVICE_TO_DEVICE, CudaCalls
 from agentrt.offload.store import ExpertStore
 
 PARTS_PER_LAYER = 8  # a staging part holds this share of a layer's experts
@@ -149,6 +149,22 @@ class StagingRing:
         if fill.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(fill.ready)
         return self.buffers[fill.buffer]
+
+    def copy_hits(self, buf: torch.Tensor, cache, hits: list[tuple[int, int]], stream: int) -> None:
+        """Cache hits (buffer position, slot of `cache`) into a part's buffer, on the current
+        stream (`stream`: its handle, for the raw copies)."""
+        if self.calls is None:
+            for pos, slot in hits:
+                buf[pos].copy_(cache.slot_rows[slot])
+            return
+        slots = cache.slots
+        row = slots.stride(0) * slots.element_size()
+        assert row == buf.stride(0) * buf.element_size()
+        target, origin = buf.data_ptr(), slots.data_ptr()
+        for pos, slot in hits:
+            self.calls.copy_bytes(
+                target + pos * row, origin + slot * row, row, stream, DEVICE_TO_DEVICE
+            )
 
     def release(self, fill: Fill) -> None:
         """The fill's readers are queued: its buffer may be filled again after them."""

@@ -56,6 +56,15 @@ class PrefillTotals:
     host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
 
+    def add_layer(self, kind: str, copied: int, cpu: int, pairs: int, routed_missing: int) -> None:
+        """Count one layer's plan (its kind, experts copied and on the CPU) and pairs."""
+        self.layers += 1
+        self.plans[kind] += 1
+        self.copied += copied
+        self.cpu += cpu
+        self.pairs += pairs
+        self.routed_missing += routed_missing
+
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "plans"}
         out["plans"] = dict(self.plans)
