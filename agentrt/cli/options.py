@@ -372,10 +372,11 @@ def offload_options(lists: bool = False) -> list:
             "routed (only those the chunk routed to, with few-token ones on the CPU when "
             "--split is on), reserve (every missing expert copied ahead but a few left to "
             "the CPU, which computes those the chunk routed to once its routing is known; "
-            "needs --split on), predicted (the experts the next layer's router picks from "
-            "this layer's input copied ahead, the rest as routed; experimental), or auto "
-            "(stream, routed or reserve, the cheapest by measured costs). The staging ring "
-            "takes half a layer of experts from the expert cache.",
+            "with --split off, stream or routed per layer by measured costs), predicted (the "
+            "experts the next layer's router picks from this layer's input copied ahead, the "
+            "rest as routed; experimental), or auto (per size of chunk, reserve or routed, "
+            "whichever its own timed passes found faster: a size's first passes try each). "
+            "The staging ring takes half a layer of experts from the expert cache.",
         ),
         expert_format_option(
             "For --offload auto: how offloaded experts are kept in host memory, copied "

@@ -82,7 +82,7 @@ class PrefillStreamer:
         self.split, self.plan, self.adaptive = split, plan, adaptive
         # the plan of the pass in progress: `plan`, or for auto the strategy its clock picked
         self.mode = plan
-        self.clock = PassClock(STRATEGIES if split else ("routed",))
+        self.clock = PassClock(STRATEGIES)
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = copy_stream
@@ -348,7 +348,9 @@ class PrefillStreamer:
             ahead = predicted_plan(guess, late, costs, self.split)[0] if guess else ()
             return "predicted", ahead
         missing = self._missing(nxt)
-        if self.mode == "reserve" and self.split:  # (streams where no reserve helps)
+        # (reserve streams where no reserve helps; without a CPU side, it streams or waits
+        # for the routing, whichever the costs favour)
+        if self.mode == "reserve" and self.split:
             reserve = reserve_plan(len(missing), sum(counts), len(counts), costs)[0]
             return ("reserve", self._reserved(nxt, missing, reserve)) if reserve else ("stream", ())
         known = self._routed[1] if self._routed and self._routed[0] == layer else None
