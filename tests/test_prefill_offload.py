@@ -171,6 +171,24 @@ def test_every_plan_equals_the_dense_model(dense, plan, split):
     rt.engine.offload.cache.check()
 
 
+@pytest.mark.parametrize("reserve_all", [False, True])
+def test_reserve_plans_a_layer_with_nothing_queued_ahead_as_routed(dense, monkeypatch, reserve_all):
+    """A layer of the reserve plan with nothing queued ahead (a pass's first layer, or every
+    missing expert reserved) waits for its routing and copies only routed experts, never
+    streams; where no reserve helps (a CPU this slow) the layers after the first stream."""
+    ids, want = dense
+    config = replace(_config("reserve"), cpu_bandwidth=1e-6)  # (nothing the CPU should take)
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=config)
+    if reserve_all:
+        monkeypatch.setattr("agentrt.offload.prefill.reserve_plan", lambda num, *_: (num, 0.0))
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    streamer = rt.engine.offload.prefill
+    kinds = list(streamer.last_plans.values())
+    assert kinds[0] == "routed"
+    assert set(kinds[1:]) == ({"routed"} if reserve_all else {"stream"})
+
+
 class _Event:
     """A CUDA event's stand-in: `done` once its work ran, `at` its time in milliseconds."""
 

@@ -2,7 +2,7 @@
 experts the device cache holds, and measured costs (no torch, no device).
 
 A chunk's tokens need every expert they were routed to. Those the cache holds run in place; the
-missing ones reach them one of three ways:
+missing ones reach them one of these ways:
 - `stream`: copy every missing expert of the layer, routed or not. The copies need no routing, so
   they are issued before the layer runs and travel while earlier layers compute.
 - `routed`: copy only the missing experts the chunk routed to. Fewer bytes, but the copies start
@@ -105,8 +105,8 @@ def choose(
     split: bool,
     routed: LayerPlan | None = None,
 ) -> LayerPlan:
-    """The plan `plan` asks for (`auto`: the cheaper of stream and routed, stream on a tie;
-    `predicted`, with nothing copied ahead: routed); `routed`: the routed plan, where the
+    """The plan `plan` asks for (`auto`, or any other: the cheaper of stream and routed, stream
+    on a tie; `predicted`, with nothing copied ahead: routed); `routed`: the routed plan, where the
     caller has it already."""
     if plan == "stream":
         return stream_plan(missing, costs)
@@ -169,8 +169,9 @@ def plan_ahead(num_missing: int, predicted_s: float | None, routed_s: float, cos
 
 
 # what `auto` chooses between for each size of chunk, by the passes it measured: the reserve
-# plan (which streams where no reserve helps) and the routed one (copies wait for the routing,
-# unrouted experts are never copied: short suffixes)
+# plan (which streams where no reserve helps; without the split, stream or routed per layer by
+# cost) and the routed one (copies wait for the routing, unrouted experts are never copied:
+# short suffixes)
 STRATEGIES = ("reserve", "routed")
 EXPLORE_EVERY = 16  # every this many passes of a size, auto takes the runner-up once
 

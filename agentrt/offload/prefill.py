@@ -281,8 +281,10 @@ class PrefillStreamer:
         return bincount(ids.reshape(-1), self.store.num_experts)
 
     def _layer_plan(self, layer: int, counts: list[int]) -> tuple[list[Fill], LayerPlan]:
-        """This layer's parts and plan: what was queued ahead (stream; or the predicted
-        experts, with the routed ones beyond them planned now), else the planner's plan."""
+        """This layer's parts and plan: what was queued ahead (stream; or the predicted or
+        reserve plan's experts, with the routed ones beyond them planned now), else the
+        planner's plan (the reserve plan with the split: the routed one, which is what it
+        chose where it queued nothing ahead, the CPU taking every missing expert it can)."""
         ahead, lookup = self.ring.ahead_for(layer), self.cache.slot_of[layer]
         self._routed = None
         if ahead and ahead[0].kind == "stream":
@@ -295,14 +297,16 @@ class PrefillStreamer:
             kind = ahead[0].kind
             if kind == "predicted":
                 self._observe_prediction(len(routed) - len(late), len(routed))
-            plan = routed_plan(late, costs, self.split, costs.copy_s(len(covered)))
+            # (a reserve's late experts queue behind the copies ahead of them: counted whole,
+            # an upper bound, so they lean to the CPU they were reserved for)
+            queued = costs.copy_s(len(covered)) if kind == "reserve" else 0.0
+            plan = routed_plan(late, costs, self.split, queued)
             copy = tuple(sorted(covered | set(plan.copy)))
             plan = LayerPlan(kind, copy, plan.cpu, plan.seconds)
         else:
             self._routed = (layer, routed_plan(routed, costs, self.split))
-            plan = choose(
-                self.mode, self._missing(layer), routed, costs, self.split, self._routed[1]
-            )
+            mode = "routed" if self.mode == "reserve" and self.split else self.mode
+            plan = choose(mode, self._missing(layer), routed, costs, self.split, self._routed[1])
         if plan.kind == "stream":
             experts = list(range(self.store.num_experts))
         else:
@@ -323,7 +327,8 @@ class PrefillStreamer:
 
     def _plan_ahead(self, layer: int, counts: list[int], predicted: list[int]) -> None:
         """Queue the next layer's fills now (copies start once a buffer of the ring is free)
-        where it streams or takes predicted experts; issue what the ring can take."""
+        where it streams or takes predicted or all but reserved experts; issue what the ring
+        can take."""
         nxt = self.next_layer.get(layer)
         if nxt is not None and self.mode != "routed":
             choice, ahead = self._ahead_choice(layer, nxt, counts, predicted)
@@ -350,15 +355,17 @@ class PrefillStreamer:
         missing = self._missing(nxt)
         # (reserve streams where no reserve helps; without a CPU side, it streams or waits
         # for the routing, whichever the costs favour)
-        if self.mode == "reserve" and self.split:
+        if self.mode == "reserve" and self.split and missing:
             reserve = reserve_plan(len(missing), sum(counts), len(counts), costs)[0]
-            return ("reserve", self._reserved(nxt, missing, reserve)) if reserve else ("stream", ())
-        known = self._routed[1] if self._routed and self._routed[0] == layer else None
-        routed_s = (known or routed_plan(routed, costs, self.split)).seconds
-        choice = plan_ahead(len(missing), None, routed_s, costs)
+            choice = "reserve" if reserve else "stream"
+            ahead = self._reserved(nxt, missing, reserve) if reserve else ()
+        else:
+            known = self._routed[1] if self._routed and self._routed[0] == layer else None
+            routed_s = (known or routed_plan(routed, costs, self.split)).seconds
+            choice, ahead = plan_ahead(len(missing), None, routed_s, costs), ()
         if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
             self.overheads[self.bucket] *= OVERHEAD_DECAY
-        return choice, ()
+        return choice, ahead
 
     def _reserved(self, layer: int, missing: list[int], reserve: int) -> tuple[int, ...]:
         """The missing experts of `layer` copied ahead when `reserve` of them are left to the

@@ -50,7 +50,7 @@ class Fill:
     layer: int
     experts: list[int]
     copies: list[int]
-    kind: str = "routed"  # the plan it belongs to (stream and predicted ones are queued ahead)
+    kind: str = "routed"  # its plan's (stream, predicted and reserve ones are queued ahead)
     buffer: int = -1
     ready: object = None  # event on the copy stream after the copies (None: done)
 
