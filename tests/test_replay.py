@@ -560,3 +560,32 @@ def test_bench_ttft_runs_a_split_list_once_without_a_budget(monkeypatch, tmp_pat
     budget = ["--vram-budget", "1GiB"]
     assert invoke_cli("bench", "ttft", str(tmp_path), "--split", "on,off", *budget).returncode == 0
     assert ran == ["on", "off"]
+
+
+def _ttft_run(mode: str, rows: list[tuple[str, str, float]], complete: bool = True) -> dict:
+    """A `bench ttft` report of one mode over `rows` (trace, request id, TTFT)."""
+    requests = [
+        {"trace": t, "id": i, "ttft_s": s, "prompt_tokens": 100, "cached_tokens": 0}
+        for t, i, s in rows
+    ]
+    summary = {"cache": mode, "ttft_s": {"max": max(s for *_, s in rows)}}
+    return {
+        "complete": complete,
+        "reports": {"dropped": [{"summary": summary, "requests": requests}]},
+    }
+
+
+def test_ttft_reports_split_over_runs_merge_into_one():
+    from agentrt.bench.ttft import merge_reports
+
+    semantic = _ttft_run("semantic", [("a", "1", 1.0), ("a", "2", 0.5), ("b", "1", 0.4)])
+    off_a = _ttft_run("off", [("a", "1", 1.0), ("a", "2", 4.0)])
+    off_b = _ttft_run("off", [("b", "1", 2.0)], complete=False)
+    again = _ttft_run("off", [("b", "1", 3.0)])  # (a request replayed again: the later counts)
+    merged = merge_reports([semantic, off_a, off_b, again])
+    by_mode = {r["summary"]["cache"]: r["summary"] for r in merged["reports"]["dropped"]}
+    assert by_mode["off"]["requests"] == 3 and by_mode["off"]["ttft_s"]["max"] == 4.0
+    assert by_mode["off"]["ttft_s"]["p50"] == 3.0 and by_mode["semantic"]["ttft_s"]["p50"] == 0.5
+    assert merged["ratios"]["dropped:off/semantic:max"] == 4.0
+    assert merged["ratios"]["dropped:off/semantic:p50"] == 6.0
+    assert not merged["complete"] and merged["merged_from"] == 4

@@ -115,6 +115,44 @@ def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
+def merge_reports(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several `bench ttft` reports of the same model and settings that each
+    replayed part of the traces or modes (runs split to fit a time limit): per variant and
+    mode, every request of every run (a request replayed twice, by trace and id, counts once:
+    the later run's), its TTFT percentiles and token counts recomputed, and the ratios."""
+    from agentrt.replay.replay import percentile
+
+    rows: dict[tuple[str, str], dict[tuple[str, str], dict]] = {}
+    for run in runs:
+        for variant, reps in run["reports"].items():
+            for rep in reps:
+                into = rows.setdefault((variant, rep["summary"]["cache"]), {})
+                into.update({(r["trace"], r["id"]): r for r in rep["requests"]})
+    reports: dict[str, list[dict]] = {}
+    for (variant, mode), by_id in rows.items():
+        requests = list(by_id.values())
+        ttft = [r["ttft_s"] for r in requests]
+        prompt = sum(r["prompt_tokens"] for r in requests)
+        cached = sum(r["cached_tokens"] for r in requests)
+        summary = {
+            "requests": len(requests),
+            "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)}
+            | {"max": max(ttft, default=0.0)},
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "prefilled_tokens": prompt - cached,
+            "cache": mode,
+        }
+        reports.setdefault(variant, []).append({"summary": summary, "requests": requests})
+    return {
+        "bench": "ttft",
+        "merged_from": len(runs),
+        "complete": all(run.get("complete", False) for run in runs),
+        "reports": reports,
+        "ratios": _ttft_ratios(reports),
+    }
+
+
 # ----------------------------------------------------------------------------- bandwidths
 
 
