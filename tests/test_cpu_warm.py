@@ -1,14 +1,17 @@
 """The next layer's likely CPU experts read into the CPU's caches during a graph piece: the
-native pool's warm-up (`PoolCalls.warm`), and the host step that posts it and the plan that
-puts the warmed experts on the CPU side."""
+native pools' warm-ups (`NativeExperts.warm` for bf16 experts, `PackedCPUExperts.warm` for
+packed MXFP4 ones), and the host step that posts them and the plan that puts the warmed
+experts on the CPU side."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_offload import (
     _assert_host_step_is_dense,
     _graph_host_steps,
     _native_or_skip,
+    _packed_store,
     _random_bf16_store,
 )
 
@@ -89,5 +92,53 @@ def test_close_waits_for_a_posted_warm_up(monkeypatch):
     cache = ExpertCache(store, 3, "cpu", "lru")
     experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), cpu_kernel=kernel)
     assert _warm(kernel, store, 1, [0, 2, 4]) and kernel._guard.warming is not None
+    experts.close()
+    assert kernel._guard.warming is None
+
+
+def _packed_kernel_or_skip(store):
+    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+
+    kernel = mxfp4_kernel(store)
+    if kernel is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    return kernel
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_a_packed_call_after_a_warm_up_gives_the_same_bits(monkeypatch, biased):
+    """The packed MXFP4 kernel's warm-up only reads too: its pool's next call computes the same
+    bits as the OpenMP call, whichever experts were read; with the pool off nothing is
+    posted."""
+    _, store = _packed_store(biased)
+    kernel = _packed_kernel_or_skip(store)
+    x, ids, w = torch.randn(store.hidden), [1, 4], [0.4, 0.6]
+    plain, warmed = (torch.zeros(store.hidden) for _ in range(2))
+    kernel.run_experts(1, ids, w, x, plain)
+    monkeypatch.setattr(kernel, "pooled", False)
+    assert not kernel.warm(1, ids)
+    monkeypatch.setattr(kernel, "pooled", True)
+    for read in ([1, 4], [4], [0, 1, 4, 5], []):
+        assert kernel.warm(1, read) == bool(read)
+        kernel.start_experts(1, ids, w, x, warmed)
+        kernel.finish()
+        assert torch.equal(warmed, plain)
+    assert kernel.warm(0, [2]) and kernel._guard.warming is not None
+    kernel.settle()
+    assert kernel._guard.warming is None
+
+
+def test_packed_host_steps_warm_the_next_layers_likely_cpu_experts(monkeypatch):
+    """Graph host steps over packed MXFP4 experts post the warm-up through the packed kernel
+    and stay equal to the dense sum; `close` waits for the last one."""
+    _, store = _packed_store(False)
+    kernel = _packed_kernel_or_skip(store)
+    monkeypatch.setattr(kernel, "pooled", True)
+    experts, cache, steps = _graph_host_steps(store, kernel, prefetch=True)
+    assert experts.warm_cpu and experts.packed_cpu is kernel
+    monkeypatch.setattr(experts, "_prefetch_cap", lambda own=0: 1)
+    for step in steps:
+        _assert_host_step_is_dense(store, cache, *step)
+    assert experts.totals.warmed > 0
     experts.close()
     assert kernel._guard.warming is None

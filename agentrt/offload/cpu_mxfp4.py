@@ -34,8 +34,8 @@ class PackedCPUExperts(PoolCalls):
     """The built kernel bound to one packed store (shapes, biases, activation). `run_experts`
     and `run_rows` run in an OpenMP region on the calling thread; `start_experts` posts
     `run_experts`'s call to the library's thread pool (graph decode's host steps, where
-    `pooled`) and `finish` waits for it, with the same bits. Calls take turns (one scratch
-    buffer)."""
+    `pooled`) and `finish` waits for it, with the same bits; `warm` posts a read of experts a
+    later call will likely compute. Calls take turns (one scratch buffer)."""
 
     def __init__(self, lib: ctypes.CDLL, store: ExpertStore) -> None:
         self._fn = lib.experts_mxfp4
@@ -49,6 +49,9 @@ class PackedCPUExperts(PoolCalls):
         self._rows.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
         self._rows.argtypes += [_P, _P, ctypes.c_float, ctypes.c_float, _P]
         self._rows.restype = None
+        self._warm = lib.experts_mxfp4_warm
+        self._warm.argtypes = [_P] + [ctypes.c_int] * 5
+        self._warm.restype = ctypes.c_int
         self._need = lib.experts_mxfp4_scratch
         self._need.argtypes = [ctypes.c_int] * 4
         self._need.restype = ctypes.c_long
@@ -75,6 +78,17 @@ class PackedCPUExperts(PoolCalls):
         self._post(
             self._start, lambda: self._experts_args(layer, experts, weights, x, out, accumulate)
         )
+
+    def warm(self, layer: int, experts) -> bool:
+        """Post a read of `experts` of `layer`, which a later decode call will likely compute,
+        into the caches of the pool's cores (each thread the bytes of its share of that call's
+        items), and return at once; the next call (or `settle`) waits for it first. False
+        (nothing posted) where another thread's call runs or the pool is off."""
+        if not experts:
+            return False
+        row_ptrs = (_P * len(experts))(*row_pointers(self.store.flat[layer], experts))
+        args = (row_ptrs, len(experts), self.store.hidden, self.store.inter)
+        return self._post_warm(self._warm, args, (row_ptrs,))
 
     def _experts_args(self, layer, experts, weights, x, out, accumulate) -> tuple[tuple, tuple]:
         """A decode call's C arguments (under the lock: the scratch is shared), and what must

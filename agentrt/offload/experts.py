@@ -119,10 +119,10 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         # a decode token's CPU experts through the native bf16 kernel (None: torch's kernels;
         # it computes bias-free SwiGLU experts only)
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 and store.plain else None
-        # whether graph host steps post those reads (the native bf16 kernel's pool has them)
-        self.warm_cpu = warm_cpu and self.cpu_kernel is not None
         # packed MXFP4 experts: the native kernel that reads their rows (`cpu_mxfp4.py`)
         self.packed_cpu = cpu_kernel if store.packed else None
+        # whether graph host steps post those reads (both native kernels' pools have them)
+        self.warm_cpu = warm_cpu and (self.cpu_kernel or self.packed_cpu) is not None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}
@@ -427,8 +427,9 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
     def close(self) -> None:
         """Wait for a warm-up the CPU kernel's pool may still run over the host store (the
         store may be freed next)."""
-        if self.cpu_kernel is not None:
-            self.cpu_kernel.settle()
+        kernel = self.cpu_kernel or self.packed_cpu
+        if kernel is not None:
+            kernel.settle()
 
 
 class _EventRing:

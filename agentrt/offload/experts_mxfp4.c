@@ -151,9 +151,11 @@ long experts_mxfp4_scratch(int n, int hidden, int inter, int rows) {
 /* A decode call: out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * (down_e @ act_e +
    dn_bias[e]), act_e = swiglu(gate_up_e @ x + gu_bias[e]): silu(g) * u, or with limit > 0
    gpt-oss's (u + 1) * g * sigmoid(alpha * g), g clamped above at limit and u to +-limit.
-   Biases may be NULL. Its items in three phases: every expert's gate and up rows, then blocks
-   of 32 activations (computed and quantized), then the output rows; the OpenMP path
-   (experts_mxfp4) and the pool (experts_mxfp4_start) compute the same items alike. */
+   Biases may be NULL. Its items in three phases: every expert's gate and up rows (row major,
+   so a pool thread's share is about the same rows of every expert, whatever their number:
+   those experts_mxfp4_warm reads for it), then blocks of 32 activations (computed and
+   quantized), then the output rows; the OpenMP path (experts_mxfp4) and the pool
+   (experts_mxfp4_start) compute the same items alike. */
 typedef struct {
     const uint8_t** rows; const float* weights; int n; float* out; int hidden, inter;
     const float** gu_bias; const float** dn_bias; float limit, alpha; int accumulate;
@@ -184,11 +186,12 @@ static void decode_items(const void* arg, int phase, long lo, long hi) {
     int64_t gu_codes = (int64_t)2 * inter * hidden / 2, gu_bytes = gu_codes + 2 * inter * hg;
     int64_t dn_codes = (int64_t)hidden * inter / 2;
     for (long p = lo; p < hi; p++) {
-        if (phase == 0) {  /* item: (expert, gate/up row) */
-            int e = (int)(p / (2 * inter)), r = (int)(p % (2 * inter));
+        if (phase == 0) {  /* item: (gate/up row, expert) */
+            int e = (int)(p % j->n), r = (int)(p / j->n);
             const uint8_t* row = j->rows[e];
-            j->h[p] = row_dot(row + (int64_t)r * hidden / 2, row + gu_codes + (int64_t)r * hg,
-                              j->xq, j->xd, hg) + (j->gu_bias ? j->gu_bias[e][r] : 0.f);
+            j->h[(int64_t)e * 2 * inter + r] =
+                row_dot(row + (int64_t)r * hidden / 2, row + gu_codes + (int64_t)r * hg, j->xq,
+                        j->xd, hg) + (j->gu_bias ? j->gu_bias[e][r] : 0.f);
         } else if (phase == 1) {  /* item: (expert, block of 32 activations) */
             long e = p / ig, i0 = (p % ig) * 32;
             const float* h = j->h + e * 2 * inter;
@@ -243,6 +246,50 @@ int experts_mxfp4_start(const uint8_t** rows, const float* weights, int n, const
                         accumulate, scratch);
     pool_task task = {decode_items, &posted, 3, {0}};
     decode_counts(&posted, task.items);
+    return pool_start(task, threads, active);
+}
+
+/* A warm-up of n experts a later decode call will likely compute: each pool thread reads the
+   bytes of its share of that call's items (codes and exponents of its gate/up rows, then of its
+   output rows' down rows: phases 0 and 2 of the call, whose shares these two phases match;
+   the same items whatever the number of experts, up to a row at the ends) into its core's
+   caches, one load per cache line. */
+typedef struct { const uint8_t** rows; int n, hidden, inter; } warm_t;
+static warm_t warm_job;
+static uint64_t warm_sink;  /* (the loads' sum, so the compiler keeps them) */
+static uint64_t touch(const uint8_t* bytes, long count) {
+    const volatile uint8_t* b = (const volatile uint8_t*)bytes;
+    uint64_t s = 0;
+    for (long off = 0; off < count; off += 64) s += b[off];
+    return s;
+}
+static void warm_items(const void* arg, int phase, long lo, long hi) {
+    const warm_t* j = (const warm_t*)arg;
+    int hidden = j->hidden, inter = j->inter, hg = hidden / 32, ig = inter / 32;
+    int64_t gu_codes = (int64_t)2 * inter * hidden / 2, gu_bytes = gu_codes + 2 * inter * hg;
+    int64_t dn_codes = (int64_t)hidden * inter / 2;
+    uint64_t s = 0;
+    for (long p = lo; p < hi; p++) {
+        if (phase == 0) {
+            int e = (int)(p % j->n), r = (int)(p / j->n);
+            s += touch(j->rows[e] + (int64_t)r * hidden / 2, hidden / 2);
+            s += touch(j->rows[e] + gu_codes + (int64_t)r * hg, hg);
+        } else {
+            for (int e = 0; e < j->n; e++) {
+                const uint8_t* down = j->rows[e] + gu_bytes;
+                s += touch(down + p * inter / 2, inter / 2) + touch(down + dn_codes + p * ig, ig);
+            }
+        }
+    }
+    __atomic_fetch_add(&warm_sink, s, __ATOMIC_RELAXED);
+}
+/* post the warm-up (the array must stay valid until agentrt_pool_wait); as experts_mxfp4_start */
+int experts_mxfp4_warm(const uint8_t** rows, int n, int hidden, int inter, int threads,
+                       int active) {
+    if (!pool_idle()) return -2;
+    warm_t j = {rows, n, hidden, inter};
+    warm_job = j;
+    pool_task task = {warm_items, &warm_job, 2, {(long)n * 2 * inter, hidden}};
     return pool_start(task, threads, active);
 }
 

@@ -137,11 +137,15 @@ class CapturedDecode:
 
     def _warm_next(self, layer: int, experts: list[int]) -> None:
         """Post a read of the next layer's likely CPU experts into the caches of the native
-        bf16 kernel's pool: it runs while the GPU works through the next piece, and the next
-        host step, which puts these experts on the CPU side of its plan where they miss, finds
+        kernel's pool: it runs while the GPU works through the next piece, and the next host
+        step, which puts these experts on the CPU side of its plan where they miss, finds
         them in its threads' caches (the next post waits for the read first)."""
         nxt = self.next_layer[layer]
-        if self.cpu_kernel.warm(*self._native_args(nxt, experts)):
+        if self.packed_cpu is not None:
+            posted = self.packed_cpu.warm(nxt, experts)
+        else:
+            posted = self.cpu_kernel.warm(*self._native_args(nxt, experts))
+        if posted:
             self._warmed[nxt] = set(experts)
             self.totals.warmed += len(experts)
 
