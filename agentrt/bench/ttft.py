@@ -120,7 +120,7 @@ def merge_reports(runs: list[dict[str, Any]]) -> dict[str, Any]:
     replayed part of the traces or modes (runs split to fit a time limit): per variant and
     mode, every request of every run (a request replayed twice, by trace and id, counts once:
     the later run's), its TTFT percentiles and token counts recomputed, and the ratios."""
-    from agentrt.replay.replay import percentile
+    from agentrt.replay.replay import ttft_summary
 
     rows: dict[tuple[str, str], dict[tuple[str, str], dict]] = {}
     for run in runs:
@@ -131,18 +131,12 @@ def merge_reports(runs: list[dict[str, Any]]) -> dict[str, Any]:
     reports: dict[str, list[dict]] = {}
     for (variant, mode), by_id in rows.items():
         requests = list(by_id.values())
-        ttft = [r["ttft_s"] for r in requests]
-        prompt = sum(r["prompt_tokens"] for r in requests)
-        cached = sum(r["cached_tokens"] for r in requests)
-        summary = {
-            "requests": len(requests),
-            "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)}
-            | {"max": max(ttft, default=0.0)},
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "prefilled_tokens": prompt - cached,
-            "cache": mode,
-        }
+        summary = ttft_summary(
+            [r["ttft_s"] for r in requests],
+            sum(r["prompt_tokens"] for r in requests),
+            sum(r["cached_tokens"] for r in requests),
+        )
+        summary["cache"] = mode
         reports.setdefault(variant, []).append({"summary": summary, "requests": requests})
     return {
         "bench": "ttft",

@@ -148,6 +148,16 @@ long experts_mxfp4_scratch(int n, int hidden, int inter, int rows) {
     return (long)rows * (h / 2 + h / 32 + i + i / 2 + i / 32);
 }
 
+/* where the parts of an expert row start (bytes): gate/up's exponents (after its 2I rows of
+   H/2 code bytes), down's codes, down's exponents (after its H rows of I/2 code bytes) */
+typedef struct { int64_t gu_codes, gu_bytes, dn_codes; int hg, ig; } row_offsets;
+static row_offsets offsets_of(int hidden, int inter) {
+    row_offsets o = {(int64_t)inter * hidden, 0, (int64_t)hidden * inter / 2, hidden / 32,
+                     inter / 32};
+    o.gu_bytes = o.gu_codes + (int64_t)2 * inter * o.hg;
+    return o;
+}
+
 /* A decode call: out[hidden] = (accumulate ? out : 0) + sum_e weights[e] * (down_e @ act_e +
    dn_bias[e]), act_e = swiglu(gate_up_e @ x + gu_bias[e]): silu(g) * u, or with limit > 0
    gpt-oss's (u + 1) * g * sigmoid(alpha * g), g clamped above at limit and u to +-limit.
@@ -182,9 +192,10 @@ static decode_t decode_job(const uint8_t** rows, const float* weights, int n, co
 }
 static void decode_items(const void* arg, int phase, long lo, long hi) {
     const decode_t* j = (const decode_t*)arg;
-    int hidden = j->hidden, inter = j->inter, hg = hidden / 32, ig = inter / 32;
-    int64_t gu_codes = (int64_t)2 * inter * hidden / 2, gu_bytes = gu_codes + 2 * inter * hg;
-    int64_t dn_codes = (int64_t)hidden * inter / 2;
+    int hidden = j->hidden, inter = j->inter;
+    row_offsets o = offsets_of(hidden, inter);
+    int hg = o.hg, ig = o.ig;
+    int64_t gu_codes = o.gu_codes, gu_bytes = o.gu_bytes, dn_codes = o.dn_codes;
     for (long p = lo; p < hi; p++) {
         if (phase == 0) {  /* item: (gate/up row, expert) */
             int e = (int)(p % j->n), r = (int)(p / j->n);
@@ -265,19 +276,19 @@ static uint64_t touch(const uint8_t* bytes, long count) {
 }
 static void warm_items(const void* arg, int phase, long lo, long hi) {
     const warm_t* j = (const warm_t*)arg;
-    int hidden = j->hidden, inter = j->inter, hg = hidden / 32, ig = inter / 32;
-    int64_t gu_codes = (int64_t)2 * inter * hidden / 2, gu_bytes = gu_codes + 2 * inter * hg;
-    int64_t dn_codes = (int64_t)hidden * inter / 2;
+    row_offsets o = offsets_of(j->hidden, j->inter);
     uint64_t s = 0;
     for (long p = lo; p < hi; p++) {
-        if (phase == 0) {
-            int e = (int)(p % j->n), r = (int)(p / j->n);
-            s += touch(j->rows[e] + (int64_t)r * hidden / 2, hidden / 2);
-            s += touch(j->rows[e] + gu_codes + (int64_t)r * hg, hg);
-        } else {
+        if (phase == 0) {  /* (gate/up row r of expert e: its codes, its exponents) */
+            const uint8_t* row = j->rows[p % j->n];
+            long r = p / j->n;
+            s += touch(row + r * j->hidden / 2, j->hidden / 2);
+            s += touch(row + o.gu_codes + r * o.hg, o.hg);
+        } else {  /* (down row p of every expert) */
             for (int e = 0; e < j->n; e++) {
-                const uint8_t* down = j->rows[e] + gu_bytes;
-                s += touch(down + p * inter / 2, inter / 2) + touch(down + dn_codes + p * ig, ig);
+                const uint8_t* down = j->rows[e] + o.gu_bytes;
+                s += touch(down + p * j->inter / 2, j->inter / 2);
+                s += touch(down + o.dn_codes + p * o.ig, o.ig);
             }
         }
     }

@@ -230,24 +230,29 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def ttft_summary(ttft: list[float], prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Requests, TTFT percentiles and max, prompt / cached / prefilled tokens."""
+    return {
+        "requests": len(ttft),
+        "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)}
+        | {"max": max(ttft, default=0.0)},
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "prefilled_tokens": prompt_tokens - cached_tokens,
+    }
+
+
 def report(rows: list[Row], target: Target) -> dict[str, Any]:
-    ttft = [r.ttft_s for r in rows]
     decode_s = sum(r.decode_s for r in rows)
     decoded = sum(max(r.completion_tokens - 1, 0) for r in rows)
     prompt = sum(r.prompt_tokens for r in rows)
-    cached = sum(r.cached_tokens for r in rows)
-    summary = {
-        "requests": len(rows),
-        "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)}
-        | {"max": max(ttft, default=0.0)},
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "prefilled_tokens": prompt - cached,
-        "decode_tok_s": decoded / decode_s if decode_s > 0 else 0.0,
-        "model": target.name,
-        "cache": target.cache,
-        "device": target.device,
-    }
+    summary = ttft_summary([r.ttft_s for r in rows], prompt, sum(r.cached_tokens for r in rows))
+    summary.update(
+        decode_tok_s=decoded / decode_s if decode_s > 0 else 0.0,
+        model=target.name,
+        cache=target.cache,
+        device=target.device,
+    )
     return {"summary": summary, "requests": [r.as_dict() for r in rows]}
 
 
