@@ -473,6 +473,31 @@ def test_a_pass_that_failed_mid_layer_leaves_nothing_for_the_next(dense, monkeyp
     assert (got - want).abs().max().item() < 1e-4
 
 
+def test_auto_forgets_a_pass_that_failed_part_way(dense, monkeypatch):
+    """`auto`'s pass that raises part-way is not timed, and its strategy is tried again (not
+    left as tried but never read); the next prefill measures both and equals the dense model."""
+    from agentrt.offload.prefill import PrefillStreamer
+
+    ids, want = dense
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config("auto"))
+    streamer, size = rt.engine.offload.prefill, size_class(48)
+    real = PrefillStreamer._grouped_ffn
+
+    def failing(self, *args):
+        if self.clock.passes.get(size) == 2:  # (the size's first timed pass: reserve)
+            raise RuntimeError("out of memory")
+        return real(self, *args)
+
+    monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert streamer.mode == "reserve" and streamer.clock.measured.get(size, {}) == {}
+    monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", real)
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    assert set(streamer.clock.measured[size]) == {"reserve", "routed"}
+
+
 def test_a_pass_stopped_after_queuing_fills_serves_nothing_to_the_next_one():
     """A pass stopped after its first layer queued the next layer's fills (say, out of memory
     in that layer's attention, outside the streamer), while the first layer's experts came to
