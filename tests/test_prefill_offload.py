@@ -12,7 +12,7 @@ import torch
 
 from agentrt import Runtime
 from agentrt.offload.config import OffloadConfig
-from agentrt.offload.passes import PassClock
+from agentrt.offload.passes import LONG_CONTEXT, PassClock
 from agentrt.offload.planner import (
     EXPLORE_EVERY,
     Costs,
@@ -165,7 +165,7 @@ def test_every_plan_equals_the_dense_model(dense, plan, split):
         assert "reserve" not in kinds
     if plan == "auto":  # (each strategy timed on its own pass of the chunk's size first)
         clock = rt.engine.offload.prefill.clock
-        assert set(clock.measured[size_class(48)]) == {"reserve", "routed"}  # (5 passes of 48)
+        assert set(clock.measured[size_class(48), False]) == {"reserve", "routed"}  # (5 of 48)
     if not split:
         assert totals.cpu == 0
     rt.engine.offload.cache.check()
@@ -206,18 +206,51 @@ def test_pass_clock_reads_a_pass_once_its_work_ran_and_picks_by_the_times():
     clock = PassClock(("reserve", "routed"))
     assert clock.begin(9, _Event(-5000.0)) == "reserve"  # a size's first pass: not timed
     clock.end(_Event(0.0))
-    assert clock.begin(9, _Event(0.0)) == "reserve" and clock.measured[9] == {}
+    assert clock.begin(9, _Event(0.0)) == "reserve" and clock.measured[9, False] == {}
     late = _Event(900.0, done=False)
     clock.end(late)
     assert clock.begin(9, _Event(900.0)) == "routed"  # (reserve's pass not read yet)
     clock.end(_Event(1400.0))
-    assert clock.measured[9] == {}
+    assert clock.measured[9, False] == {}
     late.done = True
     assert clock.begin(9, _Event(1400.0)) == "routed"  # 0.5 s against 0.9 s
-    assert clock.measured[9] == {"reserve": 0.9, "routed": 0.5}
+    assert clock.measured[9, False] == {"reserve": 0.9, "routed": 0.5}
     clock.begin(10, _Event(1500.0))
     clock.begin(10, _Event(2000.0))  # a pass that never reached its last layer: not read
-    assert clock.begin(10, _Event(3000.0)) == "reserve" and clock.measured[10] == {}
+    assert clock.begin(10, _Event(3000.0)) == "reserve" and clock.measured[10, False] == {}
+
+
+def test_the_engine_tells_the_offloaded_experts_where_each_chunk_starts(dense, monkeypatch):
+    from agentrt.offload.experts import OffloadedExperts
+
+    ids, _ = dense
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config("auto"))
+    starts, real = [], OffloadedExperts.chunk_at
+    monkeypatch.setattr(
+        OffloadedExperts, "chunk_at", lambda self, at: (starts.append(at), real(self, at))
+    )
+    state = rt.engine.new_state()
+    rt.engine.prefill(state, ids[:100])
+    rt.engine.prefill(state, ids[100:130])
+    assert starts == [0, 48, 96, 100] and rt.engine.offload.prefill.context == 100
+
+
+def test_pass_clock_times_passes_after_a_long_context_apart():
+    """A size's passes after a long context (where attention, which a plan waiting for the
+    routing cannot hide, is longer) are measured and chosen apart from those near the start;
+    the size's first pass, whatever its setting, is the only one not timed."""
+    clock = PassClock(("reserve", "routed"))
+    clock.begin(9, _Event(0.0))
+    at = 0.0
+    for context, took in ((0, 500.0), (0, 900.0), (LONG_CONTEXT, 800.0), (32768, 600.0)):
+        clock.begin(9, _Event(at), context)
+        at += took
+        clock.end(_Event(at))
+    clock.begin(11, _Event(at))  # (reads the last pass)
+    assert clock.measured[9, False] == {"reserve": 0.5, "routed": 0.9}
+    assert clock.measured[9, True] == {"reserve": 0.8, "routed": 0.6}
+    assert clock.begin(9, _Event(at), 0) == "reserve"
+    assert clock.begin(9, _Event(at), 40000) == "routed"
 
 
 @pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "reserve", "auto"])
@@ -484,18 +517,18 @@ def test_auto_forgets_a_pass_that_failed_part_way(dense, monkeypatch):
     real = PrefillStreamer._grouped_ffn
 
     def failing(self, *args):
-        if self.clock.passes.get(size) == 2:  # (the size's first timed pass: reserve)
+        if self.clock.passes.get((size, False)) == 1:  # (the size's first timed pass: reserve)
             raise RuntimeError("out of memory")
         return real(self, *args)
 
     monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
-    assert streamer.mode == "reserve" and streamer.clock.measured.get(size, {}) == {}
+    assert streamer.mode == "reserve" and streamer.clock.measured.get((size, False), {}) == {}
     monkeypatch.setattr(PrefillStreamer, "_grouped_ffn", real)
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4
-    assert set(streamer.clock.measured[size]) == {"reserve", "routed"}
+    assert set(streamer.clock.measured[size, False]) == {"reserve", "routed"}
 
 
 def test_a_pass_stopped_after_queuing_fills_serves_nothing_to_the_next_one():

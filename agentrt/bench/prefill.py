@@ -303,7 +303,10 @@ def _streamer_state(streamer) -> dict:
         "overhead_ms": {2**b: 1e3 * v for b, v in sorted(streamer.overheads.items())},
         "prediction_accuracy": streamer.accuracy,
         # auto: seconds per pass of each strategy by size of chunk, and the last pass's
-        "pass_s": {2**b: dict(v) for b, v in sorted(streamer.clock.measured.items())},
+        "pass_s": {
+            f"{2**b}{'@long' if long else ''}": dict(v)  # (@long: after a long context)
+            for (b, long), v in sorted(streamer.clock.measured.items())
+        },
         "mode": streamer.mode,
     }
 

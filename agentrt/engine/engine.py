@@ -244,6 +244,8 @@ class Engine:
             begin = start + offset
             cuts = [p - begin for p in wanted if begin < p <= begin + part.numel()]
             cuts = self._on_grid(state, begin, cuts, part.numel())
+            if self.offload is not None:
+                self.offload.chunk_at(begin)
             hidden = self.model(part, state.caches, begin, cuts)
             state.token_ids.extend(token_ids[offset : offset + chunk])
             outputs.append(self.model.logits(hidden) if all_logits else hidden[-1:])

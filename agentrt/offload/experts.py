@@ -424,6 +424,11 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             begin = end
         return out
 
+    def chunk_at(self, position: int) -> None:
+        """The next prefill chunk starts `position` tokens into its sequence (`auto` times its
+        passes after a long context apart)."""
+        self.prefill.context = position
+
     def close(self) -> None:
         """Wait for a warm-up the CPU kernel's pool may still run over the host store (the
         store may be freed next)."""

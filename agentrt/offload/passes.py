@@ -1,10 +1,11 @@
 """The passes of offloaded prefill as `auto` measures them: each pass (one chunk through every
-MoE layer) is timed from its first layer's start to its last layer's end, per size of chunk
-(`planner.size_class`) and the strategy it ran (`planner.STRATEGIES`), but the first of each
-size, and the next pass of a size takes the strategy `planner.pick_strategy` picks from those
-times. Marks are CUDA events
-(read once complete, never waited for: a pass queued right behind another is read at a later
-pass) or host times off CUDA. Knows nothing of layers, plans' contents or copies."""
+MoE layer) is timed from its first layer's start to its last layer's end, per setting (its size
+of chunk, `planner.size_class`, and whether it follows a long context: attention, which a plan
+that waits for the routing cannot hide, grows with it) and the strategy it ran
+(`planner.STRATEGIES`), but the first pass of each size; the next pass in a setting takes the
+strategy `planner.pick_strategy` picks from those times. Marks are CUDA events (read once
+complete, never waited for: a pass queued right behind another is read at a later pass) or host
+times off CUDA. Knows nothing of layers, plans' contents or copies."""
 
 from __future__ import annotations
 
@@ -13,36 +14,44 @@ from collections.abc import Sequence
 from agentrt.offload.planner import pick_strategy
 
 WEIGHT = 0.5  # a new pass's share of its strategy's measured seconds
+LONG_CONTEXT = 8192  # a pass that starts this many tokens into its sequence or more is timed apart
+
+Setting = tuple[int, bool]  # (size class, after a long context)
 
 
 class PassClock:
-    """Seconds per pass by size and strategy, and the strategy of the pass in progress."""
+    """Seconds per pass by setting and strategy, and the strategy of the pass in progress."""
 
     def __init__(self, candidates: Sequence[str]) -> None:
         self.candidates = tuple(candidates)
-        self.measured: dict[int, dict[str, float]] = {}  # size class -> strategy -> seconds
-        self.passes: dict[int, int] = {}  # size class -> passes begun
-        self.tried: dict[int, set[str]] = {}  # size class -> strategies begun
-        self._open: list | None = None  # [size, strategy, start mark, end mark or None]
-        self._done: list[tuple] = []  # ended passes not yet read: (size, strategy, start, end)
+        self.measured: dict[Setting, dict[str, float]] = {}  # setting -> strategy -> seconds
+        self.passes: dict[Setting, int] = {}  # setting -> timed passes begun
+        self.tried: dict[Setting, set[str]] = {}  # setting -> strategies begun
+        self.sizes: set[int] = set()  # size classes that ran their first pass
+        self._open: list | None = None  # [setting, strategy, start mark, end mark or None]
+        self._done: list[tuple] = []  # ended passes not yet read: (setting, strategy, start, end)
 
-    def begin(self, size: int, mark) -> str:
-        """A pass of size class `size` starts at `mark`: the strategy it runs. A size's first
-        pass is not timed (it pays for what runs once per shape: allocator pools, first calls)."""
+    def begin(self, size: int, mark, context: int = 0) -> str:
+        """A pass of size class `size`, `context` tokens into its sequence, starts at `mark`:
+        the strategy it runs. A size's first pass is not timed (it pays for what runs once per
+        shape: allocator pools, first calls)."""
         if self._open is not None and self._open[3] is not None:
             self._done.append(tuple(self._open))
         elif self._open is not None:  # (stopped before its last layer: to be tried again)
             self.tried[self._open[0]].discard(self._open[1])
         self._open = None
         self._read()
-        passes = self.passes.get(size, 0)
-        self.passes[size] = passes + 1
-        if passes == 0:
+        if size not in self.sizes:
+            self.sizes.add(size)
             return self.candidates[0]
-        measured, tried = self.measured.setdefault(size, {}), self.tried.setdefault(size, set())
-        strategy = pick_strategy(measured, passes - 1, self.candidates, tried)
+        setting = (size, context >= LONG_CONTEXT)
+        passes = self.passes.get(setting, 0)
+        self.passes[setting] = passes + 1
+        measured = self.measured.setdefault(setting, {})
+        tried = self.tried.setdefault(setting, set())
+        strategy = pick_strategy(measured, passes, self.candidates, tried)
         tried.add(strategy)
-        self._open = [size, strategy, mark, None]
+        self._open = [setting, strategy, mark, None]
         return strategy
 
     def end(self, mark) -> None:
@@ -53,12 +62,12 @@ class PassClock:
     def _read(self) -> None:
         """Fold in the ended passes whose marks are complete."""
         waiting = []
-        for size, strategy, start, end in self._done:
+        for setting, strategy, start, end in self._done:
             seconds = _elapsed(start, end)
             if seconds is None:
-                waiting.append((size, strategy, start, end))
+                waiting.append((setting, strategy, start, end))
                 continue
-            by_strategy = self.measured.setdefault(size, {})
+            by_strategy = self.measured.setdefault(setting, {})
             old = by_strategy.get(strategy)
             by_strategy[strategy] = (
                 seconds if old is None else (1 - WEIGHT) * old + WEIGHT * seconds

@@ -83,6 +83,7 @@ class PrefillStreamer:
         # the plan of the pass in progress: `plan`, or for auto the strategy its clock picked
         self.mode = plan
         self.clock = PassClock(STRATEGIES)
+        self.context = 0  # where the next chunk starts in its sequence (the engine sets it)
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = copy_stream
@@ -166,7 +167,7 @@ class PrefillStreamer:
         if self.cpu_kernel is not None:  # (decode's pool: asleep while the OpenMP team runs)
             self.cpu_kernel.rest()
         if self.plan == "auto":
-            self.mode = self.clock.begin(size_class(tokens), self._mark())
+            self.mode = self.clock.begin(size_class(tokens), self._mark(), self.context)
 
     def _timed_layer(self, layer, x, ids, weights) -> torch.Tensor:
         """`_run_layer`, its host time counted (besides the sync and the CPU experts)."""
