@@ -23,13 +23,19 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the merged report here")
     args = parser.parse_args()
     try:
-        runs = [json.loads(path.read_text()) for path in args.reports]
-    except (OSError, ValueError) as exc:
+        merged = merge_reports([json.loads(path.read_text()) for path in args.reports])
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # (InvalidArgumentError too)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    merged = merge_reports(runs)
     for variant, reports in merged["reports"].items():
         print(f"[{variant}]\n{summary_table(reports)}")
+        for rep in reports:
+            if rep["summary"]["missing_requests"]:
+                print(
+                    f"warning: {variant}/{rep['summary']['cache']} lacks "
+                    f"{rep['summary']['missing_requests']} requests the other modes replayed",
+                    file=sys.stderr,
+                )
     print(json.dumps(merged["ratios"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(merged, indent=1))

@@ -568,15 +568,19 @@ def _ttft_run(mode: str, rows: list[tuple[str, str, float]], complete: bool = Tr
         {"trace": t, "id": i, "ttft_s": s, "prompt_tokens": 100, "cached_tokens": 0}
         for t, i, s in rows
     ]
-    summary = {"cache": mode, "ttft_s": {"max": max(s for *_, s in rows)}}
+    summary = {"cache": mode, "model": "m", "ttft_s": {"max": max(s for *_, s in rows)}}
+    report = {"summary": summary, "requests": requests}
     return {
+        "bench": "ttft",
         "complete": complete,
-        "reports": {"dropped": [{"summary": summary, "requests": requests}]},
+        "max_tokens": 8,
+        "reports": {"dropped": [report]},
     }
 
 
 def test_ttft_reports_split_over_runs_merge_into_one():
     from agentrt.bench.ttft import merge_reports
+    from agentrt.errors import InvalidArgumentError
 
     semantic = _ttft_run("semantic", [("a", "1", 1.0), ("a", "2", 0.5), ("b", "1", 0.4)])
     off_a = _ttft_run("off", [("a", "1", 1.0), ("a", "2", 4.0)])
@@ -589,3 +593,12 @@ def test_ttft_reports_split_over_runs_merge_into_one():
     assert merged["ratios"]["dropped:off/semantic:max"] == 4.0
     assert merged["ratios"]["dropped:off/semantic:p50"] == 6.0
     assert not merged["complete"] and merged["merged_from"] == 4
+    assert [r["index"] for r in merged["reports"]["dropped"][1]["requests"]] == [0, 1, 2]
+    assert by_mode["off"]["missing_requests"] == 0 and by_mode["off"]["model"] == "m"
+    # an off run left out: its summary says what it lacks; runs of other settings do not merge
+    partial = merge_reports([semantic, off_a])
+    assert [r["summary"]["missing_requests"] for r in partial["reports"]["dropped"]] == [0, 1]
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        merge_reports([semantic, {**off_a, "max_tokens": 16}])
+    with pytest.raises(InvalidArgumentError, match="bench ttft"):
+        merge_reports([semantic, {"reports": {}}])

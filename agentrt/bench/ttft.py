@@ -115,36 +115,69 @@ def _ttft_ratios(reports: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
+# what runs merged into one report must share (a run's report keys)
+MERGE_KEYS = ("max_tokens", "prefill_chunk", "prefill_graphs", "setting")
+
+
 def merge_reports(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from several `bench ttft` reports of the same model and settings that each
     replayed part of the traces or modes (runs split to fit a time limit): per variant and
     mode, every request of every run (a request replayed twice, by trace and id, counts once:
-    the later run's), its TTFT percentiles and token counts recomputed, and the ratios."""
+    the later run's), its TTFT percentiles and token counts recomputed, and the ratios. Each
+    mode's summary counts the requests other modes of its variant replayed and it did not
+    (`missing_requests`: its percentiles cover fewer requests; the ratios then compare
+    different sets). Raises InvalidArgumentError for runs of other models or settings."""
     from agentrt.replay.replay import ttft_summary
 
+    _check_mergeable(runs)
     rows: dict[tuple[str, str], dict[tuple[str, str], dict]] = {}
+    models: dict[tuple[str, str], str] = {}
     for run in runs:
         for variant, reps in run["reports"].items():
             for rep in reps:
-                into = rows.setdefault((variant, rep["summary"]["cache"]), {})
-                into.update({(r["trace"], r["id"]): r for r in rep["requests"]})
+                key = (variant, rep["summary"]["cache"])
+                rows.setdefault(key, {}).update({(r["trace"], r["id"]): r for r in rep["requests"]})
+                models[key] = rep["summary"].get("model", "")
     reports: dict[str, list[dict]] = {}
     for (variant, mode), by_id in rows.items():
-        requests = list(by_id.values())
+        requests = [dict(r, index=i) for i, r in enumerate(by_id.values())]
         summary = ttft_summary(
             [r["ttft_s"] for r in requests],
             sum(r["prompt_tokens"] for r in requests),
             sum(r["cached_tokens"] for r in requests),
         )
-        summary["cache"] = mode
+        every = set().union(*(ids for (v, _), ids in rows.items() if v == variant))
+        summary.update(
+            cache=mode, model=models[variant, mode], missing_requests=len(every - set(by_id))
+        )
         reports.setdefault(variant, []).append({"summary": summary, "requests": requests})
     return {
         "bench": "ttft",
         "merged_from": len(runs),
         "complete": all(run.get("complete", False) for run in runs),
+        **{key: runs[0].get(key) for key in MERGE_KEYS},
         "reports": reports,
         "ratios": _ttft_ratios(reports),
     }
+
+
+def _check_mergeable(runs: list[dict[str, Any]]) -> None:
+    """Every run a `bench ttft` report of the same model and settings."""
+    from agentrt.errors import InvalidArgumentError
+
+    if not runs or any(run.get("bench") != "ttft" or "reports" not in run for run in runs):
+        raise InvalidArgumentError("every file to merge must be a `bench ttft` report")
+    for key in MERGE_KEYS:
+        if len({repr(run.get(key)) for run in runs}) > 1:
+            raise InvalidArgumentError(f"the reports differ in {key!r}: not one replay's parts")
+    names = {
+        rep["summary"].get("model")
+        for run in runs
+        for reps in run["reports"].values()
+        for rep in reps
+    }
+    if len(names) > 1:
+        raise InvalidArgumentError(f"the reports replayed different models: {sorted(names)}")
 
 
 # ----------------------------------------------------------------------------- bandwidths

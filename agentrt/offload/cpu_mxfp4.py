@@ -86,9 +86,10 @@ class PackedCPUExperts(PoolCalls):
         (nothing posted) where another thread's call runs or the pool is off."""
         if not experts:
             return False
-        row_ptrs = (_P * len(experts))(*row_pointers(self.store.flat[layer], experts))
+        rows = self.store.flat[layer]
+        row_ptrs = (_P * len(experts))(*row_pointers(rows, experts))
         args = (row_ptrs, len(experts), self.store.hidden, self.store.inter)
-        return self._post_warm(self._warm, args, (row_ptrs,))
+        return self._post_warm(self._warm, args, (row_ptrs, rows))  # (the rows it reads too)
 
     def _experts_args(self, layer, experts, weights, x, out, accumulate) -> tuple[tuple, tuple]:
         """A decode call's C arguments (under the lock: the scratch is shared), and what must

@@ -315,11 +315,11 @@ void experts_mxfp4_rows(const uint8_t** rows, const int* starts, int n, const fl
                         const float** gu_bias, const float** dn_bias, float limit, float alpha,
                         float* scratch) {
     tables();
-    int total = starts[n], hg = hidden / 32, ig = inter / 32;
+    row_offsets o = offsets_of(hidden, inter);
+    int total = starts[n], hg = o.hg, ig = o.ig;
     float *xd = scratch, *act = xd + (int64_t)total * hg, *ad = act + (int64_t)total * inter;
     int16_t *xq = (int16_t*)(ad + (int64_t)total * ig), *aq = xq + (int64_t)total * hidden;
-    int64_t gu_codes = (int64_t)inter * hidden, gu_bytes = gu_codes + 2 * inter * hg;
-    int64_t dn_codes = (int64_t)hidden * inter / 2;
+    int64_t gu_codes = o.gu_codes, gu_bytes = o.gu_bytes, dn_codes = o.dn_codes;
     long acts = (long)n * inter, outs = (long)n * hidden;
     #pragma omp parallel
     {
