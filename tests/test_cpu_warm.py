@@ -11,6 +11,7 @@ from test_offload import (
     _assert_host_step_is_dense,
     _graph_host_steps,
     _native_or_skip,
+    _packed_kernel_or_skip,
     _packed_store,
     _random_bf16_store,
 )
@@ -94,15 +95,6 @@ def test_close_waits_for_a_posted_warm_up(monkeypatch):
     assert _warm(kernel, store, 1, [0, 2, 4]) and kernel._guard.warming is not None
     experts.close()
     assert kernel._guard.warming is None
-
-
-def _packed_kernel_or_skip(store):
-    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
-
-    kernel = mxfp4_kernel(store)
-    if kernel is None:
-        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
-    return kernel
 
 
 @pytest.mark.parametrize("biased", [False, True])

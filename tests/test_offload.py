@@ -872,6 +872,16 @@ def _native_or_skip():
     return kernel
 
 
+def _packed_kernel_or_skip(store):
+    """The packed MXFP4 CPU kernel bound to `store`, or a skip where it cannot be built."""
+    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
+
+    kernel = mxfp4_kernel(store)
+    if kernel is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    return kernel
+
+
 def test_native_cpu_kernel_matches_the_fp32_experts():
     """The native bf16 kernel's weighted expert sum against fp32 math on the same bf16 values
     (odd sizes exercise the tail loops), fresh and accumulated into the output."""
@@ -1515,9 +1525,7 @@ def test_native_mxfp4_cpu_kernel_matches_the_dequantized_experts(biased):
     from agentrt.offload.cpu_mxfp4 import mxfp4_kernel, reference_ffn
 
     routed, store = _packed_store(biased)
-    kernel = mxfp4_kernel(store)
-    if kernel is None:
-        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    kernel = _packed_kernel_or_skip(store)
 
     def summed(ffn, x, ids, w):
         return sum(
@@ -1583,12 +1591,9 @@ def test_host_step_with_packed_rows_sums_the_cpu_experts(pooled, refused, monkey
     and fills the inputs), and the pinned buffer gets their weighted sum; `refused`: every
     other admission fails, and those copies run after the pool's experts, added."""
     from agentrt.models.moe import expert_ffn
-    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
 
     routed, store = _packed_store(True)
-    kernel = mxfp4_kernel(store)
-    if kernel is None:
-        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    kernel = _packed_kernel_or_skip(store)
     monkeypatch.setattr(kernel, "pooled", pooled)
     experts, cache, steps = _graph_host_steps(store, kernel, True)
     if refused:
@@ -1622,7 +1627,7 @@ def test_native_mxfp4_kernel_on_random_packed_rows(hidden, inter, biased):
     other shapes: 1 to 5 experts of a token, and prefill rows of 1 to 7 per expert, equal the
     plain-torch reference on the rows' dequantized weights."""
     from agentrt.models.moe import PLAIN, SwiGLU
-    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel, reference_ffn
+    from agentrt.offload.cpu_mxfp4 import reference_ffn
 
     act = SwiGLU(7.0, 1.702) if biased else PLAIN
     store = ExpertStore(range(1), 8, hidden, inter, torch.float32, pin=False, bias=biased,
@@ -1636,9 +1641,7 @@ def test_native_mxfp4_kernel_on_random_packed_rows(hidden, inter, biased):
     if biased:
         for b in store.biases(0, "cpu"):
             b.copy_(torch.randn(b.shape, generator=gen))
-    kernel = mxfp4_kernel(store)
-    if kernel is None:
-        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    kernel = _packed_kernel_or_skip(store)
     _, gate_up, down = store.expert_views(0)
 
     def expert(e: int, x: torch.Tensor) -> torch.Tensor:
@@ -1712,10 +1715,7 @@ def test_packed_mxfp4_kernel_pool_computes_the_same_bits_as_its_openmp_path():
     import sys
     from pathlib import Path
 
-    from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
-
-    if mxfp4_kernel(_packed_store(False)[1]) is None:
-        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    _packed_kernel_or_skip(_packed_store(False)[1])
     proc = subprocess.run(
         [sys.executable, "-c", PACKED_POOL_CHECK + POOL_CALIBRATION, str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=300,

@@ -138,6 +138,9 @@ def merge_reports(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 key = (variant, rep["summary"]["cache"])
                 rows.setdefault(key, {}).update({(r["trace"], r["id"]): r for r in rep["requests"]})
                 models[key] = rep["summary"].get("model", "")
+    every: dict[str, set] = {}  # variant -> the requests any of its modes replayed
+    for (variant, _), by_id in rows.items():
+        every.setdefault(variant, set()).update(by_id)
     reports: dict[str, list[dict]] = {}
     for (variant, mode), by_id in rows.items():
         requests = [dict(r, index=i) for i, r in enumerate(by_id.values())]
@@ -146,10 +149,8 @@ def merge_reports(runs: list[dict[str, Any]]) -> dict[str, Any]:
             sum(r["prompt_tokens"] for r in requests),
             sum(r["cached_tokens"] for r in requests),
         )
-        every = set().union(*(ids for (v, _), ids in rows.items() if v == variant))
-        summary.update(
-            cache=mode, model=models[variant, mode], missing_requests=len(every - set(by_id))
-        )
+        missing = len(every[variant] - by_id.keys())
+        summary.update(cache=mode, model=models[variant, mode], missing_requests=missing)
         reports.setdefault(variant, []).append({"summary": summary, "requests": requests})
     return {
         "bench": "ttft",

@@ -26,7 +26,6 @@ class PassClock:
         self.candidates = tuple(candidates)
         self.measured: dict[Setting, dict[str, float]] = {}  # setting -> strategy -> seconds
         self.passes: dict[Setting, int] = {}  # setting -> timed passes begun
-        self.tried: dict[Setting, set[str]] = {}  # setting -> strategies begun
         self.sizes: set[int] = set()  # size classes that ran their first pass
         self._open: list | None = None  # [setting, strategy, start mark, end mark or None]
         self._done: list[tuple] = []  # ended passes not yet read: (setting, strategy, start, end)
@@ -36,9 +35,7 @@ class PassClock:
         the strategy it runs. A size's first pass is not timed (it pays for what runs once per
         shape: allocator pools, first calls)."""
         if self._open is not None and self._open[3] is not None:
-            self._done.append(tuple(self._open))
-        elif self._open is not None:  # (stopped before its last layer: to be tried again)
-            self.tried[self._open[0]].discard(self._open[1])
+            self._done.append(tuple(self._open))  # (one stopped before its last layer: dropped)
         self._open = None
         self._read()
         if size not in self.sizes:
@@ -48,9 +45,8 @@ class PassClock:
         passes = self.passes.get(setting, 0)
         self.passes[setting] = passes + 1
         measured = self.measured.setdefault(setting, {})
-        tried = self.tried.setdefault(setting, set())
-        strategy = pick_strategy(measured, passes, self.candidates, tried)
-        tried.add(strategy)
+        unread = {strategy for at, strategy, *_ in self._done if at == setting}
+        strategy = pick_strategy(measured, passes, self.candidates, unread)
         self._open = [setting, strategy, mark, None]
         return strategy
 

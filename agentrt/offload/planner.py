@@ -177,14 +177,14 @@ EXPLORE_EVERY = 16  # every this many passes of a size, auto takes the runner-up
 
 
 def pick_strategy(
-    measured: Mapping[str, float], passes: int, candidates: Sequence[str], tried=()
+    measured: Mapping[str, float], passes: int, candidates: Sequence[str], unread=()
 ) -> str:
     """The plan `auto` takes for its next pass of a size of chunk: a candidate neither measured
-    nor `tried` (run, not read yet) first, in order; then the fastest measured (`measured`:
-    seconds per pass), and every `EXPLORE_EVERY`-th of the `passes` so far the runner-up, so
-    that a host whose costs changed is noticed."""
+    nor `unread` (run to its end, its time not read yet) first, in order; then the fastest
+    measured (`measured`: seconds per pass), and every `EXPLORE_EVERY`-th of the `passes` so
+    far the runner-up, so that a host whose costs changed is noticed."""
     for candidate in candidates:
-        if candidate not in measured and candidate not in tried:
+        if candidate not in measured and candidate not in unread:
             return candidate
     ranked = sorted((c for c in candidates if c in measured), key=lambda c: measured[c])
     if not ranked:
