@@ -191,6 +191,42 @@ def test_reasoning_dropped_and_truncated_outputs_reuse_earlier_boundaries(tmp_pa
     sem.close()
 
 
+def test_the_leading_messages_are_kept_however_short_the_task(tmp_path):
+    """A new session's first prompt keeps the end of its system block (system prompt and
+    tools, what every session of one agent shares) although the task after it is shorter than
+    the checkpoints' minimum distance; the next session's first turn starts from it. Message
+    ends after the first assistant turn keep the distance rule."""
+    from agentrt.statecache import Boundaries
+
+    cfg = StateCacheConfig(state_dir=tmp_path / "state", queue_size=10_000)  # min_distance 128
+    sem = Runtime.open("tiny", cache="semantic", state_cache=cfg)
+    system = {"role": "system", "content": "You are a careful agent. " * 60}
+    first = [system, {"role": "user", "content": "Fix the bug."}]
+    ids = _prompt_ids(sem, first)
+    block_end = sem.reuse.cache.boundaries.first(ids, "message_end")
+    assert 300 < block_end and len(ids) - block_end < 128  # (a long system block, a short task)
+    wanted = sem.reuse.cache.capture_positions(ids, 0)
+    assert block_end in wanted and max(wanted) == len(ids)
+    sem.chat(first, tools=TOOLS, max_tokens=2)
+    other = sem.chat(
+        [system, {"role": "user", "content": "Add a test."}], tools=TOOLS, max_tokens=2
+    )
+    assert other.usage["cached_tokens"] == block_end and other.checkpoint == "message_end"
+    # constructed ids: 9 ends a message, (5, 6) starts an assistant turn
+    marks = Boundaries({"message_end": ((9,),), "turn_start": ((5, 6),)})
+    assert marks.first([1, 5, 2, 5, 6, 9], "turn_start") == 5
+    assert marks.first([1, 5, 2], "turn_start") is None
+    prompt = [1] * 299 + [9] + [2] * 40 + [9, 5, 6] + [3] * 200 + [9] + [3] * 20 + [9, 5, 6]
+    sem.reuse.cache.boundaries = marks
+    # boundaries: message ends at 300, 341, 544, 565; assistant turns at 343, 567. The system
+    # end (300) kept although the first turn (kept: 224 tokens before the last) is 43 tokens
+    # on, the task's end (341) not: 41 tokens past it. The message ends after the first turn
+    # keep the distance rule: 23 and 2 tokens before the last, not kept
+    assert sorted(sem.reuse.cache.capture_positions(prompt, 0)) == [300, 343, 567]
+    assert sorted(sem.reuse.cache.capture_positions(prompt, 343)) == [567]
+    sem.close()
+
+
 def test_vanished_chunks_fall_back_with_identical_outputs(tmp_path):
     """KV chunks deleted behind the cache's back (another process evicting): restores that need
     them fail after other workers filled part of the caches; the turn falls back, outputs stay

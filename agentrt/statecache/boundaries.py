@@ -44,6 +44,16 @@ class Boundaries:
                     break
         return found
 
+    def first(self, ids: Sequence[int], kind: str) -> int | None:
+        """The position of the first boundary of `kind` in `ids` (None: none), found by
+        jumping between occurrences of its sequences' first token (no scan of every token)."""
+        best = None
+        for seq in self.sequences.get(kind, ()):
+            at = _first_match(ids, seq)
+            if at is not None and (best is None or at < best):
+                best = at
+        return best
+
     def ends_with(self, ids: Sequence[int], kinds: Iterable[str] = DECODE_KINDS) -> str | None:
         """The kind (among `kinds`) of a sequence that `ids` ends with, if any."""
         if not ids:
@@ -53,3 +63,18 @@ class Boundaries:
             if kind in wanted and len(ids) >= len(seq) and tuple(ids[-len(seq) :]) == seq:
                 return kind
         return None
+
+
+def _first_match(ids: Sequence[int], seq: Sequence[int]) -> int | None:
+    """The position just past the first occurrence of `seq` in `ids`, or None."""
+    if not seq:
+        return None
+    head, n, at = seq[0], len(seq), 0
+    while True:
+        try:
+            at = ids.index(head, at)
+        except ValueError:
+            return None
+        if tuple(ids[at : at + n]) == tuple(seq):
+            return at + n
+        at += 1

@@ -135,20 +135,28 @@ class StateCache(Writer, Restorer):
 
     def capture_positions(self, ids: Sequence[int], start: int) -> dict[int, str]:
         """Boundaries in ids[start:] worth a checkpoint: the last one always, others at least
-        `min_distance` tokens apart (from each other and from `start`), none already stored."""
+        `min_distance` tokens apart (from each other and from `start`), and the message ends
+        before the prompt's first assistant turn (a system prompt, tools and task: what new
+        sessions of one agent share) that far apart (from each other and from `start`) however
+        near the others, none already stored."""
         keys = PrefixKeys(self.fp, ids)
+        found = [(pos, kind) for pos, kind in self.boundaries.find(ids, start) if pos > start]
+        near = self.config.min_distance
         chosen: dict[int, str] = {}
         last = None
-        for pos, kind in reversed(self.boundaries.find(ids, start)):
-            if pos <= start:
-                continue
-            if last is not None and (
-                last - pos < self.config.min_distance or pos - start < self.config.min_distance
-            ):
+        for pos, kind in reversed(found):
+            if last is not None and (last - pos < near or pos - start < near):
                 continue
             if self._stored(keys.key(pos)):
                 continue
             chosen[pos] = kind
+            last = pos
+        last = start
+        for pos, kind in _leading_message_ends(self.boundaries, ids, found):
+            if pos - last < near:
+                continue
+            if pos not in chosen and not self._stored(keys.key(pos)):
+                chosen[pos] = kind
             last = pos
         return dict(sorted(chosen.items()))
 
@@ -225,3 +233,15 @@ class StateCache(Writer, Restorer):
             if ck in absent and self.ram.get(ck) is None:
                 return index * BLOCK
         return len(chunk_keys) * BLOCK
+
+
+def _leading_message_ends(
+    boundaries: Boundaries, ids: Sequence[int], found: list[tuple[int, str]]
+) -> list[tuple[int, str]]:
+    """The message ends of `found` (boundaries of `ids`) before the prompt's first assistant
+    turn (`turn_start`); none in a prompt without one (no chat template's turns to tell them
+    by)."""
+    first_turn = boundaries.first(ids, "turn_start")
+    if first_turn is None:
+        return []
+    return [(pos, kind) for pos, kind in found if kind == "message_end" and pos < first_turn]
