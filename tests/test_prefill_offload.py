@@ -110,6 +110,10 @@ def test_auto_measures_each_strategy_then_keeps_the_fastest_and_looks_again_now_
     picks = [pick_strategy(measured, n, both) for n in range(2, 2 + 2 * EXPLORE_EVERY)]
     assert picks.count("reserve") == 2 and picks.count("routed") == 2 * EXPLORE_EVERY - 2
     assert pick_strategy(measured, 5, ("routed",)) == "routed"
+    # the first candidate stays unless another is faster by more than MARGIN
+    assert pick_strategy({"reserve": 1.0, "routed": 0.98}, 2, both) == "reserve"
+    assert pick_strategy({"reserve": 1.0, "routed": 0.96}, 2, both) == "routed"
+    assert pick_strategy({"reserve": 1.0, "routed": 0.98}, EXPLORE_EVERY - 1, both) == "routed"
 
 
 def test_predicted_plan_copies_ahead_the_experts_predicted_the_most_tokens():
