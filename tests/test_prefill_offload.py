@@ -112,6 +112,7 @@ def test_auto_measures_each_strategy_then_keeps_the_fastest_and_looks_again_now_
     assert pick_strategy(measured, 5, ("routed",)) == "routed"
     # the first candidate stays unless another is faster by more than MARGIN
     assert pick_strategy({"reserve": 1.0, "routed": 0.98}, 2, both) == "reserve"
+    assert pick_strategy({"reserve": 1.0, "routed": 0.97}, 2, both) == "reserve"  # (3%: a tie)
     assert pick_strategy({"reserve": 1.0, "routed": 0.96}, 2, both) == "routed"
     assert pick_strategy({"reserve": 1.0, "routed": 0.98}, EXPLORE_EVERY - 1, both) == "routed"
 

@@ -223,7 +223,11 @@ def test_the_leading_messages_are_kept_however_short_the_task(tmp_path):
     # on, the task's end (341) not: 41 tokens past it. The message ends after the first turn
     # keep the distance rule: 23 and 2 tokens before the last, not kept
     assert sorted(sem.reuse.cache.capture_positions(prompt, 0)) == [300, 343, 567]
+    assert sorted(sem.reuse.cache.capture_positions(prompt, 250)) == [567]  # 300: too near
     assert sorted(sem.reuse.cache.capture_positions(prompt, 343)) == [567]
+    # a long task: its end, just before the first turn's header (kept), adds nothing
+    task = [1] * 299 + [9] + [2] * 199 + [9, 5, 6]
+    assert sorted(sem.reuse.cache.capture_positions(task, 0)) == [300, 502]
     sem.close()
 
 

@@ -45,8 +45,9 @@ class Boundaries:
         return found
 
     def first(self, ids: Sequence[int], kind: str) -> int | None:
-        """The position of the first boundary of `kind` in `ids` (None: none), found by
-        jumping between occurrences of its sequences' first token (no scan of every token)."""
+        """The position of the first boundary of `kind` in `ids` (None: none): `ids.index`
+        (`ids` a list or tuple) finds each occurrence of its sequences' first token in C, so
+        only those occurrences are compared in Python."""
         best = None
         for seq in self.sequences.get(kind, ()):
             at = _first_match(ids, seq)

@@ -152,13 +152,26 @@ class StateCache(Writer, Restorer):
             chosen[pos] = kind
             last = pos
         last = start
-        for pos, kind in _leading_message_ends(self.boundaries, ids, found):
+        for pos in self._leading_message_ends(ids, found, chosen, keys):
             if pos - last < near:
                 continue
             if pos not in chosen and not self._stored(keys.key(pos)):
-                chosen[pos] = kind
+                chosen[pos] = "message_end"
             last = pos
         return dict(sorted(chosen.items()))
+
+    def _leading_message_ends(self, ids, found, chosen, keys: PrefixKeys) -> list[int]:
+        """The message ends of `found` (boundaries of `ids`) before the prompt's first
+        assistant turn (`turn_start`), but the last where that turn is chosen or stored (only
+        the turn's header lies between them); none in a prompt without one (no chat template's
+        turns to tell them by)."""
+        first_turn = self.boundaries.first(ids, "turn_start")
+        if first_turn is None:
+            return []
+        ends = [pos for pos, kind in found if kind == "message_end" and pos < first_turn]
+        if ends and (first_turn in chosen or self._stored(keys.key(first_turn))):
+            ends.pop()
+        return ends
 
     def _stored(self, key: bytes) -> bool:
         return self.ram.get(key) is not None or self.store.has_record(key)
@@ -233,15 +246,3 @@ class StateCache(Writer, Restorer):
             if ck in absent and self.ram.get(ck) is None:
                 return index * BLOCK
         return len(chunk_keys) * BLOCK
-
-
-def _leading_message_ends(
-    boundaries: Boundaries, ids: Sequence[int], found: list[tuple[int, str]]
-) -> list[tuple[int, str]]:
-    """The message ends of `found` (boundaries of `ids`) before the prompt's first assistant
-    turn (`turn_start`); none in a prompt without one (no chat template's turns to tell them
-    by)."""
-    first_turn = boundaries.first(ids, "turn_start")
-    if first_turn is None:
-        return []
-    return [(pos, kind) for pos, kind in found if kind == "message_end" and pos < first_turn]
