@@ -23,6 +23,7 @@ from agentrt.offload.planner import (
     reserve_plan,
     routed_plan,
     size_class,
+    strategies_for,
     stream_plan,
 )
 
@@ -208,7 +209,7 @@ class _Event:
 
 
 def test_pass_clock_reads_a_pass_once_its_work_ran_and_picks_by_the_times():
-    clock = PassClock(("reserve", "routed"))
+    clock = PassClock(strategies_for)
     assert clock.begin(9, _Event(-5000.0)) == "reserve"  # a size's first pass: not timed
     clock.end(_Event(0.0))
     assert clock.begin(9, _Event(0.0)) == "reserve" and clock.measured[9, False] == {}
@@ -223,6 +224,24 @@ def test_pass_clock_reads_a_pass_once_its_work_ran_and_picks_by_the_times():
     clock.begin(10, _Event(1500.0))
     clock.begin(10, _Event(2000.0))  # a pass that never reached its last layer: not read
     assert clock.begin(10, _Event(3000.0)) == "reserve" and clock.measured[10, False] == {}
+
+
+def test_auto_never_tries_routed_on_chunks_past_its_largest():
+    """Chunks of more than ROUTED_MAX_TOKENS tokens reach every expert many times over:
+    `routed` would copy the same experts later, so they run `reserve` without a trial."""
+    from agentrt.offload.planner import ROUTED_MAX_TOKENS
+
+    largest = size_class(ROUTED_MAX_TOKENS)
+    assert strategies_for(largest) == ("reserve", "routed")
+    assert strategies_for(size_class(ROUTED_MAX_TOKENS + 1)) == ("reserve",)
+    clock, at = PassClock(strategies_for), 0.0
+    for size in (largest, largest + 1, size_class(8192)):
+        picks = []
+        for _ in range(2 * EXPLORE_EVERY):
+            picks.append(clock.begin(size, _Event(at), 0))
+            at += 100.0
+            clock.end(_Event(at))
+        assert ("routed" in picks) == (size == largest)
 
 
 def test_the_engine_tells_the_offloaded_experts_where_each_chunk_starts(dense, monkeypatch):
@@ -244,7 +263,7 @@ def test_pass_clock_times_passes_after_a_long_context_apart():
     """A size's passes after a long context (where attention, which a plan waiting for the
     routing cannot hide, is longer) are measured and chosen apart from those near the start;
     the size's first pass, whatever its setting, is the only one not timed."""
-    clock = PassClock(("reserve", "routed"))
+    clock = PassClock(strategies_for)
     clock.begin(9, _Event(0.0))
     at = 0.0
     for context, took in ((0, 500.0), (0, 900.0), (LONG_CONTEXT, 800.0), (32768, 600.0)):

@@ -376,7 +376,8 @@ def offload_options(lists: bool = False) -> list:
             "experts the next layer's router picks from this layer's input copied ahead, the "
             "rest as routed; experimental), or auto (per size of chunk, reserve or routed, "
             "whichever its own timed passes found faster, reserve unless routed is faster by "
-            "more than 3%: a size's first passes try each). "
+            "more than 3%: a size's first passes try each; chunks of more than 2048 tokens "
+            "always reserve). "
             "The staging ring takes half a layer of experts from the expert cache.",
         ),
         expert_format_option(

@@ -1,15 +1,15 @@
 """The passes of offloaded prefill as `auto` measures them: each pass (one chunk through every
 MoE layer) is timed from its first layer's start to its last layer's end, per setting (its size
 of chunk, `planner.size_class`, and whether it follows a long context: attention, which a plan
-that waits for the routing cannot hide, grows with it) and the strategy it ran
-(`planner.STRATEGIES`), but the first pass of each size; the next pass in a setting takes the
-strategy `planner.pick_strategy` picks from those times. Marks are CUDA events (read once
-complete, never waited for: a pass queued right behind another is read at a later pass) or host
-times off CUDA. Knows nothing of layers, plans' contents or copies."""
+that waits for the routing cannot hide, grows with it) and the strategy it ran (one of
+`planner.strategies_for` its size), but the first pass of each size; the next pass in a
+setting takes the strategy `planner.pick_strategy` picks from those times. Marks are CUDA
+events (read once complete, never waited for: a pass queued right behind another is read at a
+later pass) or host times off CUDA. Knows nothing of layers, plans' contents or copies."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agentrt.offload.planner import pick_strategy
 
@@ -22,8 +22,8 @@ Setting = tuple[int, bool]  # (size class, after a long context)
 class PassClock:
     """Seconds per pass by setting and strategy, and the strategy of the pass in progress."""
 
-    def __init__(self, candidates: Sequence[str]) -> None:
-        self.candidates = tuple(candidates)
+    def __init__(self, candidates: Callable[[int], Sequence[str]]) -> None:
+        self.candidates = candidates  # size class -> the strategies timed for it, in order
         self.measured: dict[Setting, dict[str, float]] = {}  # setting -> strategy -> seconds
         self.passes: dict[Setting, int] = {}  # setting -> timed passes begun
         self.sizes: set[int] = set()  # size classes that ran their first pass
@@ -40,13 +40,13 @@ class PassClock:
         self._read()
         if size not in self.sizes:
             self.sizes.add(size)
-            return self.candidates[0]
+            return self.candidates(size)[0]
         setting = (size, context >= LONG_CONTEXT)
         passes = self.passes.get(setting, 0)
         self.passes[setting] = passes + 1
         measured = self.measured.setdefault(setting, {})
         unread = {strategy for at, strategy, *_ in self._done if at == setting}
-        strategy = pick_strategy(measured, passes, self.candidates, unread)
+        strategy = pick_strategy(measured, passes, self.candidates(size), unread)
         self._open = [setting, strategy, mark, None]
         return strategy
 

@@ -34,7 +34,6 @@ from agentrt.offload.packed import part_ffn, resident_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
 from agentrt.offload.passes import PassClock
 from agentrt.offload.planner import (
-    STRATEGIES,
     Costs,
     LayerPlan,
     choose,
@@ -44,6 +43,7 @@ from agentrt.offload.planner import (
     reserve_plan,
     routed_plan,
     size_class,
+    strategies_for,
 )
 from agentrt.offload.prefill_cpu import cpu_inputs, cpu_order, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
@@ -82,7 +82,7 @@ class PrefillStreamer:
         self.split, self.plan, self.adaptive = split, plan, adaptive
         # the plan of the pass in progress: `plan`, or for auto the strategy its clock picked
         self.mode = plan
-        self.clock = PassClock(STRATEGIES)
+        self.clock = PassClock(strategies_for)
         self.context = 0  # where the next chunk starts in its sequence (the engine sets it)
         self.device = cache.device
         self.on_cuda = self.device.type == "cuda"
