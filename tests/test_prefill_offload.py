@@ -118,6 +118,31 @@ def test_auto_measures_each_strategy_then_keeps_the_fastest_and_looks_again_now_
     assert pick_strategy({"reserve": 1.0, "routed": 0.98}, EXPLORE_EVERY - 1, both) == "routed"
 
 
+def test_cpu_rates_follow_the_cpu_side_once_its_rows_per_expert_vary():
+    """Prefill's CPU experts: seconds = experts * bytes / read rate + rows * token FLOPs /
+    FLOP rate. Layers with as many rows per expert each cannot tell the two apart: the FLOP
+    rate stays, the read rate follows the time beyond the rows' matmuls; layers whose rows per
+    expert differ give both."""
+    from agentrt.offload.cpu_rates import CpuRates
+
+    rates = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
+    for experts in (10, 20, 40):  # 8 rows each, 0.2 s per expert and 0.05 s per row
+        rates.observe(experts, 8 * experts, experts * 0.2 + 8 * experts * 0.05)
+    assert rates.fit() is None and rates.flops == 1.0
+    # each layer's "matmuls" at 1 FLOP/s outlast it: the time beyond them floored at a tenth,
+    # 1667 bytes/s each, followed three steps of 0.3 from 100
+    assert rates.read_bw == pytest.approx(1129.3, abs=0.1)
+    for experts, rows in ((30, 30), (5, 640), (12, 96), (40, 4000)):
+        rates.observe(experts, rows, experts * 0.2 + rows * 0.05)
+    assert rates.read_bw == pytest.approx(500.0) and rates.flops == pytest.approx(10.0)
+    rates.observe(0, 10, 1.0)  # (nothing on the CPU: nothing learned)
+    assert rates.flops == pytest.approx(10.0)
+    odd = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
+    for experts, rows, seconds in ((10, 10, 5.0), (10, 1000, 1.0)):  # more rows, less time
+        odd.observe(experts, rows, seconds)
+    assert odd.fit() is None and odd.flops == 1.0
+
+
 def test_predicted_plan_copies_ahead_the_experts_predicted_the_most_tokens():
     predicted = {1: 1, 2: 1, 3: 20, 4: 20}
     # four copies: 4 s; e1 to the CPU (1.5 s): 3 s; e2 too would leave the CPU at 3 s

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import CudaCalls
+from agentrt.offload.cpu_rates import CpuRates
 from agentrt.offload.mxfp4_rows import grouped_tile
 from agentrt.offload.packed import part_ffn, resident_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
@@ -93,8 +94,8 @@ class PrefillStreamer:
         self._stream = 0  # the current stream's handle, taken once per layer (with `calls`)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
-        self.cpu_flops = CPU_FLOPS
-        self.cpu_bw = bandwidths.cpu  # CPU experts' weight reads in prefill (followed if adaptive)
+        # the CPU experts' weight reads and matmuls in prefill (followed if adaptive)
+        self.cpu = CpuRates(bandwidths.cpu, CPU_FLOPS, store.expert_bytes, self.token_flops)
         self.routers = routers  # each MoE layer's router weights (predicted plans), or None
         # the native CPU kernel (`cpu_kernel.NativeExperts` for bf16 stores, packed rows' own
         # `cpu_mxfp4.PackedCPUExperts`) or None: torch's
@@ -130,8 +131,8 @@ class PrefillStreamer:
         return Costs(
             expert_bytes=s.expert_bytes,
             copy_bw=self.bw.copy,
-            cpu_bw=self.cpu_bw,
-            cpu_flops=self.cpu_flops,
+            cpu_bw=self.cpu.read_bw,
+            cpu_flops=self.cpu.flops,
             token_flops=self.token_flops,
             exposed_s=self.exposed_s + self.overhead_s,
             dispatch_s=self.dispatch_s,
@@ -469,22 +470,15 @@ class PrefillStreamer:
             ready.synchronize()
         out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
         experts = cpu_order(plan.cpu, counts)
+        t1 = time.perf_counter()
         with torch.inference_mode():
             run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
-        seconds = time.perf_counter() - t0
+        t2 = time.perf_counter()
         self.uploads.from_host(out, ys.out[rows[0] : rows[1]])
-        self._observe_cpu(len(plan.cpu), rows[1] - rows[0], seconds)
-
-    def _observe_cpu(self, num_experts: int, pairs: int, seconds: float) -> None:
-        """Account the CPU side; measured runs also follow the rate at which the CPU experts
-        read their weights in prefill (the time beyond their tokens' matmuls at `cpu_flops`)."""
-        self.totals.cpu_seconds += seconds
-        self.totals.cpu_pairs += pairs
-        if not self.adaptive or not num_experts:
-            return
-        matmuls = pairs * self.token_flops / self.cpu_flops
-        rate = num_experts * self.store.expert_bytes / max(seconds - matmuls, seconds * 0.1)
-        self.cpu_bw = 0.7 * self.cpu_bw + 0.3 * rate
+        self.totals.cpu_seconds += t2 - t0
+        self.totals.cpu_pairs += rows[1] - rows[0]
+        if self.adaptive:  # (the experts alone: their inputs' arrival is the device's time)
+            self.cpu.observe(len(plan.cpu), rows[1] - rows[0], t2 - t1)
 
     def _count(self, layer: int, plan: LayerPlan, counts: list[int], pairs: int) -> None:
         lookup, t = self.cache.slot_of[layer], self.totals
