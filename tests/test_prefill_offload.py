@@ -302,6 +302,40 @@ def test_pass_clock_times_passes_after_a_long_context_apart():
     assert clock.begin(9, _Event(at), 40000) == "routed"
 
 
+@pytest.mark.parametrize("model", ["tiny", "gpt-oss"])
+def test_cpu_experts_on_row_workers_equal_the_team_and_the_dense_model(
+    dense, tiny_gpt_oss, monkeypatch, model
+):
+    """With AGENTRT_PREFILL_CPU_WORKERS=1 the CPU experts torch computes are spread over
+    single-threaded workers (balanced by rows): the same outputs as one after another on the
+    team (biased gpt-oss experts too), and the offloaded model still equals the dense one."""
+    from agentrt.offload.prefill_cpu import RowWorkers, _balanced, run_cpu_experts
+
+    groups = _balanced([0, 1, 2, 3, 4], [9, 1, 5, 5, 2], 2)
+    assert sorted(map(sorted, groups)) == [[0, 4], [1, 2, 3]]  # 11 rows each
+    monkeypatch.setenv("AGENTRT_PREFILL_CPU_WORKERS", "1")
+    spec = "tiny" if model == "tiny" else str(tiny_gpt_oss)
+    rt = Runtime.open(spec, cache="off", prefill_chunk=48, offload=_config("routed"))
+    streamer = rt.engine.offload.prefill
+    assert isinstance(streamer.row_workers, RowWorkers)
+    if model == "tiny":
+        ids, want = dense
+        got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+        assert (got - want).abs().max().item() < 1e-4 and streamer.totals.cpu > 0
+    store, layer = streamer.store, streamer.layers[0]
+    counts = [0] * store.num_experts
+    for expert, rows in ((0, 3), (1, 40), (2, 7), (3, 30)):
+        counts[expert] = rows
+    experts = [0, 2, 3, 1]
+    x = torch.randn(sum(counts), store.hidden, dtype=store.dtype)
+    scale = torch.rand(sum(counts), dtype=store.dtype)
+    team, spread = torch.zeros_like(x), torch.zeros_like(x)
+    with torch.inference_mode():
+        run_cpu_experts(store, None, layer, experts, counts, x, scale, team)
+        run_cpu_experts(store, None, layer, experts, counts, x, scale, spread, RowWorkers(3))
+    assert torch.equal(team, spread) and team.abs().sum() > 0
+
+
 @pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "reserve", "auto"])
 def test_every_plan_equals_the_dense_model_with_expert_biases(tiny_gpt_oss, plan):
     """gpt-oss experts (biases, the clamped SwiGLU) through each plan: the staged parts'

@@ -46,7 +46,7 @@ from agentrt.offload.planner import (
     size_class,
     strategies_for,
 )
-from agentrt.offload.prefill_cpu import cpu_inputs, cpu_order, run_cpu_experts
+from agentrt.offload.prefill_cpu import cpu_inputs, cpu_order, row_workers, run_cpu_experts
 from agentrt.offload.ring import Fill, StagingRing
 from agentrt.offload.slots import ExpertCache
 from agentrt.offload.stats import PrefillTotals
@@ -100,6 +100,7 @@ class PrefillStreamer:
         # the native CPU kernel (`cpu_kernel.NativeExperts` for bf16 stores, packed rows' own
         # `cpu_mxfp4.PackedCPUExperts`) or None: torch's
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 or store.packed else None
+        self.row_workers = row_workers()  # (None: many-row CPU experts on torch's team)
         self.accuracy = 0.8  # share of routed missing experts the prediction covered (EMA)
         self.exposed_s = 0.0  # device time from one layer's experts to the next's routing
         # host time of a layer besides its sync and CPU experts (EMA; a streamed layer's too,
@@ -469,10 +470,10 @@ class PrefillStreamer:
         if ready is not None:
             ready.synchronize()
         out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
-        experts = cpu_order(plan.cpu, counts)
+        args = (self.store, self.cpu_kernel, layer, cpu_order(plan.cpu, counts), counts)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            run_cpu_experts(self.store, self.cpu_kernel, layer, experts, counts, x_host, scale, out)
+            run_cpu_experts(*args, x_host, scale, out, self.row_workers)
         t2 = time.perf_counter()
         self.uploads.from_host(out, ys.out[rows[0] : rows[1]])
         self.totals.cpu_seconds += t2 - t0

@@ -3,13 +3,20 @@ while the copies run. Rows come grouped by expert, in `cpu_order`; each row's ou
 expert's output times its routing weight. Experts of at most `NATIVE_MAX_ROWS` rows run in the
 native kernel where there is one (`cpu_kernel.NativeExperts.run_rows`: each weight row read
 once and dotted with four of the expert's rows at a time), the others through torch's
-`F.linear`. Knows nothing of devices, plans or copies."""
+`F.linear`: one after another on torch's OpenMP team, or, with `RowWorkers`
+(`AGENTRT_PREFILL_CPU_WORKERS=1`), spread over single-threaded worker threads, one expert each
+at a time. Knows nothing of devices, plans or copies."""
 
 from __future__ import annotations
+
+import heapq
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
+from agentrt.env import setting
+from agentrt.host.cputhreads import single_threaded, usable_cores
 from agentrt.offload.store import ExpertStore
 
 # experts of more rows run through torch's F.linear: on the H200 machine's 16 cores the native
@@ -39,9 +46,69 @@ def cpu_inputs(ys, rows: tuple[int, int], on_cuda: bool):
     return pinned[0], pinned[1], event
 
 
-def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out):
+class RowWorkers:
+    """Single-threaded worker threads that share a layer's many-row CPU experts: one expert of a
+    few hundred rows on the whole OpenMP team scales poorly with cores (on an H100 host's 16,
+    1.2-3.1 TFLOP/s against 0.5-1.3 on 2 cores; on 2 cores these workers ran experts of 64-256
+    rows 1.13-1.30x as fast as the team)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or usable_cores()
+        self._pool = ThreadPoolExecutor(
+            self.threads, thread_name_prefix="agentrt-cpu-rows", initializer=single_threaded
+        )
+
+    def run(self, store: ExpertStore, layer: int, experts, counts, x, scale, out) -> None:
+        """`_torch_rows`, its experts spread over the workers by rows (the most rows first,
+        each to the least loaded worker)."""
+        begins, at = {}, 0
+        for expert in experts:
+            begins[expert], at = at, at + counts[expert]
+        groups = _balanced(experts, counts, self.threads)
+        jobs = [
+            self._pool.submit(_rows_of, store, layer, group, begins, counts, x, scale, out)
+            for group in groups
+            if group
+        ]
+        for job in jobs:
+            job.result()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+def row_workers() -> RowWorkers | None:
+    """Workers for prefill's many-row CPU experts where `AGENTRT_PREFILL_CPU_WORKERS=1` asks for
+    them (not timed on a GPU host yet), else None: torch's team."""
+    return RowWorkers() if setting("PREFILL_CPU_WORKERS") == "1" else None
+
+
+def _balanced(experts, counts, groups: int) -> list[list[int]]:
+    """`experts` in `groups` groups of about equal rows (the most rows first, each to the
+    group with the fewest so far)."""
+    heap = [(0, g) for g in range(groups)]
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for expert in sorted(experts, key=lambda e: -counts[e]):
+        rows, g = heapq.heappop(heap)
+        out[g].append(expert)
+        heapq.heappush(heap, (rows + counts[expert], g))
+    return out
+
+
+def _rows_of(store, layer, experts, begins, counts, x, scale, out) -> None:
+    """On a worker: each of `experts` over its rows (from `begins`)."""
+    with torch.inference_mode():
+        for expert in experts:
+            rows = slice(begins[expert], begins[expert] + counts[expert])
+            _expert_rows(store, layer, expert, x[rows], scale[rows], out[rows])
+
+
+def run_cpu_experts(
+    store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out, workers=None
+):
     """`out[rows]` = weighted outputs of `experts` (of `layer`, in `cpu_order`) over their rows
-    of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's)."""
+    of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's);
+    `workers`: `RowWorkers` for the experts torch computes, or None (torch's team)."""
     if store.packed and kernel is not None:  # (packed rows: their own kernel)
         kernel.run_rows(layer, experts, counts, x, scale, out)
         return
@@ -58,20 +125,27 @@ def run_cpu_experts(store: ExpertStore, kernel, layer: int, experts, counts, x, 
         )
         out[:split].copy_(result)
     rest = list(experts[len(native) :])
-    if rest:
+    if len(rest) > 1 and workers is not None:
+        workers.run(store, layer, rest, counts, x[split:], scale[split:], out[split:])
+    elif rest:
         _torch_rows(store, layer, rest, counts, x[split:], scale[split:], out[split:])
 
 
 def _torch_rows(store, layer, experts, counts, x, scale, out) -> None:
     """Experts through torch's `F.linear`, one after another."""
-    _, gate_up, down = store.expert_views(layer)
     begin = 0
     for expert in experts:
         end = begin + counts[expert]
-        bias = store.expert_biases(layer, expert, "cpu")
-        weight = scale[begin:end].unsqueeze(1)
-        act = store.act(F.linear(x[begin:end], gate_up[expert], bias[0] if bias else None))
-        out[begin:end] = F.linear(act * weight, down[expert])
-        if bias:
-            out[begin:end] += weight * bias[1]
+        _expert_rows(store, layer, expert, x[begin:end], scale[begin:end], out[begin:end])
         begin = end
+
+
+def _expert_rows(store, layer: int, expert: int, x, scale, out) -> None:
+    """`out` = one expert's weighted output over its rows `x` (torch's `F.linear`)."""
+    _, gate_up, down = store.expert_views(layer)
+    bias = store.expert_biases(layer, expert, "cpu")
+    weight = scale.unsqueeze(1)
+    act = store.act(F.linear(x, gate_up[expert], bias[0] if bias else None))
+    out[:] = F.linear(act * weight, down[expert])
+    if bias:
+        out += weight * bias[1]
