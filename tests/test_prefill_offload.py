@@ -122,8 +122,8 @@ def test_cpu_rates_follow_the_cpu_side_once_its_rows_per_expert_vary():
     """Prefill's CPU experts: seconds = experts * bytes / read rate + rows * token FLOPs /
     FLOP rate. Layers with as many rows per expert each cannot tell the two apart: the FLOP
     rate stays, the read rate follows the time beyond the rows' matmuls; layers whose rows per
-    expert differ give both."""
-    from agentrt.offload.cpu_rates import CpuRates
+    expert differ give both, approached by at most STEP times per layer."""
+    from agentrt.offload.cpu_rates import MIN_LAYERS, STEP, CpuRates
 
     rates = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
     for experts in (10, 20, 40):  # 8 rows each, 0.2 s per expert and 0.05 s per row
@@ -132,15 +132,28 @@ def test_cpu_rates_follow_the_cpu_side_once_its_rows_per_expert_vary():
     # each layer's "matmuls" at 1 FLOP/s outlast it: the time beyond them floored at a tenth,
     # 1667 bytes/s each, followed three steps of 0.3 from 100
     assert rates.read_bw == pytest.approx(1129.3, abs=0.1)
-    for experts, rows in ((30, 30), (5, 640), (12, 96), (40, 4000)):
+    before = rates.flops
+    shapes = ((30, 30), (5, 100), (12, 96), (40, 400))
+    rates.observe(*shapes[0], 30 * 0.2 + 30 * 0.05)
+    assert rates.fit() is None  # (fewer than MIN_LAYERS layers weigh in)
+    for n in range(int(MIN_LAYERS) * 4):
+        experts, rows = shapes[n % len(shapes)]
         rates.observe(experts, rows, experts * 0.2 + rows * 0.05)
+        assert rates.flops <= before * STEP * (1 + 1e-9)  # (one step at most per layer)
+        before = rates.flops
     assert rates.read_bw == pytest.approx(500.0) and rates.flops == pytest.approx(10.0)
     rates.observe(0, 10, 1.0)  # (nothing on the CPU: nothing learned)
     assert rates.flops == pytest.approx(10.0)
     odd = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
-    for experts, rows, seconds in ((10, 10, 5.0), (10, 1000, 1.0)):  # more rows, less time
-        odd.observe(experts, rows, seconds)
+    for n in range(20):  # more rows, less time: no positive rate fits
+        odd.observe(10, 10 if n % 2 else 1000, 5.0 if n % 2 else 1.0)
     assert odd.fit() is None and odd.flops == 1.0
+    # the rows explain under MIN_SHARE of the time: the FLOP rate is not moved by the fit
+    reads = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
+    for n in range(40):
+        experts, rows = (10, 10) if n % 2 else (10, 40)
+        reads.observe(experts, rows, experts * 1.0 + rows * 0.01)
+    assert reads.fit() is not None and reads.flops == 1.0 and reads.read_bw == pytest.approx(100)
 
 
 def test_predicted_plan_copies_ahead_the_experts_predicted_the_most_tokens():
@@ -329,11 +342,15 @@ def test_cpu_experts_on_row_workers_equal_the_team_and_the_dense_model(
     experts = [0, 2, 3, 1]
     x = torch.randn(sum(counts), store.hidden, dtype=store.dtype)
     scale = torch.rand(sum(counts), dtype=store.dtype)
-    team, spread = torch.zeros_like(x), torch.zeros_like(x)
-    with torch.inference_mode():
-        run_cpu_experts(store, None, layer, experts, counts, x, scale, team)
-        run_cpu_experts(store, None, layer, experts, counts, x, scale, spread, RowWorkers(3))
-    assert torch.equal(team, spread) and team.abs().sum() > 0
+    team, spread, workers = torch.zeros_like(x), torch.zeros_like(x), RowWorkers(3)
+    try:
+        with torch.inference_mode():
+            run_cpu_experts(store, None, layer, experts, counts, x, scale, team)
+            run_cpu_experts(store, None, layer, experts, counts, x, scale, spread, workers)
+    finally:
+        workers.close()
+    torch.testing.assert_close(spread, team, rtol=1e-5, atol=1e-6)
+    assert team.abs().sum() > 0
 
 
 @pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "reserve", "auto"])

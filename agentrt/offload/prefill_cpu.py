@@ -9,8 +9,9 @@ at a time. Knows nothing of devices, plans or copies."""
 
 from __future__ import annotations
 
+import functools
 import heapq
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,7 @@ class RowWorkers:
             for group in groups
             if group
         ]
+        wait(jobs)  # (all of them done before one's error is raised: none writes `out` after)
         for job in jobs:
             job.result()
 
@@ -78,9 +80,16 @@ class RowWorkers:
 
 
 def row_workers() -> RowWorkers | None:
-    """Workers for prefill's many-row CPU experts where `AGENTRT_PREFILL_CPU_WORKERS=1` asks for
-    them (not timed on a GPU host yet), else None: torch's team."""
-    return RowWorkers() if setting("PREFILL_CPU_WORKERS") == "1" else None
+    """The process's workers for prefill's many-row CPU experts where
+    `AGENTRT_PREFILL_CPU_WORKERS=1` asks for them (not timed on a GPU host yet: among other
+    things, with the OpenMP team's workers set to spin, as offloaded runs on a GPU set them,
+    they may compete with these), else None: torch's team."""
+    return _shared_workers() if setting("PREFILL_CPU_WORKERS") == "1" else None
+
+
+@functools.cache
+def _shared_workers() -> RowWorkers:
+    return RowWorkers()
 
 
 def _balanced(experts, counts, groups: int) -> list[list[int]]:
