@@ -231,6 +231,47 @@ def test_the_leading_messages_are_kept_however_short_the_task(tmp_path):
     sem.close()
 
 
+@pytest.mark.parametrize(
+    "family, template",
+    [("qwen3", "chat_template.qwen3-hybrid-thinking.jinja"), ("gpt-oss", "chat_template.jinja")],
+)
+def test_real_templates_keep_the_block_every_session_of_an_agent_shares(family, template):
+    """With the real Qwen3 and gpt-oss (harmony) tokenizers and chat templates, a new
+    session's first prompt (a long system prompt, tools, a short task) keeps a checkpoint
+    where the shared block ends: the system message (Qwen3 puts the tools in it) or harmony's
+    developer message (instructions and tools), so a session with another task restores it."""
+    from conftest import SHARED
+    from transformers import AutoTokenizer
+
+    from agentrt.session.boundary_text import resolve
+    from agentrt.statecache.boundaries import choose_captures
+
+    directory = SHARED / "tokenizers" / family
+    if not (directory / template).is_file():
+        pytest.skip("needs ../shared/data")
+    tok = AutoTokenizer.from_pretrained(directory)
+    chat_template = (directory / template).read_text()
+    system = {"role": "system", "content": "You are an airline agent. Follow the policy. " * 60}
+
+    def ids(task: str) -> list[int]:
+        text = tok.apply_chat_template(
+            [system, {"role": "user", "content": task}],
+            tools=TOOLS,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return tok.encode(text, add_special_tokens=False)
+
+    first, other = ids("Book a flight to Seattle."), ids("Cancel my reservation, please.")
+    shared = len(os.path.commonprefix([first, other]))
+    chosen = choose_captures(resolve(tok), first, 0, 128)
+    kept = [pos for pos, kind in chosen.items() if kind == "message_end"]
+    # the shared block's end, a few tokens (the next message's header) before the prompts differ
+    assert kept and max(kept) <= shared and shared - max(kept) < 8 and shared > 500
+    assert max(chosen) == len(first)
+
+
 def test_vanished_chunks_fall_back_with_identical_outputs(tmp_path):
     """KV chunks deleted behind the cache's back (another process evicting): restores that need
     them fail after other workers filled part of the caches; the turn falls back, outputs stay

@@ -8,7 +8,7 @@ the sequence's last token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 BOUNDARY_KINDS = ("think_end", "tool_call_end", "tool_output_end", "message_end", "turn_start")
@@ -79,3 +79,49 @@ def _first_match(ids: Sequence[int], seq: Sequence[int]) -> int | None:
         if tuple(ids[at : at + n]) == tuple(seq):
             return at + n
         at += 1
+
+
+def choose_captures(
+    boundaries: Boundaries,
+    ids: Sequence[int],
+    start: int,
+    min_distance: int,
+    stored: Callable[[int], bool] = lambda pos: False,
+) -> dict[int, str]:
+    """The boundaries of ids[start:] worth a checkpoint in one prefill: the last one always,
+    others at least `min_distance` tokens apart (from each other and from `start`), and the
+    message ends before the prompt's first assistant turn (its system prompt and tools: what
+    new sessions of one agent share) that far apart (from each other and from `start`) however
+    near the others; none for which `stored(position)` (a checkpoint there exists)."""
+    found = [(pos, kind) for pos, kind in boundaries.find(ids, start) if pos > start]
+    chosen: dict[int, str] = {}
+    last = None
+    for pos, kind in reversed(found):
+        if last is not None and (last - pos < min_distance or pos - start < min_distance):
+            continue
+        if stored(pos):
+            continue
+        chosen[pos] = kind
+        last = pos
+    last = start
+    for pos in _leading_message_ends(boundaries, ids, found, chosen, stored):
+        if pos - last < min_distance:
+            continue
+        if pos not in chosen and not stored(pos):
+            chosen[pos] = "message_end"
+        last = pos
+    return dict(sorted(chosen.items()))
+
+
+def _leading_message_ends(boundaries, ids, found, chosen, stored) -> list[int]:
+    """The message ends of `found` (boundaries of `ids`) before the prompt's first assistant
+    turn (`turn_start`), but the last where that turn is chosen or stored (only the turn's
+    header lies between them); none in a prompt without one (no chat template's turns to tell
+    them by)."""
+    first_turn = boundaries.first(ids, "turn_start")
+    if first_turn is None:
+        return []
+    ends = [pos for pos, kind in found if kind == "message_end" and pos < first_turn]
+    if ends and (first_turn in chosen or stored(first_turn)):
+        ends.pop()
+    return ends

@@ -31,7 +31,7 @@ import torch
 from agentrt.host.cputhreads import HelperPool, keep_freed_buffers, single_threaded
 from agentrt.models.config import ModelConfig
 from agentrt.models.kv import KVCache
-from agentrt.statecache.boundaries import Boundaries
+from agentrt.statecache.boundaries import Boundaries, choose_captures
 from agentrt.statecache.codec import (
     Layout,
 )
@@ -134,44 +134,14 @@ class StateCache(Writer, Restorer):
     # ------------------------------------------------------------------ capture
 
     def capture_positions(self, ids: Sequence[int], start: int) -> dict[int, str]:
-        """Boundaries in ids[start:] worth a checkpoint: the last one always, others at least
-        `min_distance` tokens apart (from each other and from `start`), and the message ends
-        before the prompt's first assistant turn (a system prompt, tools and task: what new
-        sessions of one agent share) that far apart (from each other and from `start`) however
-        near the others, none already stored."""
+        """Boundaries in ids[start:] worth a checkpoint (`boundaries.choose_captures`), none
+        already stored."""
         keys = PrefixKeys(self.fp, ids)
-        found = [(pos, kind) for pos, kind in self.boundaries.find(ids, start) if pos > start]
-        near = self.config.min_distance
-        chosen: dict[int, str] = {}
-        last = None
-        for pos, kind in reversed(found):
-            if last is not None and (last - pos < near or pos - start < near):
-                continue
-            if self._stored(keys.key(pos)):
-                continue
-            chosen[pos] = kind
-            last = pos
-        last = start
-        for pos in self._leading_message_ends(ids, found, chosen, keys):
-            if pos - last < near:
-                continue
-            if pos not in chosen and not self._stored(keys.key(pos)):
-                chosen[pos] = "message_end"
-            last = pos
-        return dict(sorted(chosen.items()))
 
-    def _leading_message_ends(self, ids, found, chosen, keys: PrefixKeys) -> list[int]:
-        """The message ends of `found` (boundaries of `ids`) before the prompt's first
-        assistant turn (`turn_start`), but the last where that turn is chosen or stored (only
-        the turn's header lies between them); none in a prompt without one (no chat template's
-        turns to tell them by)."""
-        first_turn = self.boundaries.first(ids, "turn_start")
-        if first_turn is None:
-            return []
-        ends = [pos for pos, kind in found if kind == "message_end" and pos < first_turn]
-        if ends and (first_turn in chosen or self._stored(keys.key(first_turn))):
-            ends.pop()
-        return ends
+        def stored(pos: int) -> bool:
+            return self._stored(keys.key(pos))
+
+        return choose_captures(self.boundaries, ids, start, self.config.min_distance, stored)
 
     def _stored(self, key: bytes) -> bool:
         return self.ram.get(key) is not None or self.store.has_record(key)
