@@ -2,6 +2,8 @@
 # Offloaded prefill on the GPU machine: the prefill GPU tests, then `agentrt bench prefill
 # --offload auto` with the qwen3.5-35b-a3b-shaped synthetic model under a 16 GiB budget, and
 # (STEPS=...,ttft) the TTFT replay of the reasoning-dropped sample traces under the same budget,
+# (workers) the prefill bench again with AGENTRT_PREFILL_CPU_WORKERS=1, (cpuprobe)
+# benchmarks/bench_cpu_prefill.py,
 # (long) a 64K-token prompt, (decode) offloaded decode after a 512- and a 32K-token prefill,
 # (timeline) one 8K chunk's device timeline (benchmarks/profile_prefill_timeline.py).
 # Carry .whl .tok .traces-dev (benchmarks/gpu_ttft.sh prepare) and .triton-cache.tgz if present.
@@ -15,14 +17,24 @@ if has tests; then
     > "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log"
 fi
-if has prefill; then
+prefill() {  # $1: the output files' stem
   timeout "${PREFILL_TIMEOUT:-400}" python3 -m agentrt.cli bench prefill --offload auto \
     --model synthetic:qwen3.5-35b-a3b --device cuda --vram-budget 16GiB \
     --tokenizer .tok/qwen3 --lengths "${LENGTHS:-4096,8192}" --prefill-chunk 8192 \
     --suffixes "${SUFFIXES:-64,512,2048}" --prefix "${PREFIX:-32768}" --repeat "${REPEAT:-2}" \
     --prefill-plan "${PLANS:-auto,stream,routed,predicted}" ${PREFILL_ARGS:-} \
-    --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
-  grep -A40 "^plan " "$OUT/prefill.log" || tail -30 "$OUT/prefill.log"
+    --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
+  grep -A40 "^plan " "$OUT/$1.log" || tail -30 "$OUT/$1.log"
+}
+if has prefill; then
+  prefill prefill
+fi
+if has workers; then  # the same with the many-row CPU experts on single-threaded workers
+  AGENTRT_PREFILL_CPU_WORKERS=1 prefill prefill_workers
+fi
+if has cpuprobe; then  # the CPU experts of many rows: torch's team, the workers, the model
+  timeout 120 python3 benchmarks/bench_cpu_prefill.py > "$OUT/cpu_prefill.json" 2>&1
+  cat "$OUT/cpu_prefill.json"
 fi
 if has timeline; then  # one 8K chunk's device timeline (copies and compute overlapping or not)
   timeout "${TIMELINE_TIMEOUT:-300}" python3 benchmarks/profile_prefill_timeline.py \
