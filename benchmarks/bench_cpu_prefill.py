@@ -5,10 +5,12 @@ OpenMP team (what `offload/prefill_cpu.py` runs for experts of more than `NATIVE
 rows), and the experts spread over single-threaded worker threads, one expert each at a time.
 Beside each, what the prefill planner's cost model charges per expert (`planner.Costs.cpu_s`
 at `prefill.CPU_FLOPS` and the given weight-read bandwidth), which sizes the CPU's share of a
-chunk. Prints JSON: per rows per expert, milliseconds per expert both ways, the speed-up of
-the workers and the model's milliseconds.
+chunk; and, for at most 32 rows, the native kernel's rows call over all 48 at once (what
+`prefill_cpu` runs for experts of at most `NATIVE_MAX_ROWS` rows). Prints JSON: per rows per
+expert, milliseconds per expert each way, the speed-up of the workers and the model's
+milliseconds.
 
-    python benchmarks/bench_cpu_prefill.py [--rows 24,64,128,256] [--cpu-gb-s 44]
+    python benchmarks/bench_cpu_prefill.py [--rows 8,16,24,32,64,128,256] [--cpu-gb-s 44]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrt.host.cputhreads import single_threaded, usable_cores
+from agentrt.offload.cpu_kernel import native_experts
 from agentrt.offload.planner import Costs
 from agentrt.offload.prefill import CPU_FLOPS
 
@@ -58,9 +61,25 @@ def _workers(x, gate_up, down, pool: ThreadPoolExecutor, workers: int) -> float:
     return (time.perf_counter() - t0) / EXPERTS
 
 
+def _native(x, gate_up, down) -> float | None:
+    """Seconds per expert, all of them in one rows call of the native kernel (None: no kernel)."""
+    kernel = native_experts()
+    if kernel is None:
+        return None
+    rows = x.shape[0]
+    xs = x.repeat(EXPERTS, 1).contiguous()
+    weights = torch.ones(rows * EXPERTS)
+    out = torch.empty(xs.shape, dtype=torch.float32)
+    gu, dn = list(gate_up.unbind(0)), list(down.unbind(0))
+    kernel.run_rows(gu[:4], dn[:4], [rows] * 4, xs[: 4 * rows], weights[: 4 * rows], out)
+    t0 = time.perf_counter()
+    kernel.run_rows(gu, dn, [rows] * EXPERTS, xs, weights, out)
+    return (time.perf_counter() - t0) / EXPERTS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="24,64,128,256")
+    parser.add_argument("--rows", default="8,16,24,32,64,128,256")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=512)
     parser.add_argument("--cpu-gb-s", type=float, default=44.0, help="the model's read rate")
@@ -84,6 +103,9 @@ def main() -> None:
             "one_call_tflops": round(6 * i * h * rows / one / 1e12, 3),
             "model_ms": round(costs.cpu_s(rows) * 1e3, 3),
         }
+        native = _native(x, gate_up, down) if rows <= 32 else None
+        if native is not None:
+            result["rows"][rows]["native_ms"] = round(native * 1e3, 3)
     pool.shutdown()
     print(json.dumps(result, indent=1))
 
