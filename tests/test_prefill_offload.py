@@ -118,42 +118,24 @@ def test_auto_measures_each_strategy_then_keeps_the_fastest_and_looks_again_now_
     assert pick_strategy({"reserve": 1.0, "routed": 0.98}, EXPLORE_EVERY - 1, both) == "routed"
 
 
-def test_cpu_rates_follow_the_cpu_side_once_its_rows_per_expert_vary():
-    """Prefill's CPU experts: seconds = experts * bytes / read rate + rows * token FLOPs /
-    FLOP rate. Layers with as many rows per expert each cannot tell the two apart: the FLOP
-    rate stays, the read rate follows the time beyond the rows' matmuls; layers whose rows per
-    expert differ give both, approached by at most STEP times per layer."""
-    from agentrt.offload.cpu_rates import MIN_LAYERS, STEP, CpuRates
+def test_cpu_rates_follow_the_read_rate_and_keep_the_flop_rate():
+    """Prefill's CPU experts: the read rate follows each layer's time beyond its rows' matmuls
+    at the fixed FLOP rate (floored at a tenth of the layer's time); an empty CPU side teaches
+    nothing."""
+    from agentrt.offload.cpu_rates import FOLLOW, CpuRates
 
     rates = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
-    for experts in (10, 20, 40):  # 8 rows each, 0.2 s per expert and 0.05 s per row
-        rates.observe(experts, 8 * experts, experts * 0.2 + 8 * experts * 0.05)
-    assert rates.fit() is None and rates.flops == 1.0
-    # each layer's "matmuls" at 1 FLOP/s outlast it: the time beyond them floored at a tenth,
-    # 1667 bytes/s each, followed three steps of 0.3 from 100
-    assert rates.read_bw == pytest.approx(1129.3, abs=0.1)
-    before = rates.flops
-    shapes = ((30, 30), (5, 100), (12, 96), (40, 400))
-    rates.observe(*shapes[0], 30 * 0.2 + 30 * 0.05)
-    assert rates.fit() is None  # (fewer than MIN_LAYERS layers weigh in)
-    for n in range(int(MIN_LAYERS) * 4):
-        experts, rows = shapes[n % len(shapes)]
-        rates.observe(experts, rows, experts * 0.2 + rows * 0.05)
-        assert rates.flops <= before * STEP * (1 + 1e-9)  # (one step at most per layer)
-        before = rates.flops
-    assert rates.read_bw == pytest.approx(500.0) and rates.flops == pytest.approx(10.0)
-    rates.observe(0, 10, 1.0)  # (nothing on the CPU: nothing learned)
-    assert rates.flops == pytest.approx(10.0)
-    odd = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
-    for n in range(20):  # more rows, less time: no positive rate fits
-        odd.observe(10, 10 if n % 2 else 1000, 5.0 if n % 2 else 1.0)
-    assert odd.fit() is None and odd.flops == 1.0
-    # the rows explain under MIN_SHARE of the time: the FLOP rate is not moved by the fit
-    reads = CpuRates(read_bw=100.0, flops=1.0, expert_bytes=100, token_flops=0.5)
-    for n in range(40):
-        experts, rows = (10, 10) if n % 2 else (10, 40)
-        reads.observe(experts, rows, experts * 1.0 + rows * 0.01)
-    assert reads.fit() is not None and reads.flops == 1.0 and reads.read_bw == pytest.approx(100)
+    rates.observe(10, 4, 10 * 100 / 400 + 4 * 0.5)  # 400 bytes/s beyond 2 s of matmuls
+    assert rates.read_bw == pytest.approx(100 + FOLLOW * 300) and rates.flops == 1.0
+    for _ in range(40):
+        rates.observe(10, 4, 10 * 100 / 400 + 4 * 0.5)
+    assert rates.read_bw == pytest.approx(400.0)
+    rates.observe(10, 100, 1.0)  # the matmuls alone outlast it: a tenth of its time, 10000 B/s
+    assert rates.read_bw == pytest.approx((1 - FOLLOW) * 400 + FOLLOW * 10000, rel=1e-3)
+    before = rates.read_bw
+    rates.observe(0, 10, 1.0)
+    rates.observe(5, 10, 0.0)
+    assert rates.read_bw == before and rates.flops == 1.0
 
 
 def test_predicted_plan_copies_ahead_the_experts_predicted_the_most_tokens():

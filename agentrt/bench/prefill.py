@@ -298,7 +298,6 @@ def _streamer_state(streamer) -> dict:
     """What the streamer measured by the end of a row (the costs its plans used)."""
     return {
         "cpu_gb_s": streamer.cpu.read_bw / 1e9,
-        "cpu_tflops": streamer.cpu.flops / 1e12,
         "exposed_ms": 1e3 * streamer.exposed_s,
         "dispatch_ms": 1e3 * streamer.dispatch_s,
         "overhead_ms": {2**b: 1e3 * v for b, v in sorted(streamer.overheads.items())},

@@ -53,7 +53,7 @@ from agentrt.offload.stats import PrefillTotals
 from agentrt.offload.store import ExpertStore
 from agentrt.offload.uploads import PartTables, Uploads, layer_tables
 
-CPU_FLOPS = 1e12  # the CPU experts' matmul rate until one is measured (FLOP/s)
+CPU_FLOPS = 1e12  # the CPU experts' matmul rate (FLOP/s; `cpu_rates` says why it stays fixed)
 # each streamed layer forgets this share of the overhead measured for plans that wait for the
 # routing (chunks of its size), so a cost measured once (a first call's) does not keep auto from
 # trying them again; a real overhead is measured again when it does
@@ -471,15 +471,14 @@ class PrefillStreamer:
             ready.synchronize()
         out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
         args = (self.store, self.cpu_kernel, layer, cpu_order(plan.cpu, counts), counts)
-        t1 = time.perf_counter()
         with torch.inference_mode():
             run_cpu_experts(*args, x_host, scale, out, self.row_workers)
-        t2 = time.perf_counter()
+        seconds = time.perf_counter() - t0
         self.uploads.from_host(out, ys.out[rows[0] : rows[1]])
-        self.totals.cpu_seconds += t2 - t0
+        self.totals.cpu_seconds += seconds
         self.totals.cpu_pairs += rows[1] - rows[0]
-        if self.adaptive:  # (the experts alone: their inputs' arrival is the device's time)
-            self.cpu.observe(len(plan.cpu), rows[1] - rows[0], t2 - t1)
+        if self.adaptive:  # (the inputs' arrival counted in: it delays the CPU side too)
+            self.cpu.observe(len(plan.cpu), rows[1] - rows[0], seconds)
 
     def _count(self, layer: int, plan: LayerPlan, counts: list[int], pairs: int) -> None:
         lookup, t = self.cache.slot_of[layer], self.totals
