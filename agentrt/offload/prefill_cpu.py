@@ -81,9 +81,9 @@ class RowWorkers:
 
 def row_workers() -> RowWorkers | None:
     """The process's workers for prefill's many-row CPU experts where
-    `AGENTRT_PREFILL_CPU_WORKERS=1` asks for them (not timed on a GPU host yet: among other
-    things, with the OpenMP team's workers set to spin, as offloaded runs on a GPU set them,
-    they may compete with these), else None: torch's team."""
+    `AGENTRT_PREFILL_CPU_WORKERS=1` asks for them, else None: torch's team (on an H100 host's
+    16 cores the workers were 1.10-1.22x as fast as the team for 128-256 rows, 0.72-0.75x for
+    24-32, and the prefill bench with them inconclusive)."""
     return _shared_workers() if setting("PREFILL_CPU_WORKERS") == "1" else None
 
 
