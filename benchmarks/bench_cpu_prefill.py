@@ -7,16 +7,18 @@ Beside each, what the prefill planner's cost model charges per expert (`planner.
 at `prefill.CPU_FLOPS` and the given weight-read bandwidth), which sizes the CPU's share of a
 chunk; and, for at most 32 rows, the native kernel's rows call over all 48 at once (what
 `prefill_cpu` runs for experts of at most `NATIVE_MAX_ROWS` rows). Prints JSON: per rows per
-expert, milliseconds per expert each way, the speed-up of the workers and the model's
-milliseconds.
+expert, milliseconds per expert each way (the median of `--passes` passes over the 48), the
+speed-up of the workers and the model's milliseconds.
 
-    python benchmarks/bench_cpu_prefill.py [--rows 8,16,24,32,64,128,256] [--cpu-gb-s 44]
+    python benchmarks/bench_cpu_prefill.py [--rows 8,16,24,32,64,128,256] [--cpu-gb-s 44] \
+        [--passes 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,12 +79,19 @@ def _native(x, gate_up, down) -> float | None:
     return (time.perf_counter() - t0) / EXPERTS
 
 
+def _median(passes: int, fn, *args) -> float | None:
+    """The median of `passes` calls of `fn` (None where it gives None)."""
+    times = [fn(*args) for _ in range(max(1, passes))]
+    return None if None in times else statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="8,16,24,32,64,128,256")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=512)
     parser.add_argument("--cpu-gb-s", type=float, default=44.0, help="the model's read rate")
+    parser.add_argument("--passes", type=int, default=3, help="passes per figure (the median)")
     args = parser.parse_args()
     torch.manual_seed(0)
     h, i = args.hidden, args.inter
@@ -95,7 +104,8 @@ def main() -> None:
     result = {"threads": torch.get_num_threads(), "workers": workers, "rows": {}}
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, h).to(torch.bfloat16)
-        one, spread = _one_call(x, gate_up, down), _workers(x, gate_up, down, pool, workers)
+        one = _median(args.passes, _one_call, x, gate_up, down)
+        spread = _median(args.passes, _workers, x, gate_up, down, pool, workers)
         result["rows"][rows] = {
             "one_call_ms": round(one * 1e3, 3),
             "workers_ms": round(spread * 1e3, 3),
@@ -103,7 +113,7 @@ def main() -> None:
             "one_call_tflops": round(6 * i * h * rows / one / 1e12, 3),
             "model_ms": round(costs.cpu_s(rows) * 1e3, 3),
         }
-        native = _native(x, gate_up, down) if rows <= 32 else None
+        native = _median(args.passes, _native, x, gate_up, down) if rows <= 32 else None
         if native is not None:
             result["rows"][rows]["native_ms"] = round(native * 1e3, 3)
     pool.shutdown()
