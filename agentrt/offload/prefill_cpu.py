@@ -60,11 +60,9 @@ class RowWorkers:
         )
 
     def run(self, store: ExpertStore, layer: int, experts, counts, x, scale, out) -> None:
-        """`_torch_rows`, its experts spread over the workers by rows (the most rows first,
-        each to the least loaded worker)."""
-        begins, at = {}, 0
-        for expert in experts:
-            begins[expert], at = at, at + counts[expert]
+        """`_rows_of` for `experts` (their rows laid out in their order), spread over the
+        workers by rows (the most rows first, each to the least loaded worker)."""
+        begins = _begins(experts, counts)
         groups = _balanced(experts, counts, self.threads)
         jobs = [
             self._pool.submit(_rows_of, store, layer, group, begins, counts, x, scale, out)
@@ -104,8 +102,17 @@ def _balanced(experts, counts, groups: int) -> list[list[int]]:
     return out
 
 
+def _begins(experts, counts) -> dict[int, int]:
+    """Where each of `experts` starts in rows laid out in their order, `counts[e]` each."""
+    begins, at = {}, 0
+    for expert in experts:
+        begins[expert], at = at, at + counts[expert]
+    return begins
+
+
 def _rows_of(store, layer, experts, begins, counts, x, scale, out) -> None:
-    """On a worker: each of `experts` over its rows (from `begins`)."""
+    """Each of `experts` over its rows (from `begins`), through torch's `F.linear` on this
+    thread (a worker's, or the caller's on torch's team)."""
     with torch.inference_mode():
         for expert in experts:
             rows = slice(begins[expert], begins[expert] + counts[expert])
@@ -137,16 +144,8 @@ def run_cpu_experts(
     if len(rest) > 1 and workers is not None:
         workers.run(store, layer, rest, counts, x[split:], scale[split:], out[split:])
     elif rest:
-        _torch_rows(store, layer, rest, counts, x[split:], scale[split:], out[split:])
-
-
-def _torch_rows(store, layer, experts, counts, x, scale, out) -> None:
-    """Experts through torch's `F.linear`, one after another."""
-    begin = 0
-    for expert in experts:
-        end = begin + counts[expert]
-        _expert_rows(store, layer, expert, x[begin:end], scale[begin:end], out[begin:end])
-        begin = end
+        begins = _begins(rest, counts)
+        _rows_of(store, layer, rest, begins, counts, x[split:], scale[split:], out[split:])
 
 
 def _expert_rows(store, layer: int, expert: int, x, scale, out) -> None:
