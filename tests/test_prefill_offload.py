@@ -690,3 +690,18 @@ def test_bench_prefill_takes_lists_of_offload_and_split(tmp_path):
     assert [r["plan"] for r in runs["split=off"]["runs"]] == ["stream"]
     floors = [r["resident_s"] for run in runs.values() for r in run["runs"] if "resident_s" in r]
     assert len(floors) == 2 and floors[0] == floors[1] > 0
+
+
+def test_bench_prefill_warms_auto_once_per_strategy_its_chunks_try():
+    """`auto`'s rows are timed after a first pass, one pass of each strategy its chunks' sizes
+    try (`routed` only up to ROUTED_MAX_TOKENS) and one more; the fixed plans after one."""
+    from agentrt.bench.prefill import _warm_passes
+    from agentrt.offload.planner import ROUTED_MAX_TOKENS, STRATEGIES
+
+    both, first = len(STRATEGIES) + 2, 3
+    assert _warm_passes(True, 512, 8192) == both
+    assert _warm_passes(True, ROUTED_MAX_TOKENS, 8192) == both
+    assert _warm_passes(True, 8192, 8192) == first
+    assert _warm_passes(True, 16384, 8192) == first
+    assert _warm_passes(True, 8192 + 512, 8192) == both  # (its last chunk is short)
+    assert _warm_passes(False, 512, 8192) == 1

@@ -31,7 +31,7 @@ from agentrt.errors import InvalidArgumentError
 from agentrt.models.registry import config_of
 from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
-from agentrt.offload.planner import STRATEGIES
+from agentrt.offload.planner import size_class, strategies_for
 
 FIXED_PLANS = ("stream", "routed", "predicted", "reserve")
 
@@ -212,6 +212,15 @@ def _fill_cache(experts, seed: int) -> int:
     return sum(1 for key in cache.owner if key is not None)
 
 
+def _warm_passes(auto: bool, tokens: int, chunk: int) -> int:
+    """Warm-up passes before a row of `tokens` tokens in `chunk`-token chunks: one, or for
+    `auto` a first pass, one of each strategy it tries for those chunks' sizes, then one more."""
+    if not auto:
+        return 1
+    sizes = {min(tokens, chunk), tokens % chunk or chunk}
+    return max(len(strategies_for(size_class(n))) for n in sizes) + 2
+
+
 class _Rows:
     """Times one engine over the cold lengths and the suffixes after the prefix."""
 
@@ -225,10 +234,11 @@ class _Rows:
         first engine of the invocation compiles and tunes the kernels for each shape; `auto`
         measures its costs and each of its strategies per size of chunk, in the row's own
         setting: a first pass, one of each strategy, then one more)."""
-        passes = len(STRATEGIES) + 2 if plan.split("@")[0] == "auto" else 1
+        auto = plan.split("@")[0] == "auto"
+        chunk = engine.config.prefill_chunk
         out = []
         for length in self.lengths:
-            for _ in range(passes):
+            for _ in range(_warm_passes(auto, length, chunk)):
                 engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
             state = engine.new_state()  # (KV grows as the engine grows it: elastic under a budget)
             out.append(self._row(engine, plan, experts, "cold", length, state, None))
@@ -238,7 +248,7 @@ class _Rows:
             snap = state.export()
             for length in self.suffixes:
                 part = self.ids[self.prefix_len : self.prefix_len + length]
-                for _ in range(passes):
+                for _ in range(_warm_passes(auto, length, chunk)):
                     self._restart(state, snap)
                     engine.prefill(state, part)
                 out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
