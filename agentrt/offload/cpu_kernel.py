@@ -357,6 +357,31 @@ class NativeExperts(PoolCalls):
         return act
 
 
+class StoreExperts:
+    """`NativeExperts` over one store's bf16 experts, addressed by (layer, experts) as
+    `cpu_mxfp4.PackedCPUExperts` addresses packed ones, so graph decode's host steps take
+    either kernel the same way."""
+
+    def __init__(self, kernel: NativeExperts, store) -> None:
+        self.kernel, self.store = kernel, store
+
+    def warm(self, layer: int, experts: list[int]) -> bool:
+        """`NativeExperts.warm` for these experts of `layer`."""
+        return self.kernel.warm(*self._views(layer, experts))
+
+    def start_experts(self, layer: int, experts: list[int], weights, x, out) -> None:
+        """`NativeExperts.start` for these experts of `layer`."""
+        self.kernel.start(*self._views(layer, experts), weights, x, out)
+
+    def run_experts(self, layer: int, experts: list[int], weights, x, out, accumulate) -> None:
+        """`NativeExperts.run` for these experts of `layer`."""
+        self.kernel.run(*self._views(layer, experts), weights, x, out, accumulate=accumulate)
+
+    def _views(self, layer: int, experts: list[int]) -> tuple[list, list]:
+        _, gate_up, down = self.store.expert_views(layer)
+        return [gate_up[e] for e in experts], [down[e] for e in experts]
+
+
 def row_pointers(stack: torch.Tensor, ids: list[int]) -> list[int]:
     """The data pointers of rows `ids` of `stack` (`stack[e].data_ptr()` for each e), without
     a view made per row (a host step's CPU experts are posted sooner)."""

@@ -48,7 +48,7 @@ import torch
 
 from agentrt.models.moe import ExpertBackend, expert_ffn
 from agentrt.offload.copies import CudaCalls
-from agentrt.offload.cpu_kernel import NativeExperts
+from agentrt.offload.cpu_kernel import NativeExperts, StoreExperts
 from agentrt.offload.cpu_mxfp4 import PackedCPUExperts
 from agentrt.offload.host_step import CapturedDecode, LayerIO
 from agentrt.offload.prefetch import Prefetch
@@ -121,8 +121,12 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 and store.plain else None
         # packed MXFP4 experts: the native kernel that reads their rows (`cpu_mxfp4.py`)
         self.packed_cpu = cpu_kernel if store.packed else None
+        # either native kernel, addressed by (layer, experts): graph decode's host steps
+        self.layer_cpu = self.packed_cpu or (
+            StoreExperts(self.cpu_kernel, store) if self.cpu_kernel is not None else None
+        )
         # whether graph host steps post those reads (both native kernels' pools have them)
-        self.warm_cpu = warm_cpu and (self.cpu_kernel or self.packed_cpu) is not None
+        self.warm_cpu = warm_cpu and self.layer_cpu is not None
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}

@@ -141,11 +141,7 @@ class CapturedDecode:
         step, which puts these experts on the CPU side of its plan where they miss, finds
         them in its threads' caches (the next post waits for the read first)."""
         nxt = self.next_layer[layer]
-        if self.packed_cpu is not None:
-            posted = self.packed_cpu.warm(nxt, experts)
-        else:
-            posted = self.cpu_kernel.warm(*self._native_args(nxt, experts))
-        if posted:
+        if self.layer_cpu.warm(nxt, experts):
             self._warmed[nxt] = set(experts)
             self.totals.warmed += len(experts)
 
@@ -154,18 +150,10 @@ class CapturedDecode:
         into the pinned fp32 buffer); False where the pool could not start (then the kernel
         runs on this thread)."""
         try:
-            if self.packed_cpu is not None:
-                self.packed_cpu.start_experts(layer, cpu, weights, io.x_h, io.cpu_h)
-            else:
-                self.cpu_kernel.start(*self._native_args(layer, cpu), weights, io.x_h, io.cpu_h)
+            self.layer_cpu.start_experts(layer, cpu, weights, io.x_h, io.cpu_h)
         except OSError:
             return False
         return True
-
-    def _native_args(self, layer: int, cpu: list[int]) -> tuple:
-        """The CPU experts' weights, as the native bf16 kernel takes them."""
-        _, gate_up, down = self.store.expert_views(layer)
-        return [gate_up[e] for e in cpu], [down[e] for e in cpu]
 
     def warmed_up(self) -> None:
         """After a captured step's eager warm-up: its layer times (first calls, compilation) do
@@ -191,13 +179,8 @@ class CapturedDecode:
         call."""
         t0 = time.perf_counter()
         x, acc = io.x_h.unsqueeze(0), io.cpu_h
-        if self.packed_cpu is not None:
-            self.packed_cpu.run_experts(layer, cpu, weights, io.x_h, acc, accumulate)
-            self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
-            return
-        if self.cpu_kernel is not None:
-            args = self._native_args(layer, cpu)
-            self.cpu_kernel.run(*args, weights, io.x_h, acc, accumulate=accumulate)
+        if self.layer_cpu is not None:
+            self.layer_cpu.run_experts(layer, cpu, weights, io.x_h, acc, accumulate)
             self._observe_cpu(len(cpu) * self.store.expert_bytes, time.perf_counter() - t0)
             return
         _, gate_up, down = self.store.expert_views(layer)
