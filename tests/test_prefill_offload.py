@@ -197,6 +197,32 @@ def test_every_plan_equals_the_dense_model(dense, plan, split):
     rt.engine.offload.cache.check()
 
 
+def test_each_plan_of_pass_follows_its_own_cpu_rate(dense, monkeypatch):
+    """`auto`'s passes of `reserve` and of `routed` follow the CPU read rate (and the routed
+    layers' overheads) apart, as the fixed plans' engines do: one strategy's CPU, beside other
+    copies, does not move the rate the other plans its split with."""
+    from agentrt.offload.cpu_rates import CpuRates
+
+    ids, want = dense
+    rt = Runtime.open("tiny", cache="off", prefill_chunk=48, offload=_config("auto"))
+    streamer = rt.engine.offload.prefill
+    streamer.adaptive = True  # (followed on CUDA only otherwise)
+    seen, real = [], CpuRates.observe
+    monkeypatch.setattr(
+        CpuRates, "observe", lambda self, *a: (seen.append((streamer.mode, self)), real(self, *a))
+    )
+    got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
+    assert (got - want).abs().max().item() < 1e-4
+    assert {mode for mode, _ in seen} == {"reserve", "routed"}
+    assert all(rates is streamer.measures.rates[mode] for mode, rates in seen)
+    assert {plan for plan, _ in streamer.measures.overheads} <= {"reserve", "routed"}
+    reserve = streamer.measures.rates["reserve"].read_bw
+    streamer.mode = "routed"
+    streamer.cpu.observe(10, 0, 1e-3)
+    assert streamer.measures.rates["reserve"].read_bw == reserve
+    assert streamer.costs().cpu_bw == streamer.measures.rates["routed"].read_bw != reserve
+
+
 @pytest.mark.parametrize("reserve_all", [False, True])
 def test_reserve_plans_a_layer_with_nothing_queued_ahead_as_routed(dense, monkeypatch, reserve_all):
     """A layer of the reserve plan with nothing queued ahead (a pass's first layer, or every

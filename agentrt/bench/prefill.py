@@ -307,10 +307,17 @@ class _Rows:
 def _streamer_state(streamer) -> dict:
     """What the streamer measured by the end of a row (the costs its plans used)."""
     return {
+        # (the last pass's plan's; each plan of pass follows its own)
         "cpu_gb_s": streamer.cpu.read_bw / 1e9,
+        "cpu_gb_s_by_plan": {
+            k: v.read_bw / 1e9 for k, v in sorted(streamer.measures.rates.items())
+        },
         "exposed_ms": 1e3 * streamer.exposed_s,
         "dispatch_ms": 1e3 * streamer.dispatch_s,
-        "overhead_ms": {2**b: 1e3 * v for b, v in sorted(streamer.overheads.items())},
+        "overhead_ms": {
+            f"{plan}@{2**b}": 1e3 * v
+            for (plan, b), v in sorted(streamer.measures.overheads.items())
+        },
         "prediction_accuracy": streamer.accuracy,
         # auto: seconds per pass of each strategy by size of chunk, and the last pass's
         "pass_s": {

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from agentrt.models.moe import RoutedExperts, _grouped_mm_fn, unsort
 from agentrt.offload.copies import CudaCalls
-from agentrt.offload.cpu_rates import CpuRates
+from agentrt.offload.cpu_rates import CpuRates, PlanMeasures
 from agentrt.offload.mxfp4_rows import grouped_tile
 from agentrt.offload.packed import part_ffn, resident_ffn
 from agentrt.offload.pairs import Sorted, bincount, grouped_ffn, looped_ffn, part_biases
@@ -54,10 +54,6 @@ from agentrt.offload.store import ExpertStore
 from agentrt.offload.uploads import PartTables, Uploads, layer_tables
 
 CPU_FLOPS = 1e12  # the CPU experts' matmul rate (FLOP/s; `cpu_rates` says why it stays fixed)
-# each streamed layer forgets this share of the overhead measured for plans that wait for the
-# routing (chunks of its size), so a cost measured once (a first call's) does not keep auto from
-# trying them again; a real overhead is measured again when it does
-OVERHEAD_DECAY = 0.98
 
 
 class PrefillStreamer:
@@ -94,8 +90,9 @@ class PrefillStreamer:
         self._stream = 0  # the current stream's handle, taken once per layer (with `calls`)
         self.layers = store.layers
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
-        # the CPU experts' weight reads and matmuls in prefill (followed if adaptive)
-        self.cpu = CpuRates(bandwidths.cpu, CPU_FLOPS, store.expert_bytes, self.token_flops)
+        # per plan of pass: the CPU experts' weight reads and matmuls (followed if adaptive),
+        # and routed layers' measured time beyond their plans' per size of chunk
+        self.measures = PlanMeasures(bandwidths.cpu, CPU_FLOPS, store.expert_bytes)
         self.routers = routers  # each MoE layer's router weights (predicted plans), or None
         # the native CPU kernel (`cpu_kernel.NativeExperts` for bf16 stores, packed rows' own
         # `cpu_mxfp4.PackedCPUExperts`) or None: torch's
@@ -106,8 +103,6 @@ class PrefillStreamer:
         # host time of a layer besides its sync and CPU experts (EMA; a streamed layer's too,
         # so a slow first measure does not keep auto streaming for good)
         self.dispatch_s = 0.0
-        # routed layers' measured time beyond their plans' (EMA), per size of chunk
-        self.overheads: dict[int, float] = {}
         self.bucket = 0  # the size class of the chunk being run (`planner.size_class`)
         # (layer, its experts' end, its routing, its plan, the overhead it was planned with):
         # events, or host times off CUDA
@@ -127,6 +122,11 @@ class PrefillStreamer:
     def staging_bytes(self) -> int:
         return self.ring.num_bytes
 
+    @property
+    def cpu(self) -> CpuRates:
+        """The CPU experts' rates as the passes of this pass's plan measured them."""
+        return self.measures.cpu(self.mode, self.token_flops)
+
     def costs(self) -> Costs:
         s = self.store
         return Costs(
@@ -142,8 +142,8 @@ class PrefillStreamer:
     @property
     def overhead_s(self) -> float:
         """What plans that wait for the routing took beyond their cost model, for chunks of
-        this size."""
-        return self.overheads.get(self.bucket, 0.0)
+        this size, in passes of this plan."""
+        return self.measures.overhead(self.mode, self.bucket)
 
     # ------------------------------------------------------------------ one layer
 
@@ -262,8 +262,8 @@ class PrefillStreamer:
         if plan.kind not in ("stream", "resident"):
             taken = self._seconds(routed_then, routed_at)
             model = plan.seconds - overhead_then  # (the plan's cost counted the overhead)
-            old = self.overheads.get(bucket, 0.0)
-            self.overheads[bucket] = ema(old, max(0.0, taken - model), 0.3)
+            # (the pass's plan: the same as the last layer's)
+            self.measures.follow_overhead(self.mode, bucket, max(0.0, taken - model))
 
     def _seconds(self, start, end) -> float:
         if self.on_cuda:
@@ -366,8 +366,8 @@ class PrefillStreamer:
             known = self._routed[1] if self._routed and self._routed[0] == layer else None
             routed_s = (known or routed_plan(routed, costs, self.split)).seconds
             choice, ahead = plan_ahead(len(missing), None, routed_s, costs), ()
-        if choice == "stream" and self.bucket in self.overheads:  # (see OVERHEAD_DECAY)
-            self.overheads[self.bucket] *= OVERHEAD_DECAY
+        if choice == "stream":
+            self.measures.forget_overhead(self.mode, self.bucket)
         return choice, ahead
 
     def _reserved(self, layer: int, missing: list[int], reserve: int) -> tuple[int, ...]:
