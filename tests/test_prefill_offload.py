@@ -455,6 +455,10 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
             "reserve",
         }
         assert 0.0 <= r["cpu_pair_share"] <= 1.0
+        host = r["host_s"]  # (the CPU side's wait for its inputs is part of its time)
+        assert 0.0 <= host["cpu_input"] <= host["cpu"] and (host["cpu"] > 0) == (
+            r["cpu_experts"] > 0
+        )
         # the profiled run's costliest functions, costliest first
         own = [f["own_ms"] for f in r["profile"]]
         assert len(own) == 30 and own == sorted(own, reverse=True) and own[0] > 0

@@ -345,7 +345,7 @@ def _per_run(before: dict | None, after: dict | None, repeat: int) -> dict:
         "cpu_pair_share": diff["cpu_pairs"] / pairs,
         "routed_missing": diff["routed_missing"],
         "plans": {k: v for k, v in plans.items() if v},
-        "host_s": {k: diff[f"{k}_seconds"] for k in ("wait", "cpu", "host")},
+        "host_s": {k: diff[f"{k}_seconds"] for k in ("wait", "cpu", "cpu_input", "host")},
     }
 
 

@@ -469,6 +469,7 @@ class PrefillStreamer:
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
+        self.totals.cpu_input_seconds += time.perf_counter() - t0
         out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
         args = (self.store, self.cpu_kernel, layer, cpu_order(plan.cpu, counts), counts)
         with torch.inference_mode():

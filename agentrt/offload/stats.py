@@ -52,6 +52,7 @@ class PrefillTotals:
     routed_missing: int = 0  # missing experts the chunks routed to (the floor's bytes)
     admitted: int = 0  # copied experts also put into free slots of the expert cache
     cpu_seconds: float = 0.0  # host time in the CPU experts (their inputs' arrival included)
+    cpu_input_seconds: float = 0.0  # of which waiting for their inputs to arrive from the device
     wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
     host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
