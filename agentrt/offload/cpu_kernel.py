@@ -378,8 +378,14 @@ class StoreExperts:
         self.kernel.run(*self._views(layer, experts), weights, x, out, accumulate=accumulate)
 
     def _views(self, layer: int, experts: list[int]) -> tuple[list, list]:
-        _, gate_up, down = self.store.expert_views(layer)
-        return [gate_up[e] for e in experts], [down[e] for e in experts]
+        return expert_weights(self.store, layer, experts)
+
+
+def expert_weights(store, layer: int, experts) -> tuple[list, list]:
+    """The gate/up and down weights of `experts` of `layer` in a bf16 store, as the native
+    kernel's calls take them (a list of each)."""
+    _, gate_up, down = store.expert_views(layer)
+    return [gate_up[e] for e in experts], [down[e] for e in experts]
 
 
 def row_pointers(stack: torch.Tensor, ids: list[int]) -> list[int]:

@@ -55,15 +55,15 @@ class PlanMeasures:
     """Per plan of pass: its `CpuRates` (each started from the calibrated read rate) and its
     routed layers' measured seconds beyond their plans', per size class of chunk."""
 
-    def __init__(self, read_bw: float, flops: float, expert_bytes: int) -> None:
-        self.start = (read_bw, flops, expert_bytes)
+    def __init__(self, read_bw: float, flops: float, expert_bytes: int, token_flops: float) -> None:
+        self.start = (read_bw, flops, expert_bytes, token_flops)
         self.rates: dict[str, CpuRates] = {}
         self.overheads: dict[tuple[str, int], float] = {}
 
-    def cpu(self, plan: str, token_flops: float) -> CpuRates:
+    def cpu(self, plan: str) -> CpuRates:
         rates = self.rates.get(plan)
         if rates is None:
-            rates = self.rates[plan] = CpuRates(*self.start, token_flops)
+            rates = self.rates[plan] = CpuRates(*self.start)
         return rates
 
     def overhead(self, plan: str, size: int) -> float:

@@ -92,7 +92,9 @@ class PrefillStreamer:
         self.next_layer = dict(zip(self.layers, self.layers[1:], strict=False))
         # per plan of pass: the CPU experts' weight reads and matmuls (followed if adaptive),
         # and routed layers' measured time beyond their plans' per size of chunk
-        self.measures = PlanMeasures(bandwidths.cpu, CPU_FLOPS, store.expert_bytes)
+        self.measures = PlanMeasures(
+            bandwidths.cpu, CPU_FLOPS, store.expert_bytes, self.token_flops
+        )
         self.routers = routers  # each MoE layer's router weights (predicted plans), or None
         # the native CPU kernel (`cpu_kernel.NativeExperts` for bf16 stores, packed rows' own
         # `cpu_mxfp4.PackedCPUExperts`) or None: torch's
@@ -125,15 +127,15 @@ class PrefillStreamer:
     @property
     def cpu(self) -> CpuRates:
         """The CPU experts' rates as the passes of this pass's plan measured them."""
-        return self.measures.cpu(self.mode, self.token_flops)
+        return self.measures.cpu(self.mode)
 
     def costs(self) -> Costs:
-        s = self.store
+        s, cpu = self.store, self.cpu
         return Costs(
             expert_bytes=s.expert_bytes,
             copy_bw=self.bw.copy,
-            cpu_bw=self.cpu.read_bw,
-            cpu_flops=self.cpu.flops,
+            cpu_bw=cpu.read_bw,
+            cpu_flops=cpu.flops,
             token_flops=self.token_flops,
             exposed_s=self.exposed_s + self.overhead_s,
             dispatch_s=self.dispatch_s,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from agentrt.env import setting
 from agentrt.host.cputhreads import single_threaded, usable_cores
+from agentrt.offload.cpu_kernel import expert_weights
 from agentrt.offload.store import ExpertStore
 
 # experts of more rows run through torch's F.linear: on the H200 machine's 16 cores the native
@@ -132,9 +133,8 @@ def run_cpu_experts(
     native = [e for e in experts if kernel is not None and counts[e] <= NATIVE_MAX_ROWS]
     split = sum(counts[e] for e in native)
     if native:
-        _, gate_up, down = store.expert_views(layer)
         result = torch.empty(x[:split].shape, dtype=torch.float32)
-        gu, dn = [gate_up[e] for e in native], [down[e] for e in native]
+        gu, dn = expert_weights(store, layer, native)
         weights = scale[:split].float().contiguous()
         kernel.run_rows(
             gu, dn, [counts[e] for e in native], x[:split].contiguous(), weights, result
