@@ -119,3 +119,44 @@ def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to
     assert busy_helpers() == before
     calls.pool_threads = 1
     assert calls.active_threads() == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "ttft", "{trace}", "--cache", "off", "--max-requests", "1", "--warmup", "0"],
+        ["bench", "prefill", "--lengths", "16", "--repeat", "1"],
+        ["chat", "--max-tokens", "1", "hi"],
+    ],
+    ids=["bench-ttft", "bench-prefill", "chat"],
+)
+def test_commands_choose_how_openmp_workers_wait_before_torch_loads(args, tmp_path):
+    """Benchmarks run the threading users get: every command that opens a model makes its
+    first `prepare_cpu_threads` call before anything imports torch (after, libgomp has read
+    its environment and the choice is lost)."""
+    import json
+    import subprocess
+
+    from agentrt.replay.generator import generate
+    from agentrt.replay.trace import write_trace
+
+    trace = write_trace(generate(seed=3, target_tokens=300, max_turns=2), tmp_path / "t.jsonl")
+    probe = tmp_path / "probe.json"
+    script = f"""
+import json, sys
+import agentrt.host.cputhreads as c
+real = c.spin_between_steps
+def spy(enable):
+    seen = json.load(open({str(probe)!r})) if __import__("os").path.exists({str(probe)!r}) else []
+    json.dump(seen + ["torch" in sys.modules], open({str(probe)!r}, "w"))
+    return real(enable)
+c.spin_between_steps = spy
+from agentrt.cli import main
+main()
+"""
+    argv = [a.format(trace=trace) for a in args] + ["--device", "cpu"]
+    out = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(probe.read_text())[0] is False  # (a later call may follow the import)

@@ -274,6 +274,8 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
         assert 0 <= t["capture_s"] <= t["prefill_s"] and t["capture_gpu_s"] == 0  # CPU run
         assert 0 <= t["restore_wait_s"] <= t["restore_s"]
         assert 0 < t["prepare_s"] and t["prepare_s"] + t["prefill_s"] <= row["ttft_s"]
+        # what ran beside it: checkpoint writes (none offloaded: no prefill counters)
+        assert t["writes_pending"] >= 0 and t["writer_s"] >= 0 and "offload" not in t
         if row["cached_tokens"] == 0:
             assert t["restore_source"] is None
     sources = {r["timings"]["restore_source"] for r in semantic if r["cached_tokens"]}
@@ -522,6 +524,14 @@ def test_bench_ttft_runs_every_offload_and_split_setting(small_trace, tmp_path):
     settings = json.loads(out.read_text())["settings"]
     assert list(settings) == ["none", "auto", "auto/no-split"]
     assert all(len(s["reports"]["recorded"][0]["requests"]) == 2 for s in settings.values())
+    rows = {k: s["reports"]["recorded"][0]["requests"] for k, s in settings.items()}
+    assert not any("offload" in r["timings"] for r in rows["none"])
+    for row in rows["auto"]:  # what each offloaded prefill copied and ran on the CPU
+        seen = row["timings"]["offload"]
+        assert sum(seen["plans"].values()) > 0  # one plan per MoE layer and chunk
+        assert seen["copy_gb"] >= 0 and seen["routed_missing"] >= seen["cpu_experts"] >= 0
+        assert set(seen["host_s"]) == {"wait", "cpu", "cpu_input", "host"}
+        assert "writes_pending" not in row["timings"]  # (cache off: no writer)
 
 
 def test_bench_ttft_keeps_finished_settings_when_a_later_one_is_cut(monkeypatch, tmp_path):

@@ -257,7 +257,7 @@ class _Rows:
     def _row(self, engine, plan, experts, kind, length, state, snap) -> dict:
         begin = self.prefix_len if kind == "suffix" else 0
         part = self.ids[begin : begin + length]
-        before = _totals(experts)
+        before = None if experts is None else experts.prefill.totals.as_dict()
         times = []
         for _ in range(self.repeat):
             self._restart(state, snap)
@@ -268,8 +268,8 @@ class _Rows:
         seconds = statistics.median(times)
         row = {"plan": plan, "kind": kind, "tokens": length, "seconds": seconds}
         row.update(tok_s=length / seconds, all_s=times)
-        row.update(_per_run(before, _totals(experts), self.repeat))
         if experts is not None:  # (KV past its reservation takes slots from the cache)
+            row.update(experts.prefill.totals.since(before, self.repeat))
             row["plan_per_layer"] = dict(experts.prefill.last_plans)  # (of the last chunk)
             row["streamer"] = _streamer_state(experts.prefill)
             row["expert_cache_slots"] = experts.cache.num_slots
@@ -325,27 +325,6 @@ def _streamer_state(streamer) -> dict:
             for (b, long), v in sorted(streamer.clock.measured.items())
         },
         "mode": streamer.mode,
-    }
-
-
-def _totals(experts) -> dict | None:
-    return None if experts is None else experts.prefill.totals.as_dict()
-
-
-def _per_run(before: dict | None, after: dict | None, repeat: int) -> dict:
-    """Counters of one prefill (the repeats' mean)."""
-    if before is None or after is None:
-        return {}
-    diff = {k: (after[k] - before[k]) / repeat for k in after if k != "plans"}
-    plans = {k: (v - before["plans"].get(k, 0)) // repeat for k, v in after["plans"].items()}
-    pairs = diff["pairs"] or 1
-    return {
-        "copy_gb": diff["copy_bytes"] / 1e9,
-        "cpu_experts": diff["cpu"],
-        "cpu_pair_share": diff["cpu_pairs"] / pairs,
-        "routed_missing": diff["routed_missing"],
-        "plans": {k: v for k, v in plans.items() if v},
-        "host_s": {k: diff[f"{k}_seconds"] for k in ("wait", "cpu", "cpu_input", "host")},
     }
 
 

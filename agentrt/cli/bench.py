@@ -170,15 +170,15 @@ def bench_prefill(
     """Prefill throughput (tok/s) for each prompt length and linear-attention kernel; with
     --offload auto, offloaded prefill per plan against its floor
     max(missing expert bytes / B_P, resident compute time)."""
-    from agentrt.bench import engine as b
-
     only_with(["eager"], "where a benchmark decodes")
     offloads = offload.pop("offload")
     if not given(["offload"]) and (offload["vram_budget"] or offload["expert_cache_slots"]):
         offloads = ["auto"]  # (as the runtime's default)
     if "auto" not in offloads:
         only_with(list(offload), "with --offload auto")
-    prepare_cpu_threads(device, offloads)
+    prepare_cpu_threads(device, offloads)  # (before anything imports torch)
+    from agentrt.bench import engine as b
+
     device = resolve_device(device)
     if "auto" in offloads:
         offload["linear_attn"] = one_value(linear_attn, "--linear-attn", "with --offload auto")

@@ -17,10 +17,12 @@ from agentrt.cli.options import (
     model_options,
     open_runtime,
     output_path,
+    prepare_cpu_threads,
     write_json,
 )
 from agentrt.cli.unused import given, refuse
 from agentrt.errors import AgentrtError
+from agentrt.offload.config import offload_mode
 
 
 @main.group()
@@ -296,6 +298,9 @@ def bench_ttft(traces, variants, max_tokens, plot, max_requests, warmup, json_ou
         for split in splits
         if split == splits[0] or offload == "auto" or (offload is None and budgeted)
     ]
+    budget, slots = opts.get("vram_budget"), opts.get("expert_cache_slots")
+    modes = [offload_mode(offload, budget, slots) for offload, _ in settings]
+    prepare_cpu_threads(opts["device"], modes)  # (before anything imports torch)
     results, one_setting = {}, len(settings) == 1
     for offload, split in settings:
         parts = (offload, None if split == "on" else "no-split")

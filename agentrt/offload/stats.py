@@ -70,3 +70,19 @@ class PrefillTotals:
         out = {k: v for k, v in self.__dict__.items() if k != "plans"}
         out["plans"] = dict(self.plans)
         return out
+
+    def since(self, before: dict, runs: int = 1) -> dict:
+        """What the prefills since `before` (an earlier `as_dict()`) did, per run of `runs`:
+        GB copied, experts run on the CPU and their share of the pairs, missing experts
+        routed to, layers per plan kind, and the host's seconds by part."""
+        now = self.as_dict()
+        diff = {k: (now[k] - before[k]) / runs for k in now if k != "plans"}
+        plans = {k: (v - before["plans"].get(k, 0)) // runs for k, v in self.plans.items()}
+        return {
+            "copy_gb": diff["copy_bytes"] / 1e9,
+            "cpu_experts": diff["cpu"],
+            "cpu_pair_share": diff["cpu_pairs"] / (diff["pairs"] or 1),
+            "routed_missing": diff["routed_missing"],
+            "plans": {k: v for k, v in plans.items() if v},
+            "host_s": {k: diff[f"{k}_seconds"] for k in ("wait", "cpu", "cpu_input", "host")},
+        }

@@ -71,7 +71,7 @@ def local_target(rt) -> Target:
     """Replay on an open `Runtime`; checkpoints are reported by their boundary text."""
 
     def send(req: Request, max_tokens: int) -> dict[str, Any]:
-        result = None
+        result, watch = None, _Watch(rt)
         for ev in rt.chat(req.messages, tools=req.tools, max_tokens=max_tokens, stream=True):
             if ev.type == "done":
                 result = ev.result
@@ -93,10 +93,34 @@ def local_target(rt) -> Target:
                 "restore_source": result.restore_source,
                 # after the request: KV grown and graphs captured for the next turn (seconds)
                 "ahead_s": ahead_s if prepared else 0.0,
+                **watch.seen(),
             },
         }
 
     return Target(rt.model_name, rt.cache, str(rt.engine.device), send)
+
+
+class _Watch:
+    """What ran beside a request on a local runtime: the checkpoint writes queued when it
+    arrived and the writer's seconds until its response was out (it competes for the host),
+    and, with offloaded experts, what its prefill copied and ran on the CPU."""
+
+    def __init__(self, rt) -> None:
+        offload = getattr(rt.engine, "offload", None)
+        self.totals = getattr(getattr(offload, "prefill", None), "totals", None)
+        self.prefill = None if self.totals is None else self.totals.as_dict()
+        self.cache = getattr(rt.reuse, "cache", None)
+        self.pending = 0 if self.cache is None else self.cache.writes_pending
+        self.written = 0.0 if self.cache is None else self.cache.stats["write_seconds"]
+
+    def seen(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.cache is not None:
+            out["writes_pending"] = self.pending
+            out["writer_s"] = self.cache.stats["write_seconds"] - self.written
+        if self.totals is not None:
+            out["offload"] = self.totals.since(self.prefill)
+        return out
 
 
 # ----------------------------------------------------------------------------- HTTP endpoint

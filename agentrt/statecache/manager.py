@@ -178,6 +178,11 @@ class StateCache(Writer, Restorer):
             with self._lock:  # woken after each job the writer finishes
                 self._written.wait(min(left, 0.05))
 
+    @property
+    def writes_pending(self) -> int:
+        """Checkpoints queued or being written."""
+        return self._queue.unfinished_tasks
+
     def flush(self) -> None:
         """Wait until every queued checkpoint is written."""
         if not self._closed:
