@@ -198,6 +198,7 @@ def _check_report(report: dict, n: int) -> None:
         assert REPORT_SCHEMA["request"] <= set(row) and row["index"] == i
         assert row["checkpoint"] is None or isinstance(row["checkpoint"], str)
         assert row["ttft_s"] > 0 and 0 <= row["cached_tokens"] < row["prompt_tokens"]
+        assert row["decode_s"] >= 0  # (beside the contract's fields: the decode's seconds)
     s = report["summary"]
     assert s["prefilled_tokens"] == s["prompt_tokens"] - s["cached_tokens"]
 

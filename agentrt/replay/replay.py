@@ -45,6 +45,7 @@ class Row:
             "cached_tokens": self.cached_tokens,
             "ttft_s": self.ttft_s,
             "completion_tokens": self.completion_tokens,
+            "decode_s": self.decode_s,  # from the first token to the last
             "checkpoint": self.checkpoint,
         }
         if self.output_token_ids is not None:
