@@ -1,0 +1,111 @@
+"""`agentrt bench ttft` with each replayed request's offloaded-prefill CPU experts timed by path:
+the native kernel (experts of at most `prefill_cpu.NATIVE_MAX_ROWS` rows, one call per layer)
+and torch's `F.linear` on the OpenMP team (the rest, one expert after another), plus the host's
+runnable threads (`procs_running`) sampled as each layer's CPU side starts. Each request's
+`timings.cpu_paths` in the report holds them (native seconds, rows, calls; torch seconds, rows,
+experts; the mean runnable threads).
+
+Chooses how idle OpenMP workers wait before torch loads, as the CLI does for offloaded runs on a
+GPU (`AGENTRT_OMP_SPIN=0` keeps them sleeping between parallel regions). Arguments are
+`agentrt`'s, e.g.
+
+    python benchmarks/replay_cpu_paths.py bench ttft .traces-dev/msa/*.zst \
+        --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
+        --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja \
+        --variants dropped --max-tokens 8 --max-requests 45 --vram-budget 16GiB \
+        --cache semantic --json out.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+from agentrt.host.cputhreads import spin_between_steps  # noqa: E402
+
+spin_between_steps(True)  # (before torch loads; a no-op under AGENTRT_OMP_SPIN=0)
+
+from agentrt.offload import cpu_kernel, prefill, prefill_cpu  # noqa: E402
+from agentrt.replay import replay  # noqa: E402
+
+COUNTS = dict.fromkeys(
+    ("native_s", "native_rows", "native_calls", "torch_s", "torch_rows", "torch_experts"), 0
+)
+COUNTS.update(runnable_sum=0, runnable_n=0)
+
+
+def _running() -> int:
+    """Threads running or runnable on the host now."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("procs_running"):
+                return int(line.split()[1])
+    return 0
+
+
+def _timed_native(real):
+    def run_rows(self, gate_up, down, counts, x, weights, out):
+        t0 = time.perf_counter()
+        try:
+            return real(self, gate_up, down, counts, x, weights, out)
+        finally:
+            COUNTS["native_s"] += time.perf_counter() - t0
+            COUNTS["native_rows"] += sum(counts)
+            COUNTS["native_calls"] += 1
+
+    return run_rows
+
+
+def _timed_torch(real):
+    def rows_of(store, layer, experts, begins, counts, x, scale, out):
+        t0 = time.perf_counter()
+        try:
+            return real(store, layer, experts, begins, counts, x, scale, out)
+        finally:
+            COUNTS["torch_s"] += time.perf_counter() - t0
+            COUNTS["torch_rows"] += sum(counts[e] for e in experts)
+            COUNTS["torch_experts"] += len(experts)
+
+    return rows_of
+
+
+def _sampled(real):
+    def run_cpu_experts(*args, **kwargs):
+        COUNTS["runnable_sum"] += _running()
+        COUNTS["runnable_n"] += 1
+        return real(*args, **kwargs)
+
+    return run_cpu_experts
+
+
+def _watching(init, seen):
+    def watch_init(self, rt):
+        init(self, rt)
+        self.cpu_paths = dict(COUNTS)
+
+    def watch_seen(self):
+        out = seen(self)
+        diff = {k: COUNTS[k] - self.cpu_paths[k] for k in COUNTS}
+        diff["runnable_mean"] = diff.pop("runnable_sum") / max(1, diff.pop("runnable_n"))
+        out["cpu_paths"] = diff
+        return out
+
+    return watch_init, watch_seen
+
+
+def main() -> None:
+    kernel = cpu_kernel.NativeExperts
+    kernel.run_rows = _timed_native(kernel.run_rows)
+    prefill_cpu._rows_of = _timed_torch(prefill_cpu._rows_of)
+    prefill.run_cpu_experts = _sampled(prefill.run_cpu_experts)
+    watch = replay._Watch
+    watch.__init__, watch.seen = _watching(watch.__init__, watch.seen)
+    from agentrt.cli import main as cli
+
+    cli()
+
+
+if __name__ == "__main__":
+    main()
