@@ -143,12 +143,12 @@ def test_commands_choose_how_openmp_workers_wait_before_torch_loads(args, tmp_pa
     trace = write_trace(generate(seed=3, target_tokens=300, max_turns=2), tmp_path / "t.jsonl")
     probe = tmp_path / "probe.json"
     script = f"""
-import json, sys
+import json, os, sys
 import agentrt.host.cputhreads as c
-real = c.spin_between_steps
+real, probe = c.spin_between_steps, {str(probe)!r}
 def spy(enable):
-    seen = json.load(open({str(probe)!r})) if __import__("os").path.exists({str(probe)!r}) else []
-    json.dump(seen + ["torch" in sys.modules], open({str(probe)!r}, "w"))
+    seen = json.load(open(probe)) if os.path.exists(probe) else []
+    json.dump(seen + ["torch" in sys.modules], open(probe, "w"))
     return real(enable)
 c.spin_between_steps = spy
 from agentrt.cli import main
