@@ -170,6 +170,7 @@ def test_bench_scratch_state_dir_never_empties_a_users_directory(tmp_path):
     made = scratch_dir(tmp_path / "new")  # made, marked, and emptied again by a later run
     (made / "data.mdb").write_text("x")
     assert scratch_dir(made) == made and [p.name for p in made.iterdir()] == [SCRATCH_MARK]
+    assert made.stat().st_mode & 0o777 == 0o700  # private: it holds conversations' state
 
 
 def test_unusable_state_dirs_are_one_line_errors(tmp_path):

@@ -33,7 +33,8 @@ SCRATCH_MARK = ".agentrt-bench-scratch"
 
 def scratch_dir(path: str | Path) -> Path:
     """`path` emptied for a benchmark's scratch state: it must be new, empty, or one a benchmark
-    made (marked); any other directory may hold a user's files or state cache, and is refused."""
+    made (marked); any other directory may hold a user's files or state cache, and is refused.
+    Made private to the user (mode 700), as a state directory holds text of conversations."""
     root = Path(path)
     if root.exists():
         if not root.is_dir():
@@ -45,7 +46,8 @@ def scratch_dir(path: str | Path) -> Path:
             )
         shutil.rmtree(root)
     try:
-        root.mkdir(parents=True)
+        root.mkdir(parents=True, mode=0o700)
+        root.chmod(0o700)  # (mkdir's mode is masked by the umask)
         (root / SCRATCH_MARK).touch()
     except OSError as exc:
         raise InvalidArgumentError(f"--state-dir {root}: {exc.strerror or exc}") from None
