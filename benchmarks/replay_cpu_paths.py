@@ -1,9 +1,8 @@
-"""`agentrt bench ttft` with each replayed request's offloaded-prefill CPU experts timed by path:
-the native kernel (experts of at most `prefill_cpu.NATIVE_MAX_ROWS` rows, one call per layer)
-and torch's `F.linear` on the OpenMP team (the rest, one expert after another), plus the host's
-runnable threads (`procs_running`) sampled as each layer's CPU side starts. Each request's
-`timings.cpu_paths` in the report holds them (native seconds, rows, calls; torch seconds, rows,
-experts; the mean runnable threads).
+"""`agentrt bench ttft` with more about each replayed request's offloaded-prefill CPU experts
+than its row's `timings.offload.cpu_paths` (seconds and rows in the native kernel and in torch's
+matmuls): how many experts took torch's path, and the host's runnable threads
+(`procs_running`) sampled as each layer's CPU side starts (about 1 when nothing else runs and
+the OpenMP team's workers sleep). Each request's `timings.cpu_probe` holds them.
 
 Chooses how idle OpenMP workers wait before torch loads, as the CLI does for offloaded runs on a
 GPU (`AGENTRT_OMP_SPIN=0` keeps them sleeping between parallel regions). Arguments are
@@ -20,20 +19,16 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 from agentrt.host.cputhreads import spin_between_steps  # noqa: E402
 
 spin_between_steps(True)  # (before torch loads; a no-op under AGENTRT_OMP_SPIN=0)
 
-from agentrt.offload import cpu_kernel, prefill, prefill_cpu  # noqa: E402
+from agentrt.offload import prefill, prefill_cpu  # noqa: E402
 from agentrt.replay import replay  # noqa: E402
 
-COUNTS = dict.fromkeys(
-    ("native_s", "native_rows", "native_calls", "torch_s", "torch_rows", "torch_experts"), 0
-)
-COUNTS.update(runnable_sum=0, runnable_n=0)
+COUNTS = {"torch_experts": 0, "runnable_sum": 0, "runnable_n": 0}
 
 
 def _running() -> int:
@@ -45,28 +40,10 @@ def _running() -> int:
     return 0
 
 
-def _timed_native(real):
-    def run_rows(self, gate_up, down, counts, x, weights, out):
-        t0 = time.perf_counter()
-        try:
-            return real(self, gate_up, down, counts, x, weights, out)
-        finally:
-            COUNTS["native_s"] += time.perf_counter() - t0
-            COUNTS["native_rows"] += sum(counts)
-            COUNTS["native_calls"] += 1
-
-    return run_rows
-
-
-def _timed_torch(real):
+def _counted_torch(real):
     def rows_of(store, layer, experts, begins, counts, x, scale, out):
-        t0 = time.perf_counter()
-        try:
-            return real(store, layer, experts, begins, counts, x, scale, out)
-        finally:
-            COUNTS["torch_s"] += time.perf_counter() - t0
-            COUNTS["torch_rows"] += sum(counts[e] for e in experts)
-            COUNTS["torch_experts"] += len(experts)
+        COUNTS["torch_experts"] += len(experts)
+        return real(store, layer, experts, begins, counts, x, scale, out)
 
     return rows_of
 
@@ -83,22 +60,20 @@ def _sampled(real):
 def _watching(init, seen):
     def watch_init(self, rt):
         init(self, rt)
-        self.cpu_paths = dict(COUNTS)
+        self.probe = dict(COUNTS)
 
     def watch_seen(self):
         out = seen(self)
-        diff = {k: COUNTS[k] - self.cpu_paths[k] for k in COUNTS}
+        diff = {k: COUNTS[k] - self.probe[k] for k in COUNTS}
         diff["runnable_mean"] = diff.pop("runnable_sum") / max(1, diff.pop("runnable_n"))
-        out["cpu_paths"] = diff
+        out["cpu_probe"] = diff
         return out
 
     return watch_init, watch_seen
 
 
 def main() -> None:
-    kernel = cpu_kernel.NativeExperts
-    kernel.run_rows = _timed_native(kernel.run_rows)
-    prefill_cpu._rows_of = _timed_torch(prefill_cpu._rows_of)
+    prefill_cpu._rows_of = _counted_torch(prefill_cpu._rows_of)
     prefill.run_cpu_experts = _sampled(prefill.run_cpu_experts)
     watch = replay._Watch
     watch.__init__, watch.seen = _watching(watch.__init__, watch.seen)

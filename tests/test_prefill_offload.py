@@ -26,6 +26,7 @@ from agentrt.offload.planner import (
     strategies_for,
     stream_plan,
 )
+from agentrt.offload.stats import PrefillTotals
 
 PROMPT = "def main():\n    print('hello')  # the agent edits files and runs tests\n" * 10
 
@@ -351,14 +352,17 @@ def test_cpu_experts_on_row_workers_equal_the_team_and_the_dense_model(
     x = torch.randn(sum(counts), store.hidden, dtype=store.dtype)
     scale = torch.rand(sum(counts), dtype=store.dtype)
     team, spread, workers = torch.zeros_like(x), torch.zeros_like(x), RowWorkers(3)
+    totals = PrefillTotals()
     try:
         with torch.inference_mode():
-            run_cpu_experts(store, None, layer, experts, counts, x, scale, team)
+            run_cpu_experts(store, None, layer, experts, counts, x, scale, team, None, totals)
             run_cpu_experts(store, None, layer, experts, counts, x, scale, spread, workers)
     finally:
         workers.close()
     torch.testing.assert_close(spread, team, rtol=1e-5, atol=1e-6)
     assert team.abs().sum() > 0
+    # without the native kernel every row is torch's (counted by path)
+    assert (totals.torch_rows, totals.native_rows) == (80, 0) and totals.torch_seconds > 0
 
 
 @pytest.mark.parametrize("plan", ["stream", "routed", "predicted", "reserve", "auto"])
@@ -459,6 +463,9 @@ def test_bench_prefill_reports_every_plan_against_its_floor():
         assert 0.0 <= host["cpu_input"] <= host["cpu"] and (host["cpu"] > 0) == (
             r["cpu_experts"] > 0
         )
+        paths = r["cpu_paths"]  # (the CPU side's time by path: within its whole time)
+        assert paths["native_s"] + paths["torch_s"] <= host["cpu"] + 1e-9
+        assert (paths["native_rows"] + paths["torch_rows"] > 0) == (r["cpu_experts"] > 0)
         # the profiled run's costliest functions, costliest first
         own = [f["own_ms"] for f in r["profile"]]
         assert len(own) == 30 and own == sorted(own, reverse=True) and own[0] > 0
@@ -589,7 +596,12 @@ def test_bf16_prefill_with_native_cpu_experts_stays_close_to_dense():
     kernel._guard.resting = False
     got = rt.engine.prefill(rt.engine.new_state(), ids, all_logits=True)
     assert (got - ref).abs().max().item() <= 1.5 * noise.max().item()
-    assert rt.engine.offload.prefill.totals.cpu > 0
+    totals = rt.engine.offload.prefill.totals
+    assert totals.cpu > 0
+    # every CPU pair counted once by its path, the few-row experts in the native kernel
+    assert totals.native_rows > 0 and totals.native_rows + totals.torch_rows == totals.cpu_pairs
+    paths = totals.since(PrefillTotals().as_dict())["cpu_paths"]
+    assert paths["native_rows"] == totals.native_rows and paths["native_s"] > 0
     assert kernel._guard.resting  # (decode's pool sent to sleep while prefill ran)
 
 

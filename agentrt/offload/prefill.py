@@ -475,7 +475,7 @@ class PrefillStreamer:
         out = torch.empty(x_host.shape, dtype=x_host.dtype, pin_memory=self.on_cuda)
         args = (self.store, self.cpu_kernel, layer, cpu_order(plan.cpu, counts), counts)
         with torch.inference_mode():
-            run_cpu_experts(*args, x_host, scale, out, self.row_workers)
+            run_cpu_experts(*args, x_host, scale, out, self.row_workers, self.totals)
         seconds = time.perf_counter() - t0
         self.uploads.from_host(out, ys.out[rows[0] : rows[1]])
         self.totals.cpu_seconds += seconds

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -121,13 +122,25 @@ def _rows_of(store, layer, experts, begins, counts, x, scale, out) -> None:
 
 
 def run_cpu_experts(
-    store: ExpertStore, kernel, layer: int, experts, counts, x, scale, out, workers=None
+    store: ExpertStore,
+    kernel,
+    layer: int,
+    experts,
+    counts,
+    x,
+    scale,
+    out,
+    workers=None,
+    totals=None,
 ):
     """`out[rows]` = weighted outputs of `experts` (of `layer`, in `cpu_order`) over their rows
     of `x` (`counts[e]` consecutive rows each); `kernel`: the native kernel, or None (torch's);
-    `workers`: `RowWorkers` for the experts torch computes, or None (torch's team)."""
+    `workers`: `RowWorkers` for the experts torch computes, or None (torch's team); `totals`
+    (`stats.PrefillTotals`, or None) counts each path's seconds and rows."""
+    t0 = time.perf_counter()
     if store.packed and kernel is not None:  # (packed rows: their own kernel)
         kernel.run_rows(layer, experts, counts, x, scale, out)
+        _count(totals, "native", t0, sum(counts[e] for e in experts))
         return
     kernel = kernel if store.plain else None  # (it computes bias-free SwiGLU experts only)
     native = [e for e in experts if kernel is not None and counts[e] <= NATIVE_MAX_ROWS]
@@ -140,12 +153,21 @@ def run_cpu_experts(
             gu, dn, [counts[e] for e in native], x[:split].contiguous(), weights, result
         )
         out[:split].copy_(result)
-    rest = list(experts[len(native) :])
+        _count(totals, "native", t0, split)
+    rest, t1 = list(experts[len(native) :]), time.perf_counter()
     if len(rest) > 1 and workers is not None:
         workers.run(store, layer, rest, counts, x[split:], scale[split:], out[split:])
     elif rest:
         begins = _begins(rest, counts)
         _rows_of(store, layer, rest, begins, counts, x[split:], scale[split:], out[split:])
+    if rest:
+        _count(totals, "torch", t1, sum(counts[e] for e in rest))
+
+
+def _count(totals, path: str, since: float, rows: int) -> None:
+    """Add a path's seconds since `since` and its rows to `totals` (None: nothing)."""
+    if totals is not None:
+        totals.add_cpu_path(path, time.perf_counter() - since, rows)
 
 
 def _expert_rows(store, layer: int, expert: int, x, scale, out) -> None:

@@ -55,6 +55,11 @@ class PrefillTotals:
     cpu_input_seconds: float = 0.0  # of which waiting for their inputs to arrive from the device
     wait_seconds: float = 0.0  # host time blocked at the layers' one sync (the routing)
     host_seconds: float = 0.0  # host time in the layers besides those two (plans, dispatch)
+    # the CPU experts by path: the native kernel's rows call, torch's matmuls (prefill_cpu)
+    native_seconds: float = 0.0
+    native_rows: int = 0
+    torch_seconds: float = 0.0
+    torch_rows: int = 0
     plans: Counter = field(default_factory=Counter)  # plan kind -> layers
 
     def add_layer(self, kind: str, copied: int, cpu: int, pairs: int, routed_missing: int) -> None:
@@ -65,6 +70,11 @@ class PrefillTotals:
         self.cpu += cpu
         self.pairs += pairs
         self.routed_missing += routed_missing
+
+    def add_cpu_path(self, path: str, seconds: float, rows: int) -> None:
+        """Count CPU experts run by `path` ("native" or "torch"): their seconds and rows."""
+        setattr(self, f"{path}_seconds", getattr(self, f"{path}_seconds") + seconds)
+        setattr(self, f"{path}_rows", getattr(self, f"{path}_rows") + rows)
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "plans"}
@@ -85,4 +95,9 @@ class PrefillTotals:
             "routed_missing": diff["routed_missing"],
             "plans": {k: v for k, v in plans.items() if v},
             "host_s": {k: diff[f"{k}_seconds"] for k in ("wait", "cpu", "cpu_input", "host")},
+            "cpu_paths": {
+                f"{path}_{unit}": diff[f"{path}_{key}"]
+                for path in ("native", "torch")
+                for unit, key in (("s", "seconds"), ("rows", "rows"))
+            },
         }
