@@ -32,9 +32,9 @@ from agentrt.offload.store import ExpertStore
 EXPERTS = 48
 
 
-def _store(hidden: int, inter: int) -> ExpertStore:
-    """One layer of `EXPERTS` bf16 experts with random weights."""
-    store = ExpertStore(range(1), EXPERTS, hidden, inter, dtype=torch.bfloat16, pin=False)
+def expert_layer(hidden: int, inter: int, pin: bool = False) -> ExpertStore:
+    """One layer of `EXPERTS` bf16 experts with random weights (in pinned memory with `pin`)."""
+    store = ExpertStore(range(1), EXPERTS, hidden, inter, dtype=torch.bfloat16, pin=pin)
     store.flat[0].copy_(torch.randn(store.flat[0].shape) * 0.02)
     return store
 
@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     h, i = args.hidden, args.inter
-    store = _store(h, i)
+    store = expert_layer(h, i)
     costs = Costs(store.expert_bytes, 1.0, args.cpu_gb_s * 1e9, CPU_FLOPS, 6.0 * i * h)
     workers = RowWorkers()
     result = {"threads": torch.get_num_threads(), "workers": workers.threads, "rows": {}}

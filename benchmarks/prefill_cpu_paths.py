@@ -20,20 +20,13 @@ import time
 
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
+from bench_cpu_prefill import EXPERTS, expert_layer  # noqa: E402
 
 from agentrt.offload.cpu_kernel import native_experts  # noqa: E402
 from agentrt.offload.prefill_cpu import _begins, _rows_of  # noqa: E402
 from agentrt.offload.store import ExpertStore  # noqa: E402
 
-EXPERTS, HIDDEN, INTER = 48, 2048, 512
-
-
-def _store() -> ExpertStore:
-    """One layer of random bf16 experts (pinned where CUDA is, as the engine's store)."""
-    pin = torch.cuda.is_available()
-    store = ExpertStore(range(1), EXPERTS, HIDDEN, INTER, dtype=torch.bfloat16, pin=pin)
-    store.flat[0].copy_(torch.randn(store.flat[0].shape) * 0.02)
-    return store
+HIDDEN, INTER = 2048, 512
 
 
 def _native(kernel, store: ExpertStore, rows: int, n: int = EXPERTS) -> float:
@@ -87,7 +80,9 @@ def _row(kernel, store: ExpertStore, rows: int) -> dict:
 
 def main() -> None:
     torch.manual_seed(0)
-    store, kernel = _store(), native_experts()
+    # (pinned where CUDA is, as the engine's store)
+    store = expert_layer(HIDDEN, INTER, pin=torch.cuda.is_available())
+    kernel = native_experts()
     if kernel is None:
         sys.exit("no native kernel here (no C compiler?): nothing to compare")
     with open("/proc/self/maps") as f:

@@ -107,8 +107,8 @@ class _Watch:
     and, with offloaded experts, what its prefill copied and ran on the CPU."""
 
     def __init__(self, rt) -> None:
-        offload = getattr(rt.engine, "offload", None)
-        self.totals = getattr(getattr(offload, "prefill", None), "totals", None)
+        streamer = getattr(rt.engine.offload, "prefill", None)  # (offloaded experts only)
+        self.totals = None if streamer is None else streamer.totals
         self.prefill = None if self.totals is None else self.totals.as_dict()
         self.cache = getattr(rt.reuse, "cache", None)
         self.pending = 0 if self.cache is None else self.cache.writes_pending
