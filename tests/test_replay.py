@@ -277,6 +277,10 @@ def test_bench_ttft_and_plot(small_trace, tmp_path):
         assert 0 < t["prepare_s"] and t["prepare_s"] + t["prefill_s"] <= row["ttft_s"]
         # what ran beside it: checkpoint writes (none offloaded: no prefill counters)
         assert t["writes_pending"] >= 0 and t["writer_s"] >= 0 and "offload" not in t
+        # no CUDA graph on the CPU: each decode step but the last sampled token's ran eagerly
+        assert t["eager_decode_steps"] == row["completion_tokens"] - 1
+        assert t["decode_captures"] == 0 and t["decode_capture_s"] == 0
+        assert "decode_offload" not in t
         if row["cached_tokens"] == 0:
             assert t["restore_source"] is None
     sources = {r["timings"]["restore_source"] for r in semantic if r["cached_tokens"]}
@@ -533,6 +537,10 @@ def test_bench_ttft_runs_every_offload_and_split_setting(small_trace, tmp_path):
         assert seen["copy_gb"] >= 0 and seen["routed_missing"] >= seen["cpu_experts"] >= 0
         assert set(seen["host_s"]) == {"wait", "cpu", "cpu_input", "host"}
         assert "writes_pending" not in row["timings"]  # (cache off: no writer)
+        steps = row["timings"]["decode_offload"]  # its decode steps' experts
+        assert {"copied", "cpu", "cpu_seconds", "host_steps"} <= set(steps)
+        assert min(steps.values()) >= 0  # (counted over the request: never negative)
+        assert row["timings"]["eager_decode_steps"] == row["completion_tokens"] - 1
 
 
 def test_bench_ttft_keeps_finished_settings_when_a_later_one_is_cut(monkeypatch, tmp_path):

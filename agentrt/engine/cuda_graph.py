@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ class DecodeGraph:
         self.device = device
         self.enabled = True
         self.current: _Captured | None = None
+        self.captures = 0  # steps captured (at start-up, between turns, or on a request's path)
+        self.capture_seconds = 0.0
 
     def _static_step(
         self, state: SequenceState, token: torch.Tensor, pos: torch.Tensor
@@ -166,8 +169,11 @@ class DecodeGraph:
         if self.current is not None and self.current.key == key:
             return self.current
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            t0 = time.perf_counter()
             try:
                 self.current = self._capture(state, key)
+                self.captures += 1
+                self.capture_seconds += time.perf_counter() - t0
                 return self.current
             except Exception as exc:  # noqa: BLE001 - any capture problem: retry, then eager
                 self.current = None

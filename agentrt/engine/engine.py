@@ -102,6 +102,7 @@ class Engine:
         self.offload = offload
         use_graphs = config.cuda_graphs and self.device.type == "cuda"
         self.decode_graph = DecodeGraph(model, self.device) if use_graphs else None
+        self.eager_decode_steps = 0  # decode steps run without the graph (CUDA: graphs failed)
         self.prefill_graphs = None  # (offloaded experts: prefill streams them, never replays)
         if config.prefill_graphs and self.device.type == "cuda" and offload is None:
             self.prefill_graphs = PrefillGraphs(model, self.device, reserve=self._graph_kv())
@@ -387,6 +388,7 @@ class Engine:
                     cache.reserve(state.num_tokens + 1, state.num_tokens)
                 logits = self.decode_graph.step(state, token_id)
             if logits is None:
+                self.eager_decode_steps += 1
                 hidden = self.model(self._tensor([token_id]), state.caches, state.num_tokens)
                 logits = self.model.logits(hidden)[0]
         state.token_ids.append(token_id)

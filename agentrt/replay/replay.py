@@ -15,7 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agentrt.errors import AgentrtError, InvalidArgumentError
@@ -77,6 +77,7 @@ def local_target(rt) -> Target:
             if ev.type == "done":
                 result = ev.result
         ttft = result.timings["ttft_s"]  # first sampled token, from the request's arrival
+        seen = watch.seen()
         t0 = time.perf_counter()  # (what an idle server does between turns: not in any TTFT)
         prepared = rt.prepare_ahead()
         ahead_s = time.perf_counter() - t0
@@ -94,7 +95,7 @@ def local_target(rt) -> Target:
                 "restore_source": result.restore_source,
                 # after the request: KV grown and graphs captured for the next turn (seconds)
                 "ahead_s": ahead_s if prepared else 0.0,
-                **watch.seen(),
+                **seen,
             },
         }
 
@@ -104,9 +105,14 @@ def local_target(rt) -> Target:
 class _Watch:
     """What ran beside a request on a local runtime: the checkpoint writes queued when it
     arrived and the writer's seconds until its response was out (it competes for the host),
-    and, with offloaded experts, what its prefill copied and ran on the CPU."""
+    with offloaded experts what its prefill copied and ran on the CPU, and the decode steps it
+    ran without a CUDA graph or paid a graph capture for (one-time work on its path)."""
 
     def __init__(self, rt) -> None:
+        self.engine = rt.engine
+        self.decode = _decode_counts(rt.engine)
+        self.steps = getattr(rt.engine.offload, "totals", None)  # (offloaded decode's counters)
+        self.before_steps = None if self.steps is None else asdict(self.steps)
         streamer = getattr(rt.engine.offload, "prefill", None)  # (offloaded experts only)
         self.totals = None if streamer is None else streamer.totals
         self.prefill = None if self.totals is None else self.totals.as_dict()
@@ -121,7 +127,22 @@ class _Watch:
             out["writer_s"] = self.cache.stats["write_seconds"] - self.written
         if self.totals is not None:
             out["offload"] = self.totals.since(self.prefill)
+        now = _decode_counts(self.engine)
+        out.update((k, now[k] - self.decode[k]) for k in now)
+        if self.steps is not None:
+            after = asdict(self.steps)
+            out["decode_offload"] = {k: v - self.before_steps[k] for k, v in after.items()}
         return out
+
+
+def _decode_counts(engine) -> dict[str, float]:
+    """The engine's decode steps run eagerly, and its decode-graph captures and their seconds."""
+    graph = engine.decode_graph
+    return {
+        "eager_decode_steps": engine.eager_decode_steps,
+        "decode_captures": 0 if graph is None else graph.captures,
+        "decode_capture_s": 0.0 if graph is None else graph.capture_seconds,
+    }
 
 
 # ----------------------------------------------------------------------------- HTTP endpoint
