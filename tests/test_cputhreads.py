@@ -160,3 +160,30 @@ main()
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(probe.read_text())[0] is False  # (a later call may follow the import)
+
+
+def test_the_state_cache_writer_counts_as_a_busy_helper_while_it_commits(tmp_path, monkeypatch):
+    """The writer thread's own CPU work (host copies, framing, the LMDB commit) counts among
+    `busy_helpers`, as its compression threads do: the native kernels' pool leaves it a core."""
+    from agentrt import Runtime
+    from agentrt.host.cputhreads import busy_helpers
+    from agentrt.statecache.config import StateCacheConfig
+    from agentrt.statecache.store import Store
+
+    seen: list[int] = []
+    put = Store.put_checkpoint
+
+    def counted_put(self, *args, **kwargs):
+        seen.append(busy_helpers())
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "put_checkpoint", counted_put)
+    config = StateCacheConfig(state_dir=tmp_path / "state", min_distance=0)
+    rt = Runtime.open("tiny", cache="semantic", state_cache=config)
+    try:
+        rt.chat([{"role": "user", "content": "hello there " * 40}], max_tokens=2)
+        rt.reuse.cache.flush()
+    finally:
+        rt.close()
+    assert seen and min(seen) >= 1
+    assert busy_helpers() == 0

@@ -1155,7 +1155,7 @@ def test_a_refill_keeps_the_ranking_a_later_resize_goes_by():
             cache.policy.touch((0, e))  # (expert 7 the most recent)
         cache.rebuild(6, lambda: None)
         assert cache.resizes == 1
-        cache.refill()
+        assert cache.refill() == 6 and cache.refilled == 6  # (all six dropped by the resize)
         assert [e for _, e in cache.ranked()] == [7, 6, 5, 4, 3, 2]
         cache.rebuild(3, lambda: None)
         assert [e for _, e in cache.pending] == [7, 6, 5]

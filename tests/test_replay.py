@@ -541,6 +541,7 @@ def test_bench_ttft_runs_every_offload_and_split_setting(small_trace, tmp_path):
         assert {"copied", "cpu", "cpu_seconds", "host_steps"} <= set(steps)
         assert min(steps.values()) >= 0  # (counted over the request: never negative)
         assert row["timings"]["eager_decode_steps"] == row["completion_tokens"] - 1
+        assert row["timings"]["cache_resizes"] >= 0 and row["timings"]["experts_refilled"] >= 0
 
 
 def test_bench_ttft_keeps_finished_settings_when_a_later_one_is_cut(monkeypatch, tmp_path):

@@ -4,9 +4,9 @@ CUDA-graph code lives here).
 The step runs the model in its static form (position in a device tensor, KV written with
 `index_copy_`, attention over the used part of the reserved capacity with the length in a device
 tensor: `layers.static_attention`), so every replay launches the same kernels on the same
-buffers. A graph is valid only for the exact cache buffers it was
-captured on; the key is their data pointers, so growing the KV buffers or switching to another
-`SequenceState` triggers a new capture (one graph is kept at a time). Any capture failure
+buffers. A graph is valid only for the exact cache buffers it was captured on; the key is their
+data pointers, so growing the KV buffers or switching to another `SequenceState` triggers a new
+capture (one graph is kept at a time, `DecodeGraph.captures` counts them). Any capture failure
 disables graphs for the engine and decode continues eagerly.
 
 Offloaded experts (and layers run on the CPU) need the host in the middle of a step: which experts
@@ -122,8 +122,7 @@ class DecodeGraph:
         self.device = device
         self.enabled = True
         self.current: _Captured | None = None
-        self.captures = 0  # steps captured (at start-up, between turns, or on a request's path)
-        self.capture_seconds = 0.0
+        self.captures, self.capture_seconds = 0, 0.0  # (at start-up, between turns, in a request)
 
     def _static_step(
         self, state: SequenceState, token: torch.Tensor, pos: torch.Tensor
@@ -183,10 +182,8 @@ class DecodeGraph:
         return None
 
     def step(self, state: SequenceState, token_id: int) -> torch.Tensor | None:
-        """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off).
-
-        KV capacity for the new position must already be reserved.
-        """
+        """Logits after feeding `token_id` at position `state.num_tokens` (None: graphs are off);
+        KV capacity for the new position must already be reserved."""
         cap = self._current_for(state)
         if cap is None:
             return None

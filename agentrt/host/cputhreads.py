@@ -13,12 +13,13 @@ team leaves the cores to the thread that launches the model's kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from agentrt.env import set_all, switched_off, variable
@@ -53,19 +54,28 @@ _busy_lock = threading.Lock()
 
 
 def busy_helpers() -> int:
-    """How many helper threads do CPU-heavy work right now (the state-cache writer's
-    compression): the CPU kernels' thread pool leaves them their cores meanwhile."""
+    """How many helper threads do CPU-heavy work right now (the state-cache writer committing
+    a checkpoint, its compression threads): the CPU kernels' thread pool leaves them their
+    cores meanwhile."""
     return _busy_helpers[0]
 
 
-def _counted(fn: Callable, *args, **kwargs):
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """Counts the calling thread among `busy_helpers` while inside (a helper thread's CPU work:
+    copies, checksums, a commit)."""
     with _busy_lock:
         _busy_helpers[0] += 1
     try:
-        return fn(*args, **kwargs)
+        yield
     finally:
         with _busy_lock:
             _busy_helpers[0] -= 1
+
+
+def _counted(fn: Callable, *args, **kwargs):
+    with busy():
+        return fn(*args, **kwargs)
 
 
 class HelperPool(ThreadPoolExecutor):

@@ -212,7 +212,7 @@ class PoolCalls:
 
     def active_threads(self) -> int:
         """The pool's threads a call takes now: all but one per helper thread busy with CPU
-        work (the state-cache writer compressing a checkpoint), at least one: a pool thread
+        work (the state-cache writer and its compression threads), at least one: a pool thread
         that the OS preempts for a helper holds the rest up at the next barrier."""
         return max(1, self.pool_threads - busy_helpers())
 

@@ -38,6 +38,7 @@ class ExpertCache:
         self.stats = {layer: LayerStats() for layer in store.layers}
         self.resizes = 0  # times the pool was rebuilt (elastic: KV took room from it)
         self.pending: list[Key] = []  # experts to copy back in after a resize (`refill`)
+        self.refilled = 0  # experts `refill` copied back in
         self._new_pool(num_slots, policy)
 
     def _new_pool(self, num_slots: int, policy: str) -> None:
@@ -117,6 +118,7 @@ class ExpertCache:
                     break
                 on_gpu = self.device.type == "cuda"
                 self.slot_rows[slot].copy_(self.store.flat[layer][expert], non_blocking=on_gpu)
+                self.refilled += 1
             self.policy.touch((layer, expert))
         return len(keys)
 

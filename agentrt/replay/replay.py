@@ -136,13 +136,17 @@ class _Watch:
 
 
 def _decode_counts(engine) -> dict[str, float]:
-    """The engine's decode steps run eagerly, and its decode-graph captures and their seconds."""
-    graph = engine.decode_graph
-    return {
+    """The engine's decode steps run eagerly, its decode-graph captures and their seconds, and
+    with offloaded experts the expert cache's resizes and the experts copied back after them."""
+    graph, cache = engine.decode_graph, getattr(engine.offload, "cache", None)
+    counts = {
         "eager_decode_steps": engine.eager_decode_steps,
         "decode_captures": 0 if graph is None else graph.captures,
         "decode_capture_s": 0.0 if graph is None else graph.capture_seconds,
     }
+    if cache is not None:
+        counts.update(cache_resizes=cache.resizes, experts_refilled=cache.refilled)
+    return counts
 
 
 # ----------------------------------------------------------------------------- HTTP endpoint

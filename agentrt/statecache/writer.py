@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrt.host.cputhreads import single_threaded
+from agentrt.host.cputhreads import busy, single_threaded
 from agentrt.statecache.codec import (
     Record,
     pack_parts,
@@ -197,13 +197,15 @@ class Writer:
         try:
             if job.region is not None:  # keep staged data only as long as needed
                 job.event.synchronize()
-                job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
-                job.window = [(k.clone(), v.clone()) for k, v in job.window]
-                # two copies, not two per layer (fewer GIL-held steps beside a request)
-                job.stacked = [t.clone() for t in job.stacked]
+                with busy():
+                    job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
+                    job.window = [(k.clone(), v.clone()) for k, v in job.window]
+                    # two copies, not two per layer (fewer GIL-held steps beside a request)
+                    job.stacked = [t.clone() for t in job.stacked]
         finally:
             self._release(job)
-        self._commit(job)
+        with busy():
+            self._commit(job)
         self.stats["write_seconds"] += time.perf_counter() - t0
 
     def _commit(self, job: _Job) -> None:
