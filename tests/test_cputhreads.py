@@ -121,6 +121,26 @@ def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to
     assert calls.active_threads() == 1
 
 
+def test_a_busy_thread_counts_once_and_not_while_it_waits_on_other_helpers():
+    """`busy` counts a thread once however deeply nested; inside it, `waiting` (the writer
+    waiting on its compression threads, which count themselves) uncounts it; outside any
+    `busy`, `waiting` changes nothing."""
+    from agentrt.host.cputhreads import busy, busy_helpers, waiting
+
+    before = busy_helpers()
+    with waiting():
+        assert busy_helpers() == before
+    with busy():
+        assert busy_helpers() == before + 1
+        with busy():
+            assert busy_helpers() == before + 1
+            with waiting():
+                assert busy_helpers() == before
+            assert busy_helpers() == before + 1
+        assert busy_helpers() == before + 1
+    assert busy_helpers() == before
+
+
 @pytest.mark.parametrize(
     "args",
     [

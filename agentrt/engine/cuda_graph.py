@@ -4,10 +4,9 @@ CUDA-graph code lives here).
 The step runs the model in its static form (position in a device tensor, KV written with
 `index_copy_`, attention over the used part of the reserved capacity with the length in a device
 tensor: `layers.static_attention`), so every replay launches the same kernels on the same
-buffers. A graph is valid only for the exact cache buffers it was captured on; the key is their
-data pointers, so growing the KV buffers or switching to another `SequenceState` triggers a new
-capture (one graph is kept at a time, `DecodeGraph.captures` counts them). Any capture failure
-disables graphs for the engine and decode continues eagerly.
+buffers. A graph is valid only for the cache buffers it was captured on (keyed by their data
+pointers): new KV buffers or another `SequenceState` mean a new capture (one graph kept at a time,
+counted by `DecodeGraph.captures`); a failed capture is tried once more, then decode runs eagerly.
 
 Offloaded experts (and layers run on the CPU) need the host in the middle of a step: which experts
 a token routed to decides what to copy and what to compute on the CPU. Such modules cut the
@@ -172,12 +171,13 @@ class DecodeGraph:
             try:
                 self.current = self._capture(state, key)
                 self.captures += 1
-                self.capture_seconds += time.perf_counter() - t0
                 return self.current
             except Exception as exc:  # noqa: BLE001 - any capture problem: retry, then eager
                 self.current = None
                 last = attempt == CAPTURE_ATTEMPTS
                 _failed("CUDA graph", exc, "decoding eagerly" if last else "capturing again")
+            finally:  # (failed attempts cost their time too)
+                self.capture_seconds += time.perf_counter() - t0
         self.enabled = False
         return None
 

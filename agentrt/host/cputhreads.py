@@ -51,6 +51,7 @@ def usable_cores() -> int:
 
 _busy_helpers = [0]  # helper threads in CPU-heavy work now (`HelperPool` tasks)
 _busy_lock = threading.Lock()
+_busy_depth = threading.local()  # per thread: how deep inside `busy` (0: not counted)
 
 
 def busy_helpers() -> int:
@@ -64,13 +65,35 @@ def busy_helpers() -> int:
 def busy() -> Iterator[None]:
     """Counts the calling thread among `busy_helpers` while inside (a helper thread's CPU work:
     copies, checksums, a commit)."""
-    with _busy_lock:
-        _busy_helpers[0] += 1
+    depth = getattr(_busy_depth, "n", 0)
+    _busy_depth.n = depth + 1
+    if depth == 0:
+        _count(1)
     try:
         yield
     finally:
-        with _busy_lock:
-            _busy_helpers[0] -= 1
+        _busy_depth.n = depth
+        if depth == 0:
+            _count(-1)
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Inside `busy`: the calling thread waits (on other helpers' results) and is not counted
+    meanwhile; elsewhere a no-op."""
+    counted = getattr(_busy_depth, "n", 0) > 0
+    if counted:
+        _count(-1)
+    try:
+        yield
+    finally:
+        if counted:
+            _count(1)
+
+
+def _count(delta: int) -> None:
+    with _busy_lock:
+        _busy_helpers[0] += delta
 
 
 def _counted(fn: Callable, *args, **kwargs):

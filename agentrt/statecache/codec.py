@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import zstandard
 
+from agentrt.host.cputhreads import waiting
 from agentrt.statecache.keys import BLOCK, FORMAT_VERSION
 
 MAGIC = b"ART1"
@@ -305,7 +306,8 @@ def pack_parts(
         framed = [_frame(group, level) for group in groups]
     else:
         futures = [pool.submit(_frame, group, level) for group in groups]
-        framed = [future.result() for future in futures]
+        with waiting():  # (the pool's threads count themselves while they work)
+            framed = [future.result() for future in futures]
     head = _PARTS_HEAD.pack(PARTS_MAGIC, len(framed))
     lengths = [_U64.pack(sum(map(len, pieces))) for pieces in framed]
     return _join([head, *lengths, *(piece for pieces in framed for piece in pieces)])

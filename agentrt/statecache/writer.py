@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrt.host.cputhreads import busy, single_threaded
+from agentrt.host.cputhreads import busy, single_threaded, waiting
 from agentrt.statecache.codec import (
     Record,
     pack_parts,
@@ -230,7 +230,8 @@ class Writer:
         level = self.config.compress_level
         packing = {ck: self._compress.submit(pack_tensors, t, level) for ck, t in chunks.items()}
         blob_payload = pack_parts(blob, level, pool=self._compress)  # beside the chunks
-        payloads.update((ck, future.result()) for ck, future in packing.items())
+        with waiting():
+            payloads.update((ck, future.result()) for ck, future in packing.items())
         for ck, payload in payloads.items():
             self.ram.put(ck, payload, len(payload))
         self.ram.put(job.key, (job.kind, blob_payload, job.pos), len(blob_payload))
