@@ -3,9 +3,10 @@ attention layers' bf16 KV, 30 linear layers' conv and recurrent fp32 states, ~63
 on the CPU: one checkpoint after CONTEXT tokens (all its KV chunks new), then COUNT more 150
 tokens apart (the blob and a new chunk now and then, as a replayed turn's are). Prints JSON:
 seconds per checkpoint in the writer (`write_s`), in framing the blob (`pack_parts`), in the
-LMDB put (`put_checkpoint`).
+LMDB put (`put_checkpoint`). With `staged`, the copies go through a staging ring as on CUDA
+(plain memory standing in for page-locked), so the writer works from its regions.
 
-    python benchmarks/writer_phases.py [CONTEXT] [COUNT]     (default 8192 8)
+    python benchmarks/writer_phases.py [CONTEXT] [COUNT] [staged]     (default 8192 8)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from agentrt.models.registry import config_of
 from agentrt.statecache import Boundaries, StateCache
 from agentrt.statecache.config import StateCacheConfig
 from agentrt.statecache.manager import layout_for
+from agentrt.statecache.staging import PinnedRing
 from agentrt.statecache.store import Store
 
 SPENT: collections.Counter[str] = collections.Counter()
@@ -42,7 +45,24 @@ def timed(name: str, fn):
     return wrapper
 
 
-def main(context: int = 8192, count: int = 8) -> None:
+class _Event:  # a CUDA event's stand-in: the staged copies are synchronous on the CPU
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _staging_ring(state: StateCache) -> None:
+    ring = PinnedRing.__new__(PinnedRing)
+    ring.capacity, ring.live, ring.lock = 2 << 30, collections.deque(), threading.Lock()
+    ring.buffer, ring.ready = torch.empty(ring.capacity, dtype=torch.uint8), threading.Event()
+    ring.ready.set()
+    torch.cuda.Event, torch.cuda.current_stream = _Event, lambda device=None: None
+    state._ring = ring
+
+
+def main(context: int = 8192, count: int = 8, staged: bool = False) -> None:
     cfg = config_of("synthetic:qwen3.5-35b-a3b")
     layout = layout_for(cfg, torch.bfloat16)
     kv = [
@@ -59,6 +79,8 @@ def main(context: int = 8192, count: int = 8) -> None:
         config = StateCacheConfig(state_dir=Path(tmp), min_distance=0, queue_size=100)
         bounds = Boundaries({"message_end": ((cfg.vocab_size - 1,),)})
         state = StateCache(config, b"w" * 16, "phases", layout, bounds, False, torch.device("cpu"))
+        if staged:
+            _staging_ring(state)
         rng = random.Random(0)
         ids = [rng.randrange(1000) for _ in range(context + 150 * count + 1)]
         for i in range(count + 1):
@@ -72,4 +94,4 @@ def main(context: int = 8192, count: int = 8) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    main(*(int(a) for a in sys.argv[1:3]), staged="staged" in sys.argv[3:])

@@ -1169,6 +1169,57 @@ def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monke
     sem.close()
 
 
+def test_the_writer_commits_straight_from_the_staging_ring(tmp_path, monkeypatch):
+    """Staged checkpoints (CUDA's pinned ring; plain memory stands in here) are framed straight
+    from their region, which is given back only after the commit: the stored payloads equal
+    those written without a ring, and the ring ends empty."""
+    import torch
+
+    from agentrt.statecache import StateCache
+    from agentrt.statecache.staging import PinnedRing
+
+    class Event:  # stands in for a CUDA event on this CPU-only run
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    def plain(self):
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        self.ready.set()
+
+    monkeypatch.setattr(PinnedRing, "_allocate", plain)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    live_at_commit: list[int] = []
+    commit = StateCache._commit
+
+    def watched(self, job):
+        live_at_commit.append(len(self._ring.live) if self._ring is not None else -1)
+        return commit(self, job)
+
+    monkeypatch.setattr(StateCache, "_commit", watched)
+    stored = []
+    for name, ring in (("plain", False), ("ring", True)):
+        rt = _semantic("tiny", tmp_path / name)
+        cache = rt.reuse.cache
+        if ring:
+            cache._ring = PinnedRing(64 * 2**20)
+            cache._ring.ready.wait()
+        for msgs in agent_requests("q", 300)[:2]:
+            rt.chat(msgs, tools=TOOLS, max_tokens=2)
+        cache.flush()
+        assert not ring or not cache._ring.live
+        stored.append(
+            {k: bytes(v[1] if isinstance(v, tuple) else v) for k, (v, _) in cache.ram.items.items()}
+        )
+        rt.close()
+    assert stored[0] and stored[0] == stored[1]
+    staged = [n for n in live_at_commit if n >= 0]  # (-1: the run without a ring)
+    assert staged and min(staged) >= 1  # (the region was still held while committing)
+
+
 def test_blob_parts_round_trip_and_reject_a_damaged_table():
     """A blob is several payloads (a restore decompresses them in parallel): together they give
     the tensors' bytes in order; a damaged part table or part is detected, never misread."""

@@ -193,19 +193,16 @@ class Writer:
         return [t[:, start : start + BLOCK] for pair in job.kv for t in pair]
 
     def _write(self, job: _Job) -> None:
+        """Commit a job straight from its staging region (framing copies what it keeps, so a
+        copy out of the ring first would move every byte once more), then give the region back."""
         t0 = time.perf_counter()
         try:
-            if job.region is not None:  # keep staged data only as long as needed
+            if job.region is not None:
                 job.event.synchronize()
-                with busy():
-                    job.kv = [(k.clone(), v.clone()) for k, v in job.kv]
-                    job.window = [(k.clone(), v.clone()) for k, v in job.window]
-                    # two copies, not two per layer (fewer GIL-held steps beside a request)
-                    job.stacked = [t.clone() for t in job.stacked]
+            with busy():
+                self._commit(job)
         finally:
             self._release(job)
-        with busy():
-            self._commit(job)
         self.stats["write_seconds"] += time.perf_counter() - t0
 
     def _commit(self, job: _Job) -> None:
