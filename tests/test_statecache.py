@@ -1128,16 +1128,13 @@ def test_store_reads_beside_writes_that_grow_the_map(tmp_path):
     store.close()
 
 
-def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monkeypatch):
-    """Every queued checkpoint is uncounted once written, and one that cannot be queued after
-    its copies were staged gives its staging region back (else the ring would fill for good)."""
-    import queue as queue_mod
-
+def _plain_staging(monkeypatch) -> None:
+    """CUDA's staging on this CPU-only run: plain memory for the pinned ring, a no-op event."""
     import torch
 
     from agentrt.statecache.staging import PinnedRing
 
-    class Event:  # stands in for a CUDA event on this CPU-only run
+    class Event:
         def record(self, stream=None):
             pass
 
@@ -1151,6 +1148,16 @@ def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monke
     monkeypatch.setattr(PinnedRing, "_allocate", plain)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+
+
+def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monkeypatch):
+    """Every queued checkpoint is uncounted once written, and one that cannot be queued after
+    its copies were staged gives its staging region back (else the ring would fill for good)."""
+    import queue as queue_mod
+
+    from agentrt.statecache.staging import PinnedRing
+
+    _plain_staging(monkeypatch)
     sem = _semantic("tiny", tmp_path / "state")
     cache = sem.reuse.cache
     sem.chat(agent_requests("q", 300)[0], tools=TOOLS, max_tokens=2)
@@ -1173,25 +1180,11 @@ def test_the_writer_commits_straight_from_the_staging_ring(tmp_path, monkeypatch
     """Staged checkpoints (CUDA's pinned ring; plain memory stands in here) are framed straight
     from their region, which is given back only after the commit: the stored payloads equal
     those written without a ring, and the ring ends empty."""
-    import torch
 
     from agentrt.statecache import StateCache
     from agentrt.statecache.staging import PinnedRing
 
-    class Event:  # stands in for a CUDA event on this CPU-only run
-        def record(self, stream=None):
-            pass
-
-        def synchronize(self):
-            pass
-
-    def plain(self):
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
-        self.ready.set()
-
-    monkeypatch.setattr(PinnedRing, "_allocate", plain)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    _plain_staging(monkeypatch)
     live_at_commit: list[int] = []
     commit = StateCache._commit
 
