@@ -92,7 +92,9 @@ def test_loaded_libraries_lists_what_this_process_mapped():
     assert loaded_libraries("no-such-library-name") == []
 
 
-def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to_them():
+def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to_them(
+    monkeypatch,
+):
     """`HelperPool` tasks (the state-cache writer's compression) count as busy helpers while
     they run, and the native kernels' pool then takes one thread fewer per busy helper."""
     import threading
@@ -113,6 +115,9 @@ def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to
         futures = [pool.submit(work) for _ in range(2)]
         started.wait()
         assert busy_helpers() == before + 2 and calls.active_threads() == max(1, 3 - before)
+        monkeypatch.setenv("AGENTRT_HELPERS_YIELD", "0")  # (for comparisons: all of them)
+        assert calls.active_threads() == 5
+        monkeypatch.delenv("AGENTRT_HELPERS_YIELD")
         release.set()
         for future in futures:
             future.result()

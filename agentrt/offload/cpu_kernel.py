@@ -213,8 +213,9 @@ class PoolCalls:
     def active_threads(self) -> int:
         """The pool's threads a call takes now: all but one per helper thread busy with CPU
         work (the state-cache writer and its compression threads), at least one: a pool thread
-        that the OS preempts for a helper holds the rest up at the next barrier."""
-        return max(1, self.pool_threads - busy_helpers())
+        that the OS preempts for a helper holds the rest up at the next barrier.
+        `AGENTRT_HELPERS_YIELD=0` keeps all of them (to compare the two)."""
+        return max(1, self.pool_threads - (0 if switched_off("HELPERS_YIELD") else busy_helpers()))
 
     def schedule(self, chunk: int) -> None:
         """How the pool's threads divide later calls: claims of `chunk` items from each
