@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Totals:
-    """Counters of offloaded decode steps (read by benchmarks)."""
+    """Counters of offloaded steps (read by benchmarks): decode's, but `streamed`, `cpu` and
+    `bytes_copied` also count the layer plans of prefill steps."""
 
     copied: int = 0
     cpu: int = 0
