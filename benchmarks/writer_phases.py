@@ -16,7 +16,6 @@ import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -53,13 +52,16 @@ class _Event:  # a CUDA event's stand-in: the staged copies are synchronous on t
         pass
 
 
-def _staging_ring(state: StateCache) -> None:
-    ring = PinnedRing.__new__(PinnedRing)
-    ring.capacity, ring.live, ring.lock = 2 << 30, collections.deque(), threading.Lock()
-    ring.buffer, ring.ready = torch.empty(ring.capacity, dtype=torch.uint8), threading.Event()
+def _plain_allocate(ring: PinnedRing) -> None:  # (plain memory: no page-locking on the CPU)
+    ring.buffer = torch.empty(ring.capacity, dtype=torch.uint8)
     ring.ready.set()
+
+
+def _staging_ring(state: StateCache) -> None:
+    PinnedRing._allocate = _plain_allocate
     torch.cuda.Event, torch.cuda.current_stream = _Event, lambda device=None: None
-    state._ring = ring
+    state._ring = PinnedRing(state.config.staging_bytes)
+    state._ring.ready.wait()
 
 
 def main(context: int = 8192, count: int = 8, staged: bool = False) -> None:

@@ -99,7 +99,7 @@ def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to
     they run, and the native kernels' pool then takes one thread fewer per busy helper."""
     import threading
 
-    from agentrt.host.cputhreads import HelperPool, busy_helpers
+    from agentrt.host.cputhreads import HelperPool, busy_helpers, helpers_yield
     from agentrt.offload.cpu_kernel import PoolCalls
 
     calls = PoolCalls()
@@ -116,8 +116,10 @@ def test_helper_pool_counts_its_running_tasks_and_the_cpu_kernels_pool_yields_to
         started.wait()
         assert busy_helpers() == before + 2 and calls.active_threads() == max(1, 3 - before)
         monkeypatch.setenv("AGENTRT_HELPERS_YIELD", "0")  # (for comparisons: all of them)
+        helpers_yield.cache_clear()
         assert calls.active_threads() == 5
         monkeypatch.delenv("AGENTRT_HELPERS_YIELD")
+        helpers_yield.cache_clear()
         release.set()
         for future in futures:
             future.result()

@@ -61,6 +61,13 @@ def busy_helpers() -> int:
     return _busy_helpers[0]
 
 
+@functools.cache
+def helpers_yield() -> bool:
+    """Whether the CPU kernels' pool leaves busy helpers their cores (`AGENTRT_HELPERS_YIELD=0`:
+    not, for comparisons); read once, as every offloaded decode host step asks."""
+    return not switched_off("HELPERS_YIELD")
+
+
 @contextlib.contextmanager
 def busy() -> Iterator[None]:
     """Counts the calling thread among `busy_helpers` while inside (a helper thread's CPU work:

@@ -45,7 +45,7 @@ import torch
 
 from agentrt.env import home_dir, setting, switched_off, variable
 from agentrt.errors import AgentrtError
-from agentrt.host.cputhreads import busy_helpers, usable_cores
+from agentrt.host.cputhreads import busy_helpers, helpers_yield, usable_cores
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.offload.config import CPU_KERNELS
 
@@ -215,7 +215,7 @@ class PoolCalls:
         work (the state-cache writer and its compression threads), at least one: a pool thread
         that the OS preempts for a helper holds the rest up at the next barrier.
         `AGENTRT_HELPERS_YIELD=0` keeps all of them (to compare the two)."""
-        return max(1, self.pool_threads - (0 if switched_off("HELPERS_YIELD") else busy_helpers()))
+        return max(1, self.pool_threads - (busy_helpers() if helpers_yield() else 0))
 
     def schedule(self, chunk: int) -> None:
         """How the pool's threads divide later calls: claims of `chunk` items from each
