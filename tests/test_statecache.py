@@ -1150,6 +1150,61 @@ def _plain_staging(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
 
 
+def test_a_write_commit_counts_its_thread_as_waiting_not_busy(tmp_path, monkeypatch):
+    """The commit of a write transaction waits on the disk (LMDB syncs the map's pages), so
+    the writer, counted busy around a checkpoint, is uncounted while it commits; the puts
+    before it still count."""
+    from agentrt.host.cputhreads import busy, busy_helpers
+    from agentrt.statecache.codec import Record
+
+    store = Store(tmp_path / "s", 2**30)
+    seen: dict[str, list[int]] = {"put": [], "commit": []}
+
+    class Txn:  # the real transaction, with the busy count noted at each put and the commit
+        def __init__(self, txn) -> None:
+            self.txn = txn
+
+        def __enter__(self):
+            self.txn.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.txn.__exit__(*exc)
+
+        def put(self, *args, **kwargs):
+            seen["put"].append(busy_helpers())
+            return self.txn.put(*args, **kwargs)
+
+        def commit(self):
+            seen["commit"].append(busy_helpers())
+            return self.txn.commit()
+
+        def __getattr__(self, name):
+            return getattr(self.txn, name)
+
+    class Env:
+        def __init__(self, env) -> None:
+            self.env = env
+
+        def begin(self, **kwargs):
+            return (
+                Txn(self.env.begin(**kwargs)) if kwargs.get("write") else self.env.begin(**kwargs)
+            )
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+    monkeypatch.setattr(store, "env", Env(store.env))
+    before = busy_helpers()
+    record = Record(b"fp", "t", 1, "message_end", [b"c"], 16, 4, 0.0, 0.0)
+    with busy():
+        assert store.put_checkpoint(b"k", record, {b"c": b"abcd"}, b"b" * 16) == "written"
+    assert seen["put"] and set(seen["put"]) == {before + 1}
+    assert seen["commit"] == [before]
+    assert store.has_record(b"k")
+    store.close()
+
+
 def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monkeypatch):
     """Every queued checkpoint is uncounted once written, and one that cannot be queued after
     its copies were staged gives its staging region back (else the ring would fill for good)."""

@@ -39,6 +39,13 @@ class Totals:
     warmed: int = 0
     warm_used: int = 0
 
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def since(self, before: dict) -> dict:
+        """Each counter's growth since `before` (an earlier `as_dict()`)."""
+        return {k: v - before[k] for k, v in self.__dict__.items()}
+
 
 @dataclass
 class PrefillTotals:

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrt.errors import AgentrtError, InvalidArgumentError
@@ -112,7 +112,7 @@ class _Watch:
         self.engine = rt.engine
         self.decode = _decode_counts(rt.engine)
         self.steps = getattr(rt.engine.offload, "totals", None)  # (offloaded decode's counters)
-        self.before_steps = None if self.steps is None else asdict(self.steps)
+        self.before_steps = None if self.steps is None else self.steps.as_dict()
         streamer = getattr(rt.engine.offload, "prefill", None)  # (offloaded experts only)
         self.totals = None if streamer is None else streamer.totals
         self.prefill = None if self.totals is None else self.totals.as_dict()
@@ -130,8 +130,7 @@ class _Watch:
         now = _decode_counts(self.engine)
         out.update((k, now[k] - self.decode[k]) for k in now)
         if self.steps is not None:
-            after = asdict(self.steps)
-            out["decode_offload"] = {k: v - self.before_steps[k] for k, v in after.items()}
+            out["decode_offload"] = self.steps.since(self.before_steps)
         return out
 
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import lmdb
 
 from agentrt.errors import AgentrtError
+from agentrt.host.cputhreads import waiting
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
 
@@ -182,7 +183,11 @@ class Store:
         for _ in range(64):
             try:
                 with self.shared.lock.shared(), self.env.begin(write=write, buffers=views) as txn:
-                    return fn(txn)
+                    out = fn(txn)
+                    if write:  # (the commit waits on the disk: its thread counts as no busy helper)
+                        with waiting():
+                            txn.commit()
+                    return out
             except lmdb.MapResizedError:
                 with self.shared.lock.alone():
                     self.env.set_mapsize(0)
