@@ -214,3 +214,34 @@ def test_the_state_cache_writer_counts_as_a_busy_helper_while_it_commits(tmp_pat
         rt.close()
     assert seen and min(seen) >= 1
     assert busy_helpers() == 0
+
+
+def test_helpers_nice_lowers_only_the_calling_threads_priority(monkeypatch):
+    """`AGENTRT_HELPERS_NICE=N`: a thread that runs `background_helper` runs N nice levels
+    lower; the thread that started it keeps its own; 0 (the default) changes nothing."""
+    import os
+    import threading
+
+    from agentrt.host import cputhreads
+
+    if not hasattr(os, "setpriority"):
+        pytest.skip("no per-thread priorities on this platform")
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def helper(label: str) -> None:
+        cputhreads.background_helper()
+        seen[label] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    for label, value in (("default", None), ("nice", "5"), ("bad", "x")):
+        cputhreads.helpers_nice.cache_clear()
+        if value is None:
+            monkeypatch.delenv("AGENTRT_HELPERS_NICE", raising=False)
+        else:
+            monkeypatch.setenv("AGENTRT_HELPERS_NICE", value)
+        thread = threading.Thread(target=helper, args=(label,))
+        thread.start()
+        thread.join()
+    cputhreads.helpers_nice.cache_clear()
+    assert seen == {"default": own, "nice": min(own + 5, 19), "bad": own}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own

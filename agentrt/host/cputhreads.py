@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from agentrt.env import set_all, switched_off, variable
+from agentrt.env import set_all, setting, switched_off, variable
 from agentrt.host.libs import loaded_libraries
 
 
@@ -125,6 +125,28 @@ def single_threaded() -> None:
     set_threads = _omp_set_num_threads()
     if set_threads is not None:
         set_threads(1)
+
+
+@functools.cache
+def helpers_nice() -> int:
+    """`AGENTRT_HELPERS_NICE=N`: how many nice levels below the rest of the process the
+    state-cache writer's threads run (0, the default: the same; for comparisons)."""
+    value = setting("HELPERS_NICE", "0")
+    try:
+        return max(0, min(19, int(value)))
+    except ValueError:
+        return 0
+
+
+def background_helper() -> None:
+    """A state-cache writer thread's setup: `single_threaded`, and with `helpers_nice` its own
+    nice level raised (Linux schedules threads one by one; elsewhere no change)."""
+    single_threaded()
+    nice = helpers_nice()
+    if nice and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 # Offloaded decode computes a token's CPU experts in bursts of well under a millisecond, one per

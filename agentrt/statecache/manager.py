@@ -28,7 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agentrt.host.cputhreads import HelperPool, keep_freed_buffers, single_threaded
+from agentrt.host.cputhreads import (
+    HelperPool,
+    background_helper,
+    keep_freed_buffers,
+    single_threaded,
+)
 from agentrt.models.config import ModelConfig
 from agentrt.models.kv import KVCache
 from agentrt.statecache.boundaries import Boundaries, choose_captures
@@ -117,7 +122,7 @@ class StateCache(Writer, Restorer):
         self._compress = HelperPool(  # (counted: the CPU kernels' pool yields them cores)
             max_workers=config.workers,
             thread_name_prefix="agentrt-compress",
-            initializer=single_threaded,
+            initializer=background_helper,
         )
         keep_freed_buffers()  # the writer's frees must not hold the GIL in munmap
         self._ring = PinnedRing.shared(config.staging_bytes) if device.type == "cuda" else None

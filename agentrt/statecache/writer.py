@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrt.host.cputhreads import busy, single_threaded, waiting
+from agentrt.host.cputhreads import background_helper, busy, waiting
 from agentrt.statecache.codec import (
     Record,
     pack_parts,
@@ -151,7 +151,7 @@ class Writer:
     # ------------------------------------------------------------------ writer thread
 
     def _write_loop(self) -> None:
-        single_threaded()  # its copies need no OpenMP team (see agentrt.host.cputhreads)
+        background_helper()  # its copies need no OpenMP team (see agentrt.host.cputhreads)
         while True:
             try:
                 job = self._queue.get(timeout=TOUCH_IDLE_S if self._touches else None)
