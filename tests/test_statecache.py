@@ -1205,6 +1205,74 @@ def test_a_write_commit_counts_its_thread_as_waiting_not_busy(tmp_path, monkeypa
     store.close()
 
 
+def _slow_decode(monkeypatch, sem: Runtime, seconds: float) -> list[tuple[int, int, bool]]:
+    """Each fed token takes `seconds` longer; returns, per token, the checkpoints written and
+    pending then and whether writes were resumed."""
+    cache, seen = sem.reuse.cache, []
+    after_token = sem.reuse.after_token
+
+    def slow(state):
+        time.sleep(seconds)
+        seen.append((cache.stats["write_written"], cache.writes_pending, cache._resume.is_set()))
+        return after_token(state)
+
+    monkeypatch.setattr(sem.reuse, "after_token", slow)
+    return seen
+
+
+def test_the_writer_holds_checkpoints_while_a_request_decodes(tmp_path, monkeypatch):
+    """The prefill's checkpoints wait while its request decodes (each token 0.1 s here, time
+    enough for the writer to store several) and are written once the response is out;
+    `AGENTRT_DECODE_HOLD=0` writes them meanwhile."""
+    from agentrt.statecache import writer
+
+    sem = _semantic("tiny", tmp_path / "state")
+    seen = _slow_decode(monkeypatch, sem, 0.1)
+    sem.chat(agent_requests("q", 300)[0], tools=TOOLS, max_tokens=6)
+    assert len(seen) == 5 and all(w == 0 and p > 0 and not r for w, p, r in seen)
+    sem.reuse.cache.flush()
+    assert sem.reuse.cache.stats["write_written"] > 0
+    assert sem.reuse.cache.stats["hold_overrun"] == 0
+    sem.close()
+
+    monkeypatch.setenv("AGENTRT_DECODE_HOLD", "0")
+    writer.decode_hold.cache_clear()
+    try:
+        sem = _semantic("tiny", tmp_path / "state2")
+        seen = _slow_decode(monkeypatch, sem, 0.1)
+        sem.chat(agent_requests("q", 300)[0], tools=TOOLS, max_tokens=6)
+        assert all(r for _, _, r in seen) and seen[-1][0] > 0
+        sem.close()
+    finally:
+        writer.decode_hold.cache_clear()
+
+
+def test_held_checkpoints_are_written_past_the_limit_or_with_the_queue_half_full(
+    tmp_path, monkeypatch
+):
+    """A hold never starves the writer: a checkpoint that waited `HOLD_LIMIT_S` is written
+    during the decode, as is every one once the queue is half full (counted as overruns)."""
+    from agentrt.statecache import writer
+
+    monkeypatch.setattr(writer, "HOLD_LIMIT_S", 0.2)
+    sem = _semantic("tiny", tmp_path / "state")
+    seen = _slow_decode(monkeypatch, sem, 0.15)
+    sem.chat(agent_requests("q", 300)[0], tools=TOOLS, max_tokens=8)
+    assert seen[-1][0] > 0 and sem.reuse.cache.stats["hold_overrun"] > 0
+    sem.close()
+
+    monkeypatch.setattr(writer, "HOLD_LIMIT_S", 30.0)
+    sem = Runtime.open(
+        "tiny",
+        cache="semantic",
+        state_cache=StateCacheConfig(state_dir=tmp_path / "s2", min_distance=0, queue_size=2),
+    )
+    seen = _slow_decode(monkeypatch, sem, 0.1)
+    sem.chat(agent_requests("q", 300)[0], tools=TOOLS, max_tokens=6)
+    assert seen[-1][0] > 0 and sem.reuse.cache.stats["hold_overrun"] > 0
+    sem.close()
+
+
 def test_queue_bookkeeping_is_undone_when_a_job_cannot_be_queued(tmp_path, monkeypatch):
     """Every queued checkpoint is uncounted once written, and one that cannot be queued after
     its copies were staged gives its staging region back (else the ring would fill for good)."""

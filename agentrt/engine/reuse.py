@@ -119,6 +119,7 @@ class SemanticReuse(PrefixReuse):
         self.deferred: list[tuple[Sequence[int], int, str]] = []
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
+        self.cache.resume_writes()  # (a request that ended without `after_generation`)
         kv_valid = common_prefix(state.token_ids, prompt)  # KV there can be kept (cut back)
         live = self.live_length(state, prompt, kv_valid)
         # device tier: boundaries captured in the live sequence's last prefill are still in
@@ -159,6 +160,7 @@ class SemanticReuse(PrefixReuse):
     def after_prefill(
         self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
     ) -> None:
+        self.cache.hold_writes()  # until the response is out: decode steps run faster alone
         self.deferred = []
         for pos, kind in positions.items():
             at, conv, rec = state.capture_for(pos)  # the prefill may have taken it earlier
@@ -177,6 +179,7 @@ class SemanticReuse(PrefixReuse):
         for the writer to make room (the prompt's KV and the captured linear states are still
         in `state` until its next prefill): a later turn needs them more than this one's end
         needs those seconds. What still does not fit is dropped, counted."""
+        self.cache.resume_writes()
         deadline = time.perf_counter() + DEFERRED_WAIT_S
         deferred, self.deferred = self.deferred, []
         for prompt, pos, kind in deferred:

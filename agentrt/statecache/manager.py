@@ -108,6 +108,8 @@ class StateCache(Writer, Restorer):
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
         self._queued: Counter[bytes] = Counter()  # checkpoint keys of queued jobs
         self._written = threading.Condition(self._lock)  # notified after each job
+        self._resume = threading.Event()  # cleared while a request decodes (`hold_writes`)
+        self._resume.set()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
         # hits on stored records not yet counted in LMDB (the writer stores them: `_touch`)
         self._touches: Counter[bytes] = Counter()
@@ -189,8 +191,9 @@ class StateCache(Writer, Restorer):
         return self._queue.unfinished_tasks
 
     def flush(self) -> None:
-        """Wait until every queued checkpoint is written."""
+        """Wait until every queued checkpoint is written (writes held are resumed)."""
         if not self._closed:
+            self.resume_writes()
             self._queue.join()
 
     def close(self) -> None:

@@ -78,6 +78,11 @@ class PinnedRing:
             else:  # out of order (a restore, another cache's writer): drop it where it is
                 self.live.remove(region)
 
+    def held_share(self) -> float:
+        """The share of the ring its live regions hold."""
+        with self.lock:
+            return sum(end - start for start, end in self.live) / max(self.capacity, 1)
+
     def views(self, region: tuple[int, int], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host tensors shaped like `tensors`, laid out one after another inside `region`."""
         out, offset = [], region[0]

@@ -4,6 +4,7 @@ LMDB transaction by the writer thread; the RAM tier keeps the payloads it wrote.
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections import Counter
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrt.env import switched_off
 from agentrt.host.cputhreads import background_helper, busy, waiting
 from agentrt.statecache.codec import (
     Record,
@@ -28,6 +30,18 @@ KNOWN_LIMIT = 1_000_000
 # seconds without a job after which the writer stores the hits counted (`_store_touches`)
 TOUCH_IDLE_S = 2.0
 
+# while a request decodes (`hold_writes`), the writer starts no checkpoint unless one has waited
+# this long or its queue or staging ring is half full: the checkpoint writes' CPU and memory
+# traffic slowed the decode steps beside them (the next turn reuses the live state meanwhile)
+HOLD_LIMIT_S = 30.0
+
+
+@functools.cache
+def decode_hold() -> bool:
+    """Whether the writer holds checkpoints while a request decodes (`AGENTRT_DECODE_HOLD=0`:
+    not, for comparisons); read once."""
+    return not switched_off("DECODE_HOLD")
+
 
 @dataclass
 class _Job:
@@ -43,6 +57,7 @@ class _Job:
     event: torch.cuda.Event | None
     region: tuple[int, int] | None = None  # pinned staging region holding kv/stacked
     new_chunks: list[bytes] = field(default_factory=list)
+    queued_at: float = field(default_factory=time.perf_counter)
 
     def linear(self) -> list[torch.Tensor]:
         """Per layer, the conv states, then the recurrent ones (views of `stacked`)."""
@@ -150,6 +165,26 @@ class Writer:
 
     # ------------------------------------------------------------------ writer thread
 
+    def hold_writes(self) -> None:
+        """A request decodes: the writer starts no checkpoint until `resume_writes` (see
+        `HOLD_LIMIT_S`); `AGENTRT_DECODE_HOLD=0` turns that off."""
+        if decode_hold():
+            self._resume.clear()
+
+    def resume_writes(self) -> None:
+        self._resume.set()
+
+    def _await_resume(self, job: _Job) -> None:
+        """Before writing `job`: wait while writes are held, up to `HOLD_LIMIT_S` after it was
+        queued and while the queue and the staging ring are under half full."""
+        while not self._resume.is_set():
+            left = job.queued_at + HOLD_LIMIT_S - time.perf_counter()
+            ring = self._ring.held_share() if self._ring is not None else 0.0
+            if left <= 0 or self._queue.qsize() * 2 >= self._queue.maxsize or ring >= 0.5:
+                self.stats["hold_overrun"] += 1
+                return
+            self._resume.wait(min(left, 0.05))
+
     def _write_loop(self) -> None:
         background_helper()  # its copies need no OpenMP team (see agentrt.host.cputhreads)
         while True:
@@ -162,6 +197,7 @@ class Writer:
                 if job is None:
                     self._guarded(self._store_touches)
                     return
+                self._await_resume(job)
                 self._guarded(self._write, job)
             finally:
                 if job is not None:
