@@ -10,12 +10,18 @@ This module imports nothing of agentrt: every layer may use it.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
 def setting(name: str, default: str | None = None) -> str | None:
     """`AGENTRT_<name>`, or `default`."""
     return os.environ.get(f"AGENTRT_{name}", default)
+
+
+def bad_setting(name: str, value: str, expected: str, fallback: str) -> None:
+    """Tell the user that `AGENTRT_<name>` holds `value`, not `expected`, and what runs instead."""
+    print(f"agentrt: AGENTRT_{name}={value!r} is not {expected}; {fallback}", file=sys.stderr)
 
 
 def switched_off(name: str) -> bool:

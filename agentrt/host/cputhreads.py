@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from agentrt.env import set_all, setting, switched_off, variable
+from agentrt.env import bad_setting, set_all, setting, switched_off, variable
 from agentrt.host.libs import loaded_libraries
 
 
@@ -135,6 +135,7 @@ def helpers_nice() -> int:
     try:
         return max(0, min(19, int(value)))
     except ValueError:
+        bad_setting("HELPERS_NICE", value, "a whole number", "the writer's threads run as the rest")
         return 0
 
 

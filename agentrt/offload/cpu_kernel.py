@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from agentrt.env import home_dir, setting, switched_off, variable
+from agentrt.env import bad_setting, home_dir, setting, switched_off, variable
 from agentrt.errors import AgentrtError
 from agentrt.host.cputhreads import busy_helpers, helpers_yield, usable_cores
 from agentrt.host.private import FILE_MODE, private_dir
@@ -100,10 +100,9 @@ def pool_spin_s() -> float:
     except ValueError:
         ms = -1.0
     if not 0 <= ms <= 10_000:
-        print(
-            f"agentrt: AGENTRT_POOL_SPIN_MS={value!r} is not a number of milliseconds from 0 "
-            f"to 10000; the CPU kernel's threads spin {SPIN_S * 1e3:g} ms",
-            file=sys.stderr,
+        expected = "a number of milliseconds from 0 to 10000"
+        bad_setting(
+            "POOL_SPIN_MS", value, expected, f"the CPU kernel's threads spin {SPIN_S * 1e3:g} ms"
         )
         return SPIN_S
     return ms / 1e3
