@@ -1047,33 +1047,36 @@ def test_scattered_decompression_fills_each_place_and_checks_the_data():
 
 def test_restore_waits_briefly_for_a_checkpoint_still_queued(tmp_path):
     """A checkpoint an earlier request queued applies even if the writer has not stored it yet
-    (the restore waits for it), but a writer that far behind never stalls a request for long."""
+    (the restore waits for it), but a writer that far behind never stalls a request for long,
+    and no restore waits for one whose state was taken no later than what it holds already."""
     import threading
 
     sem = _semantic("tiny", tmp_path / "state")
     cache = sem.reuse.cache
     with cache._lock:
-        cache._queued[b"k"] += 1
+        cache._queued[b"k"] = [300]
 
     written_at: list[float] = []
 
     def written() -> None:
         with cache._lock:
-            del cache._queued[b"k"]
+            cache._uncount(b"k", 300)
             written_at.append(time.perf_counter())
-            cache._written.notify_all()
 
     threading.Timer(0.2, written).start()
-    cache._await_queued([b"other", b"k"])
+    cache._await_queued([b"other", b"k"], min_pos=299)
     returned_at = time.perf_counter()
     assert written_at and written_at[0] <= returned_at and not cache._queued  # (it waited)
     assert cache.stats["waited_for_writer"] == 1
     with cache._lock:
-        cache._queued[b"stuck"] += 1
+        cache._queued[b"stuck"] = [300]
     t0 = time.perf_counter()
     cache._await_queued([b"stuck"], timeout=0.1)
     assert time.perf_counter() - t0 < 0.5  # gives up
     cache._await_queued([b"absent"])  # nothing queued: returns at once
+    t0 = time.perf_counter()
+    cache._await_queued([b"stuck"], min_pos=300)  # (taken early: the caller holds as much)
+    assert time.perf_counter() - t0 < 0.05
     assert cache.stats["waited_for_writer"] == 2
     with cache._lock:
         cache._queued.clear()

@@ -106,7 +106,8 @@ class StateCache(Writer, Restorer):
         self._known: set[bytes] = set()  # chunk keys present in LMDB
         self._known_at = 0  # the store's evictions when `_known` was last emptied
         self._pending: set[bytes] = set()  # chunk keys carried by queued jobs
-        self._queued: Counter[bytes] = Counter()  # checkpoint keys of queued jobs
+        # checkpoint keys of queued jobs -> the positions their states are at (`save(at=...)`)
+        self._queued: dict[bytes, list[int]] = {}
         self._written = threading.Condition(self._lock)  # notified after each job
         self._resume = threading.Event()  # cleared while a request decodes (`hold_writes`)
         self._resume.set()

@@ -84,7 +84,7 @@ class Restorer:
         self.dirty = False
         candidates = self.candidates(ids, min_pos)
         if self._queued:  # the writer has work queued: hash the candidates only then
-            self._await_queued([keys.key(pos) for pos, _ in candidates])
+            self._await_queued([keys.key(pos) for pos, _ in candidates], min_pos)
         for pos, kind in candidates:
             # once a failed candidate wrote into the caches, their KV is no longer the live one
             kv_ready = pos <= kv_valid and not self.dirty
@@ -146,15 +146,25 @@ class Restorer:
             self._touch(key)
         return Hit(pos, kind, source + ("+live_kv" if kv_ready else ""))
 
-    def _await_queued(self, keys: list[bytes], timeout: float = PENDING_WAIT_S) -> None:
-        """Wait (up to `timeout`) until no checkpoint among `keys` is still queued for writing:
-        one captured by an earlier request must apply even when the writer has not reached it."""
+    def _await_queued(
+        self, keys: list[bytes], min_pos: int = 0, timeout: float = PENDING_WAIT_S
+    ) -> None:
+        """Wait (up to `timeout`) until no checkpoint among `keys` that holds more than `min_pos`
+        tokens is still queued for writing: one captured by an earlier request must apply even
+        when the writer has not reached it. One whose state was taken at or before `min_pos`
+        (`save(at=...)`: the turn's end, captured on the chunk grid before it, which the device
+        tier holds already) would not apply, so no restore waits for it (a held writer's whole
+        work, otherwise, on the next turn's path)."""
         wanted = set(keys)
+
+        def useful_queued() -> bool:
+            return any(max(self._queued[k]) > min_pos for k in wanted & self._queued.keys())
+
         with self._written:
-            if not wanted & self._queued.keys():
+            if not useful_queued():
                 return
             self.stats["waited_for_writer"] += 1
-            self._written.wait_for(lambda: not wanted & self._queued.keys(), timeout)
+            self._written.wait_for(lambda: not useful_queued(), timeout)
 
     def _touch(self, key: bytes) -> None:
         """Count a hit on a stored record (from either tier: the eviction score ranks by hits).

@@ -90,20 +90,22 @@ class Writer:
         job.new_chunks = new
         with self._lock:  # counted before the writer can see the job (it uncounts it)
             self._pending.update(new)
-            self._queued[key] += 1
+            self._queued.setdefault(key, []).append(pos)
             try:
                 self._queue.put_nowait(job)  # never blocks, so holding the lock is fine
                 return "queued"
             except queue.Full:  # filled since the check above (by another thread)
                 self._pending.difference_update(new)
-                self._uncount(key)
+                self._uncount(key, pos)
         self._release(job)
         return "queue_full"
 
-    def _uncount(self, key: bytes) -> None:
-        """One queued job of `key` less (under `_lock`); wakes restores waiting for it."""
-        self._queued[key] -= 1
-        if self._queued[key] <= 0:
+    def _uncount(self, key: bytes, pos: int) -> None:
+        """One queued job of `key` (its state at `pos`) less (under `_lock`); wakes restores
+        waiting for it."""
+        positions = self._queued[key]
+        positions.remove(pos)
+        if not positions:
             del self._queued[key]
         self._written.notify_all()
 
@@ -203,7 +205,7 @@ class Writer:
                 if job is not None:
                     with self._lock:
                         self._pending.difference_update(job.new_chunks)
-                        self._uncount(job.key)
+                        self._uncount(job.key, job.pos)
                 self._queue.task_done()
 
     def _guarded(self, work, *args) -> None:
