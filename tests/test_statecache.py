@@ -1083,6 +1083,25 @@ def test_restore_waits_briefly_for_a_checkpoint_still_queued(tmp_path):
     sem.close()
 
 
+def test_lmdb_writes_through_write2_unless_asked_to_use_its_map(tmp_path, monkeypatch):
+    """Commits into LMDB's shared map slowed the threads computing beside them, so checkpoints
+    go through write(2); `AGENTRT_STATE_WRITEMAP=1` keeps the map for comparisons. Either way
+    a checkpoint reads back."""
+    from agentrt.statecache.codec import Record
+
+    for name, setting, expected in (("plain", None, False), ("mapped", "1", True)):
+        if setting is None:
+            monkeypatch.delenv("AGENTRT_STATE_WRITEMAP", raising=False)
+        else:
+            monkeypatch.setenv("AGENTRT_STATE_WRITEMAP", setting)
+        store = Store(tmp_path / name, 2**30)
+        assert store.env.flags()["writemap"] is expected
+        record = Record(b"fp", "t", 5, "message_end", [], 3, 0, 0.0, 0.0)
+        assert store.put_checkpoint(b"k", record, {}, b"abc") == "written"
+        assert store.get_record(b"k").n_tokens == 5
+        store.close()
+
+
 def test_store_reads_beside_writes_that_grow_the_map(tmp_path):
     """Threads reading (plain and parallel zero-copy reads) while another writes checkpoints
     large enough to grow the map several times: no error, no deadlock, nothing lost."""

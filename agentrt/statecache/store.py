@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from agentrt.env import setting
 from agentrt.errors import AgentrtError
 from agentrt.host.cputhreads import waiting
 from agentrt.host.private import FILE_MODE, private_dir
@@ -29,6 +30,17 @@ T = TypeVar("T")
 _U64 = struct.Struct("<Q")
 _MIN_MAP = 64 * 2**20
 _TOTAL = b"payload_bytes"
+
+
+def writemap() -> bool:
+    """Whether LMDB writes checkpoints into its shared map (`AGENTRT_STATE_WRITEMAP=1`, for
+    comparisons) instead of through its own pages and write(2), the default. Through the map,
+    a commit's writeback write-protects every page the checkpoint touched, in a map that every
+    thread of the process shares: the threads computing beside it (decode's CPU experts) ran
+    about a fifth slower on the CPU (`benchmarks/writer_neighbour.py`), against a few percent
+    through write(2), whose commits also took less time. Every process on one state directory
+    must use the same setting (LMDB's rule)."""
+    return setting("STATE_WRITEMAP") == "1"
 
 
 def _u64(value: bytes | None) -> int:
@@ -98,10 +110,9 @@ class _SharedEnv:
     registry_lock = threading.Lock()
 
     def __init__(self, path: Path, map_size: int) -> None:
-        # writemap: checkpoints are written into the map directly instead of through malloc'd
-        # pages and write(2); commits still sync data before the meta page (crash safe), and
-        # every process opening a state dir uses the same flag (LMDB requires that);
-        # data.mdb and lock.mdb are owner-only (checkpoints come from users' conversations)
+        # through write(2) unless `writemap()`; commits sync data before the meta page (crash
+        # safe); data.mdb and lock.mdb are owner-only (checkpoints come from users'
+        # conversations)
         try:
             self.env = lmdb.open(
                 str(path),
@@ -109,7 +120,7 @@ class _SharedEnv:
                 max_dbs=8,
                 max_readers=512,
                 subdir=True,
-                writemap=True,
+                writemap=writemap(),
                 mode=FILE_MODE,
             )
             # the named databases, opened once with the environment: opening one takes LMDB's
