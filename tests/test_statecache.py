@@ -1269,6 +1269,42 @@ def test_the_writer_holds_checkpoints_while_a_request_decodes(tmp_path, monkeypa
         writer.decode_hold.cache_clear()
 
 
+def test_the_writer_waits_out_each_prefill_and_catches_up_in_decode_without_idle_time(
+    tmp_path, monkeypatch
+):
+    """The writer starts no checkpoint beside a prefill. Checkpoints still pending when a
+    request arrives (it came straight after the last response: no idle time) are written while
+    it decodes; with idle time between the requests they were written then, and the next
+    request's checkpoints wait for its response again."""
+    sem = _semantic("tiny", tmp_path / "state")
+    cache, engine = sem.reuse.cache, sem.engine
+    write = cache._write
+    monkeypatch.setattr(cache, "_write", lambda job: (time.sleep(0.3), write(job)))
+    prefills: list[bool] = []  # per prefill: whether writes were resumed at its start
+    prefill = engine.prefill
+
+    def watched(*args, **kwargs):
+        prefills.append(cache._resume.is_set())
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", watched)
+    requests = agent_requests("q", 300)
+    seen = _slow_decode(monkeypatch, sem, 0.02)
+    sem.chat(requests[0], tools=TOOLS, max_tokens=4)
+    assert cache.writes_pending and not any(r for _, _, r in seen)  # held while decoding
+    seen.clear()
+    sem.chat(requests[1], tools=TOOLS, max_tokens=4)  # at once: the first turn's are pending
+    assert prefills == [False, False]  # (held beside both prefills)
+    assert seen and all(r for _, _, r in seen)  # caught up while the second one decoded
+    cache.flush()
+    seen.clear()
+    sem.chat(requests[2], tools=TOOLS, max_tokens=4)  # after idle time: nothing pending
+    assert not any(r for _, _, r in seen) and prefills[-1] is False
+    cache.flush()
+    assert cache.stats["write_written"] > 0 and cache.stats["hold_overrun"] == 0
+    sem.close()
+
+
 def test_held_checkpoints_are_written_past_the_limit_or_with_the_queue_half_full(
     tmp_path, monkeypatch
 ):

@@ -2,7 +2,8 @@
 Knows token ids only; imports models (and later offload/statecache), never sessions or text.
 """
 
-from agentrt.engine.engine import Cancelled, Engine, Generation, Timings
+from agentrt.engine.engine import Engine
+from agentrt.engine.generation import Cancelled, Generation, Timings
 from agentrt.engine.sampling import SamplingParams
 from agentrt.engine.state import SequenceState, Snapshot
 

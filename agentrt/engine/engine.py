@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.cuda_graph import DecodeGraph, PrefillGraphs, graph_kv_tokens
 from agentrt.engine.elastic import give_back_kv_room, grow_ahead, make_kv_room
+from agentrt.engine.generation import Cancelled, Generation
 from agentrt.engine.placement import kv_bytes_per_token
 from agentrt.engine.reuse import NoReuse, end_generation
 from agentrt.engine.sampling import SamplingParams, make_generator, sample
@@ -34,55 +34,6 @@ from agentrt.models.layers import CausalLM
 # first call), and a short one (the recurrent kernels)
 WARM_UP_PIECES = ((200, (100, 200)), (128, (100,)), (100, ()), (128, ()), (16, ()))
 WARM_UP_TOKENS = sum(n for n, _ in WARM_UP_PIECES)
-
-
-class Cancelled(Exception):
-    """The caller asked to stop (e.g. the HTTP client went away)."""
-
-
-@dataclass
-class Timings:
-    """Seconds. `prefill_s` runs from the start of state reuse to logits ready; `restore_s` is
-    its first part (finding + loading a checkpoint); `capture_s` is the host time spent queueing
-    new checkpoints after the prefill's kernels were launched (it overlaps their execution),
-    `capture_gpu_s` the device time of their device->host copies after the prefill's last
-    kernel (CUDA events; 0 on the CPU, where the copies are part of `capture_s`).
-    `prepare_s` runs from the request's start to the start of state reuse (rendering and
-    tokenizing; in the server, also the wait in its queue); `restore_wait_s` is the part of
-    `restore_s` spent waiting for the device."""
-
-    ttft_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    restore_s: float = 0.0
-    capture_s: float = 0.0
-    capture_gpu_s: float = 0.0
-    prepare_s: float = 0.0
-    restore_wait_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        """The public `timings` of a result (docs/architecture.md §2: exactly these three)."""
-        return {"ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
-
-    def parts(self) -> dict[str, float]:
-        """The other fields: where the time to the first token went (reuse, capture, ...)."""
-        public = self.as_dict()
-        return {k: v for k, v in asdict(self).items() if k not in public}
-
-
-@dataclass
-class Generation:
-    """Outcome of one generation: new tokens, why it stopped, state reuse, timings."""
-
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose state was reused, not recomputed
-    started_at: float | None = None  # perf_counter of the request's start (TTFT origin)
-    should_stop: Callable[[], bool] | None = None  # polled between prefill chunks and tokens
-    checkpoint: str | None = None  # kind of the reused state ("live", a boundary kind, "block")
-    restore_source: str | None = None  # where it came from: "live", "device", "ram", "lmdb"
-    timings: Timings = field(default_factory=Timings)
 
 
 class Engine:
@@ -420,6 +371,24 @@ class Engine:
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0
         start, gen.checkpoint = reuse.begin(state, prompt_ids)
+        try:  # (also when the caller stops reading or the request fails: held writes resume)
+            logits = self._prefill_turn(state, prompt_ids, start, gen, reuse, t0)
+            began = gen.started_at or t0
+            yield from self._decode_loop(state, logits, params, rng, gen, began, reuse)
+        finally:
+            end_generation(reuse, state)
+
+    def _prefill_turn(
+        self,
+        state: SequenceState,
+        prompt_ids: Sequence[int],
+        start: int,
+        gen: Generation,
+        reuse: NoReuse,
+        t0: float,
+    ) -> torch.Tensor:
+        """Prefill the prompt from `start` (what `reuse.begin` restored), hand its checkpoints
+        to `reuse`, and fill in the turn's restore and prefill timings; returns the logits."""
         gen.cached_tokens, gen.restore_source = start, reuse.source if start else None
         waited = time.perf_counter()
         self.synchronize()
@@ -436,13 +405,7 @@ class Engine:
         gen.timings.prefill_s = time.perf_counter() - t0
         if prefill_end is not None:
             gen.timings.capture_gpu_s = prefill_end.elapsed_time(capture_end) / 1000
-        began = gen.started_at or t0
-        try:
-            yield from self._decode_loop(state, logits, params, rng, gen, began, reuse)
-        except GeneratorExit:  # (the caller stopped reading: a stop token or string it found)
-            end_generation(reuse, state)
-            raise
-        end_generation(reuse, state)
+        return logits
 
     def _decode_loop(
         self, state, logits, params, rng, gen: Generation, t0: float, reuse

@@ -119,7 +119,7 @@ class SemanticReuse(PrefixReuse):
         self.deferred: list[tuple[Sequence[int], int, str]] = []
 
     def begin(self, state: SequenceState, prompt: Sequence[int]) -> tuple[int, str | None]:
-        self.cache.resume_writes()  # (a request that ended without `after_generation`)
+        self.cache.hold_writes()  # no checkpoint is started beside this request's prefill
         kv_valid = common_prefix(state.token_ids, prompt)  # KV there can be kept (cut back)
         live = self.live_length(state, prompt, kv_valid)
         # device tier: boundaries captured in the live sequence's last prefill are still in
@@ -160,13 +160,24 @@ class SemanticReuse(PrefixReuse):
     def after_prefill(
         self, state: SequenceState, prompt: Sequence[int], positions: dict[int, str]
     ) -> None:
-        self.cache.hold_writes()  # until the response is out: decode steps run faster alone
+        self._writes_during_decode()
         self.deferred = []
         for pos, kind in positions.items():
             at, conv, rec = state.capture_for(pos)  # the prefill may have taken it earlier
             self.cache.save(prompt, pos, kind, state.kv_caches(), conv, rec, at=at)
             if self.cache.last_full:  # the writer is behind: try again after the response
                 self.deferred.append((prompt, pos, kind))
+
+    def _writes_during_decode(self) -> None:
+        """The writer works while the host is idle: this prefill's checkpoints wait until the
+        response is out (decode steps run faster alone), unless checkpoints queued before this
+        request are still pending: they found no idle time between the requests (a replay, an
+        agent without tool time), so the writer catches up while this request decodes rather
+        than beside the next one's prefill."""
+        if self.cache.writes_pending:
+            self.cache.resume_writes()
+        else:
+            self.cache.hold_writes()
 
     def after_token(self, state: SequenceState) -> None:
         kind = self.cache.boundaries.ends_with(state.token_ids)

@@ -109,7 +109,7 @@ class StateCache(Writer, Restorer):
         # checkpoint keys of queued jobs -> the positions their states are at (`save(at=...)`)
         self._queued: dict[bytes, list[int]] = {}
         self._written = threading.Condition(self._lock)  # notified after each job
-        self._resume = threading.Event()  # cleared while a request decodes (`hold_writes`)
+        self._resume = threading.Event()  # cleared while writes are held (`hold_writes`)
         self._resume.set()
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
         # hits on stored records not yet counted in LMDB (the writer stores them: `_touch`)

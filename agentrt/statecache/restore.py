@@ -164,6 +164,8 @@ class Restorer:
             if not useful_queued():
                 return
             self.stats["waited_for_writer"] += 1
+        self.resume_writes()  # (held for this request's prefill: it needs them first)
+        with self._written:
             self._written.wait_for(lambda: not useful_queued(), timeout)
 
     def _touch(self, key: bytes) -> None:

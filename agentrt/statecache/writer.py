@@ -30,16 +30,17 @@ KNOWN_LIMIT = 1_000_000
 # seconds without a job after which the writer stores the hits counted (`_store_touches`)
 TOUCH_IDLE_S = 2.0
 
-# while a request decodes (`hold_writes`), the writer starts no checkpoint unless one has waited
-# this long or its queue or staging ring is half full: the checkpoint writes' CPU and memory
-# traffic slowed the decode steps beside them (the next turn reuses the live state meanwhile)
+# while writes are held (`hold_writes`: a request prefills, or decodes with no older checkpoint
+# pending), the writer starts no checkpoint unless one has waited this long or its queue or
+# staging ring is half full: the checkpoint writes' CPU and memory traffic slowed the prefill
+# and decode steps beside them (the next turn reuses the live state meanwhile)
 HOLD_LIMIT_S = 30.0
 
 
 @functools.cache
 def decode_hold() -> bool:
-    """Whether the writer holds checkpoints while a request decodes (`AGENTRT_DECODE_HOLD=0`:
-    not, for comparisons); read once."""
+    """Whether the writer holds checkpoints while a request runs (`AGENTRT_DECODE_HOLD=0`: it
+    writes whenever it has work, for comparisons); read once."""
     return not switched_off("DECODE_HOLD")
 
 
@@ -168,8 +169,9 @@ class Writer:
     # ------------------------------------------------------------------ writer thread
 
     def hold_writes(self) -> None:
-        """A request decodes: the writer starts no checkpoint until `resume_writes` (see
-        `HOLD_LIMIT_S`); `AGENTRT_DECODE_HOLD=0` turns that off."""
+        """A request runs: the writer starts no checkpoint until `resume_writes` (see
+        `HOLD_LIMIT_S`; a job already started finishes); `AGENTRT_DECODE_HOLD=0` turns that
+        off."""
         if decode_hold():
             self._resume.clear()
 
