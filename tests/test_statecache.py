@@ -1014,6 +1014,30 @@ def test_payloads_zstd_does_not_shrink_are_stored_raw_and_still_checked():
         unpack_scatter(raw, [row_bytes(place[:-1])], verify=False)
 
 
+def test_compressibility_is_judged_from_windows_across_the_whole_payload():
+    """The raw-or-zstd verdict samples windows spread over a payload's tensors, not its first
+    bytes: random values followed by many zeros compress, zeros followed by mostly random
+    values stay raw; the sample of a small payload is all of it."""
+    import torch
+
+    from agentrt.statecache.codec import MAGIC, RAW_MAGIC, SAMPLE_BYTES, _sample, pack_tensors
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(1 << 18, generator=g)  # 1 MiB of random fp32
+    zeros = torch.zeros(7 << 18)
+    first = bytes(pack_tensors([head, zeros]))
+    assert first[:4] == MAGIC and len(first) < (head.numel() + zeros.numel()) * 4 // 4
+    rest = torch.randn(7 << 18, generator=g)
+    assert bytes(pack_tensors([torch.zeros(1 << 18), rest]))[:4] == RAW_MAGIC
+    views = [memoryview(b"abc"), memoryview(b"de")]
+    assert _sample(views) == b"abcde"
+    big = bytes(range(256)) * (SAMPLE_BYTES // 64)  # four samples' worth, two views
+    sample = _sample([memoryview(big[:1000]), memoryview(big[1000:])])
+    width = SAMPLE_BYTES // 4
+    starts = [i * (len(big) - width) // 3 for i in range(4)]
+    assert sample == b"".join(big[s : s + width] for s in starts)
+
+
 def test_scattered_decompression_fills_each_place_and_checks_the_data():
     """A chunk decompresses straight into several places (its rows in the caches): the same
     bytes as one buffer, and a corrupt payload or places of the wrong total size are refused."""
