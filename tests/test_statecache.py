@@ -1028,10 +1028,11 @@ def test_compressibility_is_judged_from_windows_across_the_whole_payload():
     first = bytes(pack_tensors([head, zeros]))
     assert first[:4] == MAGIC and len(first) < (head.numel() + zeros.numel()) * 4 // 4
     rest = torch.randn(7 << 18, generator=g)
-    assert bytes(pack_tensors([torch.zeros(1 << 18), rest]))[:4] == RAW_MAGIC
+    assert bytes(pack_tensors([torch.zeros(1 << 13), rest]))[:4] == RAW_MAGIC
     views = [memoryview(b"abc"), memoryview(b"de")]
     assert _sample(views) == b"abcde"
-    big = bytes(range(256)) * (SAMPLE_BYTES // 64)  # four samples' worth, two views
+    big = torch.randint(0, 256, (4 * SAMPLE_BYTES,), generator=g, dtype=torch.uint8)
+    big = big.numpy().tobytes()  # four samples' worth, in two views
     sample = _sample([memoryview(big[:1000]), memoryview(big[1000:])])
     width = SAMPLE_BYTES // 4
     starts = [i * (len(big) - width) // 3 for i in range(4)]
@@ -1326,6 +1327,35 @@ def test_the_writer_waits_out_each_prefill_and_catches_up_in_decode_without_idle
     assert not any(r for _, _, r in seen) and prefills[-1] is False
     cache.flush()
     assert cache.stats["write_written"] > 0 and cache.stats["hold_overrun"] == 0
+    sem.close()
+
+
+def test_writes_held_for_a_request_resume_when_it_fails(tmp_path, monkeypatch):
+    """A request whose restore or prefill raises (or is cancelled) leaves no writes held: its
+    checkpoints, and earlier ones, are not kept waiting for `HOLD_LIMIT_S`."""
+    from agentrt.engine import Cancelled
+
+    sem = _semantic("tiny", tmp_path / "state")
+    cache, requests = sem.reuse.cache, agent_requests("q", 300)
+    sem.chat(requests[0], tools=TOOLS, max_tokens=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("restore failed")
+
+    def cancelled(*args, **kwargs):
+        raise Cancelled("cancelled during prefill")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, "restore_into", broken)
+        with pytest.raises(RuntimeError):
+            sem.chat(requests[1], tools=TOOLS, max_tokens=2)
+    assert cache._resume.is_set()
+    with monkeypatch.context() as patch:
+        patch.setattr(sem.engine, "prefill", cancelled)
+        sem.chat(requests[1], tools=TOOLS, max_tokens=2)  # (ends as cancelled, no error)
+    assert cache._resume.is_set()
+    cache.flush()
+    assert cache.stats["hold_overrun"] == 0
     sem.close()
 
 

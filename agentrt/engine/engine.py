@@ -370,8 +370,8 @@ class Engine:
         make_kv_room(self.offload, state, gen.prompt_tokens)  # before a restore grows the KV
         t0 = time.perf_counter()
         gen.timings.prepare_s = t0 - gen.started_at if gen.started_at is not None else 0.0
-        start, gen.checkpoint = reuse.begin(state, prompt_ids)
         try:  # (also when the caller stops reading or the request fails: held writes resume)
+            start, gen.checkpoint = reuse.begin(state, prompt_ids)
             logits = self._prefill_turn(state, prompt_ids, start, gen, reuse, t0)
             began = gen.started_at or t0
             yield from self._decode_loop(state, logits, params, rng, gen, began, reuse)

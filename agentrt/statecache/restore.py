@@ -164,9 +164,12 @@ class Restorer:
             if not useful_queued():
                 return
             self.stats["waited_for_writer"] += 1
-        self.resume_writes()  # (held for this request's prefill: it needs them first)
+        held = not self._resume.is_set()  # (for this request's prefill: it needs them first)
+        self.resume_writes()
         with self._written:
             self._written.wait_for(lambda: not useful_queued(), timeout)
+        if held:
+            self.hold_writes()
 
     def _touch(self, key: bytes) -> None:
         """Count a hit on a stored record (from either tier: the eviction score ranks by hits).

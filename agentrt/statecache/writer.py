@@ -204,11 +204,13 @@ class Writer:
                 self._await_resume(job)
                 self._guarded(self._write, job)
             finally:
-                if job is not None:
-                    with self._lock:
-                        self._pending.difference_update(job.new_chunks)
-                        self._uncount(job.key, job.pos)
-                self._queue.task_done()
+                try:
+                    if job is not None:
+                        with self._lock:
+                            self._pending.difference_update(job.new_chunks)
+                            self._uncount(job.key, job.pos)
+                finally:  # (else `flush` and `close` would wait for it forever)
+                    self._queue.task_done()
 
     def _guarded(self, work, *args) -> None:
         """Run `work(*args)`; count and remember what it raises (the writer survives any
