@@ -8,22 +8,23 @@
 # 16 GiB budget, 8K chunks, the first REQUESTS (default 14) requests of the marshmallow-1343
 # mini-swe-agent trace with earlier reasoning dropped, 8 tokens each. Prepare as for
 # gpu_ttft.sh (`bash benchmarks/gpu_ttft.sh prepare`, carry .whl .tok .traces-dev and
-# optionally .triton-cache.tgz). Env: LIMIT (seconds per process, default 230).
+# optionally .triton-cache.tgz, without which the first process compiles fla's kernels). The
+# time limits keep all of it within one 10-minute device call.
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader
 trace=$(ls .traces-dev/msa/*1343*.zst)
-replay() {  # NAME CACHE [VAR=VALUE ...]
-  local name=$1 cache=$2; shift 2
-  env "$@" timeout "${LIMIT:-230}" python3 -m agentrt.cli bench ttft "$trace" \
+replay() {  # NAME CACHE SECONDS [VAR=VALUE ...]
+  local name=$1 cache=$2 limit=$3; shift 3
+  env "$@" timeout "$limit" python3 -m agentrt.cli bench ttft "$trace" \
     --model synthetic:qwen3.5-35b-a3b --device cuda --tokenizer .tok/qwen3 \
     --chat-template .tok/qwen3/chat_template.qwen3-hybrid-thinking.jinja --variants dropped \
     --prefill-chunk 8192 --max-tokens 8 --max-requests "${REQUESTS:-14}" --vram-budget 16GiB \
     --cache "$cache" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$?"
 }
-replay defaults semantic,off
-replay no-hold semantic AGENTRT_DECODE_HOLD=0
-replay no-hold-writemap semantic AGENTRT_DECODE_HOLD=0 AGENTRT_STATE_WRITEMAP=1
+replay defaults semantic,off 220
+replay no-hold semantic 140 AGENTRT_DECODE_HOLD=0
+replay no-hold-writemap semantic 140 AGENTRT_DECODE_HOLD=0 AGENTRT_STATE_WRITEMAP=1
 python3 benchmarks/ttft_decode_rows.py "$OUT"/*.json | tee "$OUT/decode_rows.jsonl"
-timeout 60 python3 benchmarks/writer_neighbour.py 4 2 | tee "$OUT/neighbour.json"
+timeout 50 python3 benchmarks/writer_neighbour.py 4 2 | tee "$OUT/neighbour.json"
