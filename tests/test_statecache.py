@@ -1127,6 +1127,51 @@ def test_lmdb_writes_through_write2_unless_asked_to_use_its_map(tmp_path, monkey
         store.close()
 
 
+def test_a_process_adopts_the_lmdb_mode_another_process_uses_on_the_directory(
+    tmp_path, monkeypatch, capfd
+):
+    """LMDB must not be opened with and without its writable map on one directory at once: a
+    process that finds another one using the map on its directory uses the map too (and says
+    so); once that process is gone, the default (write(2)) applies again."""
+    from agentrt.statecache.codec import Record
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+            import sys
+            from agentrt.statecache.store import Store
+            store = Store(__import__("pathlib").Path({str(tmp_path)!r}), 2**30)
+            assert store.env.flags()["writemap"]
+            print("open", flush=True)
+            sys.stdin.readline()
+            store.close()
+        """),
+        ],
+        env={**os.environ, "AGENTRT_STATE_WRITEMAP": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        monkeypatch.delenv("AGENTRT_STATE_WRITEMAP", raising=False)
+        store = Store(tmp_path, 2**30)
+        assert store.env.flags()["writemap"] is True
+        assert "through its shared map; this one does too" in capfd.readouterr().err
+        record = Record(b"fp", "t", 5, "message_end", [], 3, 0, 0.0, 0.0)
+        assert store.put_checkpoint(b"k", record, {}, b"abc") == "written"
+        store.close()
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert holder.returncode == 0
+    store = Store(tmp_path, 2**30)
+    assert store.env.flags()["writemap"] is False
+    assert store.get_record(b"k").n_tokens == 5
+    store.close()
+
+
 def test_store_reads_beside_writes_that_grow_the_map(tmp_path):
     """Threads reading (plain and parallel zero-copy reads) while another writes checkpoints
     large enough to grow the map several times: no error, no deadlock, nothing lost."""

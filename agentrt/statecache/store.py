@@ -20,27 +20,16 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from agentrt.env import setting
 from agentrt.errors import AgentrtError
 from agentrt.host.cputhreads import waiting
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
+from agentrt.statecache.mapmode import MapMode, writemap
 
 T = TypeVar("T")
 _U64 = struct.Struct("<Q")
 _MIN_MAP = 64 * 2**20
 _TOTAL = b"payload_bytes"
-
-
-def writemap() -> bool:
-    """Whether LMDB writes checkpoints into its shared map (`AGENTRT_STATE_WRITEMAP=1`, for
-    comparisons) instead of through its own pages and write(2), the default. Through the map,
-    a commit's writeback write-protects every page the checkpoint touched, in a map that every
-    thread of the process shares: the threads computing beside it (decode's CPU experts) ran
-    about a fifth slower on the CPU (`benchmarks/writer_neighbour.py`), against a few percent
-    through write(2), whose commits also took less time. Every process on one state directory
-    must use the same setting (LMDB's rule)."""
-    return setting("STATE_WRITEMAP") == "1"
 
 
 def _u64(value: bytes | None) -> int:
@@ -110,9 +99,10 @@ class _SharedEnv:
     registry_lock = threading.Lock()
 
     def __init__(self, path: Path, map_size: int) -> None:
-        # through write(2) unless `writemap()`; commits sync data before the meta page (crash
-        # safe); data.mdb and lock.mdb are owner-only (checkpoints come from users'
-        # conversations)
+        # through write(2) unless `writemap()` (or another process on the directory uses the
+        # map); commits sync data before the meta page (crash safe); data.mdb and lock.mdb are
+        # owner-only (checkpoints come from users' conversations)
+        self.mode = MapMode(path, writemap())
         try:
             self.env = lmdb.open(
                 str(path),
@@ -120,7 +110,7 @@ class _SharedEnv:
                 max_dbs=8,
                 max_readers=512,
                 subdir=True,
-                writemap=writemap(),
+                writemap=self.mode.writemap,
                 mode=FILE_MODE,
             )
             # the named databases, opened once with the environment: opening one takes LMDB's
@@ -128,6 +118,7 @@ class _SharedEnv:
             # running on another thread of this process (a second Store on the directory, say)
             self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
         except lmdb.Error as exc:
+            self.mode.release()
             raise AgentrtError(f"cannot open the state cache in {path}: {exc}") from None
         self.lock = _ResizeLock()
         self.users = 0
@@ -148,6 +139,7 @@ class _SharedEnv:
             if self.users == 0:
                 self.opened.pop(str(path.resolve()), None)
                 self.env.close()
+                self.mode.release()
 
 
 class Store:
