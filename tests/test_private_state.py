@@ -47,7 +47,8 @@ def test_state_dir_and_lmdb_files_are_private(tmp_path, umask):
     state = tmp_path / "home" / "state"
     Store(state, 2**20).close()
     assert _mode(tmp_path / "home") == 0o700
-    assert {p.name for p in state.iterdir()} == {"data.mdb", "lock.mdb"}
+    locks = {"mode.lock", "mode-map.lock", "mode-write.lock"}  # one LMDB commit mode per directory
+    assert {p.name for p in state.iterdir()} == {"data.mdb", "lock.mdb", *locks}
     _assert_private_tree(state)
 
 
