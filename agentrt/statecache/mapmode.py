@@ -38,7 +38,10 @@ class MapMode:
     def __init__(self, path: Path, wanted: bool) -> None:
         self.writemap = wanted
         self._fd: int | None = None
-        guard = _open(path / "mode.lock")
+        try:
+            guard = _open(path / "mode.lock")
+        except OSError:  # a read-only directory, say: LMDB's own open reports what it can
+            return
         try:
             fcntl.flock(guard, fcntl.LOCK_EX)
             if _held_by_others(path, not wanted):
@@ -47,9 +50,7 @@ class MapMode:
             self._fd = _open(_lock_path(path, self.writemap))
             fcntl.flock(self._fd, fcntl.LOCK_SH)
         except OSError:  # a file system without flock: LMDB's rule is the user's to keep
-            if self._fd is not None:
-                os.close(self._fd)
-            self._fd = None
+            self.release()
         finally:
             os.close(guard)  # closing the descriptor releases its lock
 
