@@ -9,7 +9,8 @@
 # mini-swe-agent trace with earlier reasoning dropped, 8 tokens each. Prepare as for
 # gpu_ttft.sh (`bash benchmarks/gpu_ttft.sh prepare`, carry .whl .tok .traces-dev and
 # optionally .triton-cache.tgz, without which the first process compiles fla's kernels). The
-# time limits keep all of it within one 10-minute device call.
+# time limits keep all of it within one 10-minute device call. Arguments name the runs to make
+# (default: defaults no-hold no-hold-writemap), for a call with less device time left.
 set -u
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -23,8 +24,15 @@ replay() {  # NAME CACHE SECONDS [VAR=VALUE ...]
     --cache "$cache" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$?"
 }
-replay defaults semantic,off 220
-replay no-hold semantic 140 AGENTRT_DECODE_HOLD=0
-replay no-hold-writemap semantic 140 AGENTRT_DECODE_HOLD=0 AGENTRT_STATE_WRITEMAP=1
+runs=("$@")
+[ $# -gt 0 ] || runs=(defaults no-hold no-hold-writemap)
+for run in "${runs[@]}"; do
+  case $run in
+    defaults) replay defaults semantic,off 220 ;;
+    no-hold) replay no-hold semantic 140 AGENTRT_DECODE_HOLD=0 ;;
+    no-hold-writemap) replay no-hold-writemap semantic 140 AGENTRT_DECODE_HOLD=0 AGENTRT_STATE_WRITEMAP=1 ;;
+    *) echo "unknown run: $run" >&2; exit 2 ;;
+  esac
+done
 python3 benchmarks/ttft_decode_rows.py "$OUT"/*.json | tee "$OUT/decode_rows.jsonl"
 timeout 50 python3 benchmarks/writer_neighbour.py 4 2 | tee "$OUT/neighbour.json"
