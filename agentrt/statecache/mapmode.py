@@ -11,10 +11,14 @@ use and says so once on stderr. The check and the lock are taken under an exclus
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): LMDB's rule is the user's to keep
+    fcntl = None  # type: ignore[assignment]
 
 from agentrt.env import setting
 from agentrt.host.private import FILE_MODE
@@ -38,6 +42,8 @@ class MapMode:
     def __init__(self, path: Path, wanted: bool) -> None:
         self.writemap = wanted
         self._fd: int | None = None
+        if fcntl is None:
+            return
         try:
             guard = _open(path / "mode.lock")
         except OSError:  # a read-only directory, say: LMDB's own open reports what it can
