@@ -175,7 +175,7 @@ def _sample(views: Sequence[memoryview]) -> bytes:
     evenly from its start to its end, `SAMPLE_BYTES` in all; the whole of a smaller payload."""
     total = sum(v.nbytes for v in views)
     if total <= SAMPLE_BYTES:
-        return b"".join(bytes(v) for v in views)
+        return _read(views, 0, total)
     width = SAMPLE_BYTES // SAMPLE_WINDOWS
     starts = (i * (total - width) // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS))
     return b"".join(_read(views, start, width) for start in starts)
