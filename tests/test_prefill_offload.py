@@ -281,6 +281,9 @@ def test_auto_never_tries_routed_on_chunks_past_its_largest():
     largest = size_class(ROUTED_MAX_TOKENS)
     assert strategies_for(largest) == ("reserve", "routed")
     assert strategies_for(size_class(ROUTED_MAX_TOKENS + 1)) == ("reserve",)
+    # (a trial of `routed` on a 1.4-1.5K-token suffix made a replay's slowest turns)
+    assert strategies_for(size_class(1400)) == ("reserve",)
+    assert strategies_for(size_class(512)) == ("reserve", "routed")
     clock, at = PassClock(strategies_for), 0.0
     for size in (largest, largest + 1, size_class(8192)):
         picks = []

@@ -173,12 +173,14 @@ def plan_ahead(num_missing: int, predicted_s: float | None, routed_s: float, cos
 # cost) and the routed one (copies wait for the routing, unrouted experts are never copied:
 # short suffixes)
 STRATEGIES = ("reserve", "routed")
-# chunks of more tokens than this run `reserve` without trying `routed`: past it a chunk routes
-# 64 or more pairs to each expert on average, so `routed` copies the same experts later (it
-# waits for the routing) and gains nothing on the CPU side; timed on H100 hosts it was 5-15%
-# slower than `reserve` for every 4K and 8K chunk measured (6-13% for 2K-token suffixes, which
-# still try it), and a trial of it costs one request that much
-ROUTED_MAX_TOKENS = 2048
+# chunks of more tokens than this run `reserve` without trying `routed`: a chunk of over 1,024
+# tokens routes 32 or more pairs to each expert on average, so `routed` copies nearly the same
+# experts later (it waits for the routing) and gains little on the CPU side. Timed on H100
+# hosts it was 5-15% slower than `reserve` for every 4K and 8K chunk measured and 6-13% for
+# 2K-token suffixes, and in a replay of agent turns its trials on 1.4-1.5K-token suffixes were
+# the session's slowest turns (1.12 s and 1.62 s, about 1.5x a `reserve` turn of that size): a
+# trial costs a user's request, so only sizes where it has won are tried
+ROUTED_MAX_TOKENS = 1024
 EXPLORE_EVERY = 16  # every this many passes of a size, auto takes the runner-up once
 # another strategy displaces the first (reserve: its copies never wait for the routing, so it
 # suffers least where conditions change) only when measured this much faster: one pass of each
