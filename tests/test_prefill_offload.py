@@ -490,6 +490,29 @@ def test_bench_prefill_profiles_only_when_asked():
     assert "profile" not in report["runs"][0] and report["profile_gb_s"]["copy"] > 0
 
 
+def test_bench_prefill_times_a_plan_listed_twice_again_under_its_own_name():
+    """A plan listed again is timed again in its own engine, its rows named `PLAN#2`, so a
+    plan's time can be told from its place in the order; the best fixed plan of a row counts
+    the faster of a fixed plan's two timings."""
+    from agentrt.bench.prefill import _named, _ratios, offload_prefill
+
+    report = offload_prefill(
+        "tiny", "cpu", None, None, ["routed", "stream", "routed"], [32], [], 0, 32,
+        repeat=1, slots=10, resident=False,
+    )  # fmt: skip
+    assert [r["plan"] for r in report["runs"]] == ["routed", "stream", "routed#2"]
+    assert set(report["ratios"]) == {
+        f"cold32_{p}_vs_best_fixed" for p in ("routed", "stream", "routed#2")
+    }
+    assert [name for *_, name in _named(["auto", "auto"], [0.5, 1.0])] == [
+        "auto@0.5", "auto@1", "auto#2@0.5", "auto#2@1",
+    ]  # fmt: skip
+    rows = [("auto", 1.2), ("routed", 1.0), ("routed#2", 0.8), ("stream", 2.0)]
+    ratios = _ratios([{"plan": p, "kind": "suffix", "tokens": 64, "seconds": s} for p, s in rows])
+    assert ratios["suffix64_auto_vs_best_fixed"] == 1.2 / 0.8
+    assert ratios["suffix64_routed#2_vs_stream"] == 0.4
+
+
 def test_bench_prefill_times_each_plan_with_each_staging_ring():
     """`stagings` (layers of experts): each plan timed with each ring, named `PLAN@SIZE`, the
     ring's size in the row, and ratios per ring; the CLI refuses a size that is not positive."""

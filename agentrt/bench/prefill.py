@@ -91,8 +91,7 @@ def offload_prefill(
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
     staging = 0
-    for plan, size in [(p, s) for p in plans for s in stagings or [None]]:
-        name = plan if size is None else f"{plan}@{size:g}"
+    for plan, size, name in _named(plans, stagings):
         print(f"agentrt: bench prefill, plan {name} ...", file=sys.stderr)
         config = OffloadConfig(
             mode="auto",
@@ -342,16 +341,29 @@ def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int, earlier: li
         r["vs_floor"] = r["seconds"] / r["floor_s"] if r["floor_s"] else None
 
 
+def _named(plans: list[str], stagings: list[float] | None) -> list[tuple[str, float | None, str]]:
+    """(plan, staging ring size or None, the rows' name) for each engine to time, in order: a
+    plan with a ring is named `PLAN@SIZE`; a plan listed again is timed again, its rows named
+    `PLAN#2`, `PLAN#3`, ... (a plan's own time told apart from its place in the order)."""
+    out, seen = [], {}
+    for plan in plans:
+        seen[plan] = seen.get(plan, 0) + 1
+        base = plan if seen[plan] == 1 else f"{plan}#{seen[plan]}"
+        for size in stagings or [None]:
+            out.append((plan, size, base if size is None else f"{base}@{size:g}"))
+    return out
+
+
 def _ratios(runs: list[dict]) -> dict[str, float]:
-    """Per row and staging ring: each plan against the best fixed plan, suffixes also against
-    stream."""
+    """Per row and staging ring: each plan against the best fixed plan (a fixed plan timed
+    twice counts with its faster rows), suffixes also against stream."""
     by_row: dict[tuple, dict[str, float]] = {}
     for r in runs:
         plan, _, size = r["plan"].partition("@")
         by_row.setdefault((r["kind"], r["tokens"], size), {})[plan] = r["seconds"]
     out = {}
     for (kind, tokens, size), seconds in by_row.items():
-        fixed = [seconds[p] for p in FIXED_PLANS if p in seconds]
+        fixed = [v for p, v in seconds.items() if p.partition("#")[0] in FIXED_PLANS]
         ring = f"@{size}" if size else ""
         for plan, value in seconds.items():
             if plan == "resident":

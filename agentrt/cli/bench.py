@@ -115,7 +115,9 @@ _expert_format_option = expert_format_option(
     default="auto,stream,routed",
     show_default=True,
     callback=csv_choice(*PREFILL_PLANS),
-    help="With --offload auto: comma-separated plans to time (the fixed ones are the baselines).",
+    help="With --offload auto: comma-separated plans to time, in order (the fixed ones are the "
+    "baselines); a plan listed again is timed again in its own engine, its rows named PLAN#2, "
+    "to tell a plan's time from its place in the order.",
 )
 @click.option(
     "--suffixes",
