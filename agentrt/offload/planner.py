@@ -179,7 +179,7 @@ STRATEGIES = ("reserve", "routed")
 # hosts it was 5-15% slower than `reserve` for every 4K and 8K chunk measured and 6-13% for
 # 2K-token suffixes, and in a replay of agent turns its trials on 1.4-1.5K-token suffixes were
 # the session's slowest turns (1.12 s and 1.62 s, about 1.5x a `reserve` turn of that size): a
-# trial costs a user's request, so only sizes where it has won are tried
+# trial costs a user's request, so sizes where it has never won are not tried
 ROUTED_MAX_TOKENS = 1024
 EXPLORE_EVERY = 16  # every this many passes of a size, auto takes the runner-up once
 # another strategy displaces the first (reserve: its copies never wait for the routing, so it
