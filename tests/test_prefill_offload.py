@@ -513,6 +513,38 @@ def test_bench_prefill_times_a_plan_listed_twice_again_under_its_own_name():
     assert ratios["suffix64_routed#2_vs_stream"] == 0.4
 
 
+def test_bench_prefill_interleaves_the_plans_in_one_engine_round_by_round(monkeypatch):
+    """`interleave`: one engine, each row's passes switch plan round by round (each round
+    starting one plan further on); each row counts only its own plan's passes."""
+    import agentrt.bench.prefill as bp
+    from agentrt.errors import InvalidArgumentError
+
+    used, real = [], bp._use_plan
+    monkeypatch.setattr(
+        bp, "_use_plan", lambda experts, plan: (used.append(plan), real(experts, plan))
+    )
+    report = bp.offload_prefill(
+        "tiny", "cpu", None, None, ["stream", "routed"], [32], [16], 48, 32,
+        repeat=3, slots=10, resident=False, interleave=True,
+    )  # fmt: skip
+    runs = report["runs"]
+    assert report["interleaved"] is True
+    assert [(r["plan"], r["kind"]) for r in runs] == [
+        ("stream", "cold"), ("stream", "suffix"), ("routed", "cold"), ("routed", "suffix"),
+    ]  # fmt: skip
+    for r in runs:
+        assert len(r["all_s"]) == 3 and r["seconds"] > 0
+    for r in runs[::2]:  # (the cold rows: the suffix's experts were all admitted by then)
+        assert r["plans"] == {r["plan"]: 8}  # (8 MoE layers, counted per pass)
+    timed = used[-6:]  # (the suffix row's three rounds)
+    assert timed == ["stream", "routed", "routed", "stream", "stream", "routed"]
+    with pytest.raises(InvalidArgumentError, match="one engine"):
+        bp.offload_prefill(
+            "tiny", "cpu", None, None, ["stream"], [32], [], 0, 32, slots=10,
+            resident=False, interleave=True, stagings=[0.5],
+        )  # fmt: skip
+
+
 def test_bench_prefill_times_each_plan_with_each_staging_ring():
     """`stagings` (layers of experts): each plan timed with each ring, named `PLAN@SIZE`, the
     ring's size in the row, and ratios per ring; the CLI refuses a size that is not positive."""

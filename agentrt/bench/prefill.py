@@ -32,6 +32,7 @@ from agentrt.models.registry import config_of
 from agentrt.offload.config import OffloadConfig, parse_bytes
 from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
 from agentrt.offload.planner import size_class, strategies_for
+from agentrt.offload.stats import PrefillTotals
 
 FIXED_PLANS = ("stream", "routed", "predicted", "reserve")
 
@@ -57,10 +58,12 @@ def offload_prefill(
     profile: bool = False,
     packed: bool = False,
     stagings: list[float] | None = None,
+    interleave: bool = False,
 ) -> dict[str, Any]:
     """The report of `bench prefill --offload auto` (see the module docstring; `packed`: the
     experts kept MXFP4; `stagings`: staging ring sizes in layers of experts, each plan timed
-    with each, the rows' plans named `PLAN@SIZE` (None: the engine's default ring))."""
+    with each, the rows' plans named `PLAN@SIZE` (None: the engine's default ring);
+    `interleave`: every plan in one engine, its passes interleaved round by round)."""
     from agentrt.bench.engine import machine
     from agentrt.bench.offload import load_offloadable, make_resident, text_ids
     from agentrt.offload.packed_load import load_sink
@@ -71,6 +74,10 @@ def offload_prefill(
     context, experts = shape.max_position_embeddings, shape.num_experts
     if longest >= context:  # (before minutes of building the model)
         raise InvalidArgumentError(f"{longest} tokens exceed the model's context ({context})")
+    if interleave and (stagings or profile):
+        raise InvalidArgumentError(
+            "interleaved plans share one engine: no staging sizes or profile"
+        )
     for size in stagings or []:
         if _staging_experts(size, experts) < 1:
             raise InvalidArgumentError(f"a staging ring of {size:g} layers holds no expert")
@@ -91,7 +98,8 @@ def offload_prefill(
         _free(device)
     budget_bytes = parse_bytes(budget) if budget else None
     staging = 0
-    for plan, size, name in _named(plans, stagings):
+    named = _named(plans, stagings)
+    for plan, size, name in named[:1] if interleave else named:
         print(f"agentrt: bench prefill, plan {name} ...", file=sys.stderr)
         config = OffloadConfig(
             mode="auto",
@@ -106,7 +114,11 @@ def offload_prefill(
         filled = _fill_cache(experts, seed)
         engine = _engine(model, device, dtype, chunk, linear_attn, experts)
         staging = experts.prefill.staging_bytes
-        for run in rows.time(engine, name, experts):
+        if interleave:
+            timed = rows.time_rounds(engine, experts, [(n, p) for p, _, n in named])
+        else:
+            timed = rows.time(engine, name, experts)
+        for run in timed:
             runs.append({**run, "cached_at_start": filled, "staging_gib": staging / 2**30})
         model.set_experts(load_sink(store))
         del engine, experts
@@ -126,6 +138,7 @@ def offload_prefill(
         "expert_bytes": store.expert_bytes,
         "staging_gib": staging / 2**30,
         "cache_state": "filled with random experts before the rows (a decode working set)",
+        "interleaved": interleave,  # (every plan in one engine, round by round)
         "pinned_store": store.pinned,
         "profile_gb_s": {"copy": bandwidths.copy / 1e9, "cpu": bandwidths.cpu_overlapped / 1e9},
         "bulk_copy_gb_s": link / 1e9,  # B_P of the floor: one layer's experts in one copy
@@ -162,6 +175,7 @@ def offload_prefill_options(spec, device, dtype, seed, lengths, chunk, repeat, o
         profile=o["profile"],
         packed=packed_experts(o["expert_format"], spec),
         stagings=o["staging"],
+        interleave=o["interleave"],
     )
 
 
@@ -253,6 +267,55 @@ class _Rows:
                 out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
         return out
 
+    def time_rounds(self, engine: Engine, experts, plans: list[tuple[str, str]]) -> list[dict]:
+        """`time` for every (name, plan) of `plans` in one engine: per row, each plan's warm-up
+        passes, then `repeat` rounds that time each plan once, each round starting one plan
+        further on (no plan always runs first); rows grouped by plan, as `time` gives them."""
+        out = []
+        for length in self.lengths:
+            out += self._rounds(engine, experts, plans, "cold", length, engine.new_state(), None)
+        if self.suffixes:
+            state = engine.new_state(capacity=self.prefix_len + max(self.suffixes) + 8)
+            _use_plan(experts, plans[0][1])
+            engine.prefill(state, self.ids[: self.prefix_len])
+            snap = state.export()
+            for length in self.suffixes:
+                out += self._rounds(engine, experts, plans, "suffix", length, state, snap)
+        names = [name for name, _ in plans]
+        return sorted(out, key=lambda r: names.index(r["plan"]))
+
+    def _rounds(self, engine, experts, plans, kind, length, state, snap) -> list[dict]:
+        begin = self.prefix_len if kind == "suffix" else 0
+        part, chunk = self.ids[begin : begin + length], engine.config.prefill_chunk
+        for _, plan in plans:
+            _use_plan(experts, plan)
+            for _ in range(_warm_passes(plan == "auto", length, chunk)):
+                self._restart(state, snap)
+                engine.prefill(state, part)
+        times = {name: [] for name, _ in plans}
+        totals = {name: PrefillTotals() for name, _ in plans}
+        last = {}
+        for r in range(self.repeat):
+            for name, plan in plans[r % len(plans) :] + plans[: r % len(plans)]:
+                _use_plan(experts, plan)
+                self._restart(state, snap)
+                before, t0 = experts.prefill.totals.as_dict(), time.perf_counter()
+                engine.prefill(state, part)
+                _sync(self.device)
+                times[name].append(time.perf_counter() - t0)
+                _accumulate(totals[name], before, experts.prefill.totals)
+                last[name] = dict(experts.prefill.last_plans), _streamer_state(experts.prefill)
+        rows = []
+        for name, _ in plans:
+            seconds = statistics.median(times[name])
+            row = {"plan": name, "kind": kind, "tokens": length, "seconds": seconds}
+            row.update(tok_s=length / seconds, all_s=times[name])
+            row.update(totals[name].since(PrefillTotals().as_dict(), self.repeat))
+            row["plan_per_layer"], row["streamer"] = last[name]
+            row.update(expert_cache_slots=experts.cache.num_slots, context_tokens=state.num_tokens)
+            rows.append(row)
+        return rows
+
     def _row(self, engine, plan, experts, kind, length, state, snap) -> dict:
         begin = self.prefix_len if kind == "suffix" else 0
         part = self.ids[begin : begin + length]
@@ -339,6 +402,20 @@ def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int, earlier: li
         r["resident_s"] = resident.get((r["kind"], r["tokens"]))
         r["floor_s"] = max(r["transfer_floor_s"], r["resident_s"] or 0.0)
         r["vs_floor"] = r["seconds"] / r["floor_s"] if r["floor_s"] else None
+
+
+def _use_plan(experts, plan: str) -> None:
+    """The offloaded prefill's plan from its next pass on (`auto` picks each pass's)."""
+    experts.prefill.plan = experts.prefill.mode = plan
+
+
+def _accumulate(acc: PrefillTotals, before: dict, now: PrefillTotals) -> None:
+    """Add to `acc` what `now` counted since `before` (an earlier `as_dict()` of it)."""
+    for key, value in now.as_dict().items():
+        if key == "plans":
+            acc.plans.update({k: v - before["plans"].get(k, 0) for k, v in value.items()})
+        else:
+            setattr(acc, key, getattr(acc, key) + value - before[key])
 
 
 def _named(plans: list[str], stagings: list[float] | None) -> list[tuple[str, float | None, str]]:

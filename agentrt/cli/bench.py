@@ -146,6 +146,13 @@ _expert_format_option = expert_format_option(
     help="With --offload auto: comma-separated staging ring sizes in layers of experts (e.g. "
     "0.5,1,1.5), each plan timed with each (default: the engine's ring, half a layer).",
 )
+@click.option(
+    "--interleave",
+    is_flag=True,
+    help="With --offload auto: every plan in one engine, each row's passes timed round by "
+    "round (each round starting one plan further on), so that no plan pays for its engine's "
+    "place in the order; without it each plan runs in its own engine, one after another.",
+)
 @click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
 @click.option(
