@@ -247,7 +247,7 @@ class _Rows:
         first engine of the invocation compiles and tunes the kernels for each shape; `auto`
         measures its costs and each of its strategies per size of chunk, in the row's own
         setting: a first pass, one of each strategy, then one more)."""
-        auto = plan.split("@")[0] == "auto"
+        auto = plan.split("@")[0].partition("#")[0] == "auto"  # (the row name of `auto`)
         chunk = engine.config.prefill_chunk
         out = []
         for length in self.lengths:

@@ -151,7 +151,9 @@ _expert_format_option = expert_format_option(
     is_flag=True,
     help="With --offload auto: every plan in one engine, each row's passes timed round by "
     "round (each round starting one plan further on), so that no plan pays for its engine's "
-    "place in the order; without it each plan runs in its own engine, one after another.",
+    "place in the order; the plans then share the engine's measured costs (auto's `routed` "
+    "passes follow the CPU rate the fixed `routed` passes measure too). Without it each plan "
+    "runs in its own engine, one after another.",
 )
 @click.option("--tokenizer", default=None, help="Tokenizer dir: prompts of real text.")
 @click.option("--resident/--no-resident", default=True, help="Time the all-resident rows too.")
