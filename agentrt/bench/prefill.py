@@ -92,7 +92,7 @@ def offload_prefill(
         print("agentrt: bench prefill, experts resident ...", file=sys.stderr)
         resident_backend = make_resident(model, store, device)
         engine = _engine(model, device, dtype, chunk, linear_attn, resident_backend)
-        runs += rows.time(engine, "resident", None)
+        runs += rows.time(engine, None, "resident")
         model.set_experts(load_sink(store))
         del engine, resident_backend
         _free(device)
@@ -117,7 +117,7 @@ def offload_prefill(
         if interleave:
             timed = rows.time_rounds(engine, experts, [(n, p) for p, _, n in named])
         else:
-            timed = rows.time(engine, name, experts)
+            timed = rows.time(engine, experts, plan, name)
         for run in timed:
             runs.append({**run, "cached_at_start": filled, "staging_gib": staging / 2**30})
         model.set_experts(load_sink(store))
@@ -242,19 +242,20 @@ class _Rows:
         self.ids, self.repeat, self.device = ids, repeat, device
         self.profile = profile  # one more run of each offloaded row under cProfile
 
-    def time(self, engine: Engine, plan: str, experts) -> list[dict]:
-        """The rows of one engine, each after warm-up passes of its own kind and length (the
-        first engine of the invocation compiles and tunes the kernels for each shape; `auto`
-        measures its costs and each of its strategies per size of chunk, in the row's own
-        setting: a first pass, one of each strategy, then one more)."""
-        auto = plan.split("@")[0].partition("#")[0] == "auto"  # (the row name of `auto`)
+    def time(self, engine: Engine, experts, plan: str, name: str | None = None) -> list[dict]:
+        """The rows of one engine running `plan` (named `name`, by default the plan), each
+        after warm-up passes of its own kind and length (the first engine of the invocation
+        compiles and tunes the kernels for each shape; `auto` measures its costs and each of its
+        strategies per size of chunk, in the row's own setting: a first pass, one of each
+        strategy, then one more)."""
+        auto, name = plan == "auto", name or plan
         chunk = engine.config.prefill_chunk
         out = []
         for length in self.lengths:
             for _ in range(_warm_passes(auto, length, chunk)):
                 engine.prefill(engine.new_state(capacity=length + 8), self.ids[:length])
             state = engine.new_state()  # (KV grows as the engine grows it: elastic under a budget)
-            out.append(self._row(engine, plan, experts, "cold", length, state, None))
+            out.append(self._row(engine, name, experts, "cold", length, state, None))
         if self.suffixes:
             state = engine.new_state(capacity=self.prefix_len + max(self.suffixes) + 8)
             engine.prefill(state, self.ids[: self.prefix_len])
@@ -264,7 +265,7 @@ class _Rows:
                 for _ in range(_warm_passes(auto, length, chunk)):
                     self._restart(state, snap)
                     engine.prefill(state, part)
-                out.append(self._row(engine, plan, experts, "suffix", length, state, snap))
+                out.append(self._row(engine, name, experts, "suffix", length, state, snap))
         return out
 
     def time_rounds(self, engine: Engine, experts, plans: list[tuple[str, str]]) -> list[dict]:
@@ -304,17 +305,16 @@ class _Rows:
                 _sync(self.device)
                 times[name].append(time.perf_counter() - t0)
                 _accumulate(totals[name], before, experts.prefill.totals)
-                last[name] = dict(experts.prefill.last_plans), _streamer_state(experts.prefill)
-        rows = []
-        for name, _ in plans:
-            seconds = statistics.median(times[name])
-            row = {"plan": name, "kind": kind, "tokens": length, "seconds": seconds}
-            row.update(tok_s=length / seconds, all_s=times[name])
-            row.update(totals[name].since(PrefillTotals().as_dict(), self.repeat))
-            row["plan_per_layer"], row["streamer"] = last[name]
-            row.update(expert_cache_slots=experts.cache.num_slots, context_tokens=state.num_tokens)
-            rows.append(row)
-        return rows
+                last[name] = _streamer_seen(experts, state)
+        zero = PrefillTotals().as_dict()
+        return [
+            {
+                **_timed_row(name, kind, length, times[name]),
+                **totals[name].since(zero, self.repeat),
+                **last[name],
+            }
+            for name, _ in plans
+        ]
 
     def _row(self, engine, plan, experts, kind, length, state, snap) -> dict:
         begin = self.prefix_len if kind == "suffix" else 0
@@ -327,15 +327,10 @@ class _Rows:
             engine.prefill(state, part)
             _sync(self.device)
             times.append(time.perf_counter() - t0)
-        seconds = statistics.median(times)
-        row = {"plan": plan, "kind": kind, "tokens": length, "seconds": seconds}
-        row.update(tok_s=length / seconds, all_s=times)
-        if experts is not None:  # (KV past its reservation takes slots from the cache)
+        row = _timed_row(plan, kind, length, times)
+        if experts is not None:
             row.update(experts.prefill.totals.since(before, self.repeat))
-            row["plan_per_layer"] = dict(experts.prefill.last_plans)  # (of the last chunk)
-            row["streamer"] = _streamer_state(experts.prefill)
-            row["expert_cache_slots"] = experts.cache.num_slots
-            row["context_tokens"] = state.num_tokens
+            row.update(_streamer_seen(experts, state))
             if self.profile:
                 row["profile"] = self._profiled(engine, state, snap, part)
         return row
@@ -402,6 +397,31 @@ def _add_floors(runs: list[dict], copy_bw: float, expert_bytes: int, earlier: li
         r["resident_s"] = resident.get((r["kind"], r["tokens"]))
         r["floor_s"] = max(r["transfer_floor_s"], r["resident_s"] or 0.0)
         r["vs_floor"] = r["seconds"] / r["floor_s"] if r["floor_s"] else None
+
+
+def _timed_row(name: str, kind: str, length: int, times: list[float]) -> dict:
+    """A row's timing: its plan's name, kind and tokens, the median of `times` and tok/s."""
+    seconds = statistics.median(times)
+    return {
+        "plan": name,
+        "kind": kind,
+        "tokens": length,
+        "seconds": seconds,
+        "tok_s": length / seconds,
+        "all_s": times,
+    }
+
+
+def _streamer_seen(experts, state) -> dict:
+    """What a row's last pass left: each layer's plan (of the last chunk), the streamer's
+    measured costs, the expert cache's slots (KV past its reservation takes slots from it)
+    and the context's tokens."""
+    return {
+        "plan_per_layer": dict(experts.prefill.last_plans),
+        "streamer": _streamer_state(experts.prefill),
+        "expert_cache_slots": experts.cache.num_slots,
+        "context_tokens": state.num_tokens,
+    }
 
 
 def _use_plan(experts, plan: str) -> None:
