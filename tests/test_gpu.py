@@ -392,18 +392,17 @@ def test_flash_varlen_matches_masked_attention(q_len):
 def test_runtime_opens_warm_on_cuda():
     """`Runtime.open` on CUDA runs a scratch prompt (kernels compiled and tuned, the decode graph
     captured for the live state) and leaves the live state empty: the first request then
-    generates what an engine that was never warmed up generates."""
+    generates what an engine of the same settings that was never warmed up generates (the
+    same settings: a prefill-graph replay of a padded length and an eager pass round bf16
+    differently, and greedy tokens of random weights follow near ties)."""
     from agentrt import Runtime
     from agentrt.engine import Engine, SamplingParams
-    from agentrt.engine.config import EngineConfig
     from agentrt.models.registry import open_model
 
     rt = Runtime.open("tiny", device="cuda", cache="off")
     assert rt._live_state().num_tokens == 0 and rt.engine.decode_graph.current is not None
-    cold = Engine(
-        open_model("tiny", "cuda", torch.bfloat16).model,
-        EngineConfig(device="cuda", dtype="bfloat16"),
-    )
+    assert rt.engine.config.prefill_graphs  # (resident on CUDA: the default)
+    cold = Engine(open_model("tiny", "cuda", torch.bfloat16).model, rt.engine.config)
     ids = [(i * 7919) % 2000 + 10 for i in range(300)]
     want = cold.generate(cold.new_state(), ids, SamplingParams(max_tokens=16)).token_ids
     assert rt.generate(ids, max_tokens=16) == want
