@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -184,6 +185,33 @@ def test_unusable_state_dirs_are_one_line_errors(tmp_path):
     result = invoke_cli("chat", "--device", "cpu", "--state-dir", under_file, "hi")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"error: Not a directory: {under_file}"
+
+
+def test_a_truncated_state_database_is_an_error_and_clear_removes_it(tmp_path):
+    """A data.mdb cut off before its last page (a full disk, a partial copy) would kill the
+    process reading it (SIGBUS): every command refuses it in one line naming the fix, and
+    `cache clear` deletes the database files it cannot open."""
+    from agentrt.statecache.store import Store
+
+    state = tmp_path / "state"
+    store = Store(state, 2**30)
+    store.put_checkpoint(*_record(b"k"), b"x" * 300_000)
+    store.close()
+    data = state / "data.mdb"
+    os.truncate(data, data.stat().st_size - 4096)
+    for args in (["cache", "gc"], ["cache", "ls"], ["chat", "--device", "cpu", "hi"]):
+        result = invoke_cli(*args, "--state-dir", str(state))
+        assert result.returncode == 2, (args, result.returncode, result.stderr)
+        assert "truncated; `agentrt cache clear --state-dir" in result.stderr.splitlines()[-1]
+    cleared = invoke_cli("cache", "clear", "--yes", "--state-dir", str(state))
+    assert cleared.returncode == 0 and not data.exists()
+    assert invoke_cli("cache", "ls", "--state-dir", str(state)).returncode == 2  # (none now)
+
+
+def _record(key: bytes):
+    from agentrt.statecache.codec import Record
+
+    return key, Record(b"fp", "m", 8, "message_end", [], 300_000, 0, 0.0, 0.0), {}
 
 
 _DECODE_OFFLOAD = ["bench", "decode", "--device", "cpu", "--offload", "none"]

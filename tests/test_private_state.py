@@ -160,3 +160,52 @@ def test_private_helpers(tmp_path, umask):
         assert _mode(tmp) == 0o600
         raise RuntimeError("writer failed")
     assert sorted(p.name for p in deep.iterdir()) == ["f"]  # nothing half-written left
+
+
+def test_private_writes_keep_links_devices_and_pipes(tmp_path):
+    """A link's target is the file replaced (the link stays); a character device or a pipe is
+    written into, never replaced by a regular file (`-o /dev/null`, `-o /dev/stdout`); a
+    directory, or a name without a file name, is refused before anything is written."""
+    (tmp_path / "real").write_text("old")
+    (tmp_path / "link").symlink_to("real")
+    write_private(tmp_path / "link", "new")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real").read_text() == "new"
+    with private_output(tmp_path / "link") as tmp:
+        tmp.write_text("newer")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real").read_text() == "newer"
+    os.mkfifo(tmp_path / "pipe")
+    reader = os.open(tmp_path / "pipe", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_private(tmp_path / "pipe", "through")
+        assert os.read(reader, 100) == b"through"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO((tmp_path / "pipe").stat().st_mode)
+    if Path("/dev/null").exists():
+        write_private("/dev/null", "gone")
+        assert stat.S_ISCHR(Path("/dev/null").stat().st_mode)
+    for bad in (tmp_path, Path("."), tmp_path / "."):
+        with pytest.raises(IsADirectoryError):
+            write_private(bad, "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "pipe", "real"]
+
+
+def test_cli_outputs_refuse_directories_and_keep_links(tmp_path, monkeypatch):
+    """`--json`, `trace gen -o`: an empty name or a directory fails before any work, a link
+    keeps pointing at the file written, a name of another format is refused."""
+    from click.testing import CliRunner
+
+    from agentrt.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = CliRunner().invoke
+    for out in ("", ".", str(tmp_path), "x.jsonl.gz", "x.json"):
+        result = run(main, ["trace", "gen", "--tokens", "1000", "-o", out])
+        assert result.exit_code == 2 and "Traceback" not in result.output, (out, result.output)
+    (tmp_path / "t.jsonl").symlink_to("real.jsonl")
+    assert run(main, ["trace", "gen", "--tokens", "1000", "-o", "t.jsonl"]).exit_code == 0
+    assert (tmp_path / "t.jsonl").is_symlink() and (tmp_path / "real.jsonl").stat().st_size > 0
+    (tmp_path / "m.json").symlink_to("info.json")
+    assert run(main, ["model", "info", "tiny", "--json", "m.json"]).exit_code == 0
+    assert (tmp_path / "m.json").is_symlink() and (tmp_path / "info.json").stat().st_size > 0
+    assert run(main, ["model", "info", "tiny", "--json", ""]).exit_code == 2

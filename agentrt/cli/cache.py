@@ -30,13 +30,19 @@ def _state_dir_option(fn):
 
 
 def _open_store(state_dir: str | None, must_exist: bool = True):
-    from agentrt.statecache.config import StateCacheConfig, default_state_dir
+    from agentrt.statecache.config import StateCacheConfig
     from agentrt.statecache.store import Store
 
-    path = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    path = _state_path(state_dir)
     if must_exist and not (path / "data.mdb").is_file():
         raise AgentrtError(f"no state cache in {path}")
     return Store(path, StateCacheConfig().max_bytes)
+
+
+def _state_path(state_dir: str | None) -> Path:
+    from agentrt.statecache.config import default_state_dir
+
+    return Path(state_dir).expanduser() if state_dir else default_state_dir()
 
 
 @cache.command("ls")
@@ -97,20 +103,31 @@ def cache_gc(state_dir, max_gb, verify) -> None:
 @_state_dir_option
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def cache_clear(state_dir, yes) -> None:
-    """Delete every stored checkpoint."""
-    store = _open_store(state_dir)
+    """Delete every stored checkpoint (a database too damaged to open: its files)."""
+    from agentrt.statecache.store import DamagedStoreError
+
     try:
-        sure = yes or click.confirm(f"delete all checkpoints in {store.path}?")
+        store, path = _open_store(state_dir), None
+    except DamagedStoreError as exc:
+        store, path = None, _state_path(state_dir)
+        click.echo(f"agentrt: {exc}", err=True)
+    where = store.path if store is not None else path
+    what = "all checkpoints" if store is not None else "the damaged database files"
+    try:
+        sure = yes or click.confirm(f"delete {what} in {where}?")
     except click.Abort:  # Ctrl-C (or the end of input) at the question
-        store.close()
-        click.echo("interrupted: nothing deleted", err=True)
-        sys.exit(130)
+        sure = None
     if not sure:
+        if store is not None:
+            store.close()
+        click.echo("interrupted: nothing deleted" if sure is None else "nothing deleted", err=True)
+        sys.exit(130 if sure is None else 1)
+    if store is None:
+        for name in ("data.mdb", "lock.mdb"):
+            (path / name).unlink(missing_ok=True)
+    else:
+        store.clear()
         store.close()
-        click.echo("nothing deleted", err=True)
-        sys.exit(1)
-    store.clear()
-    store.close()
     click.echo("cleared")
 
 

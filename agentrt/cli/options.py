@@ -450,6 +450,7 @@ def write_json(path: str | None, data) -> None:
     the write leaves the previous file."""
     if path:
         target, text = Path(path), json.dumps(data, indent=2) + "\n"
+        target = target.resolve() if target.is_symlink() else target  # (the link stays)
         temp = target.with_name(f".{target.name}.tmp")
         try:
             if target.exists() and not target.is_file():  # (/dev/stdout, a pipe)
@@ -462,8 +463,14 @@ def write_json(path: str | None, data) -> None:
 
 
 def output_path(ctx, param, value: str | None) -> str | None:
-    """Fail before any work when an output file (--json, --trace) cannot be created."""
-    if value is not None and not Path(value).expanduser().resolve().parent.is_dir():
+    """Fail before any work when an output file (--json, --trace) cannot be created: an empty
+    name, a directory, a missing directory."""
+    if value is None:
+        return value
+    path = Path(value).expanduser()
+    if not value or path.is_dir():
+        raise click.BadParameter(f"{value!r} is not a file name")
+    if not path.resolve().parent.is_dir():
         raise click.BadParameter(f"directory of {value!r} does not exist")
     return value
 

@@ -30,14 +30,26 @@ def trace() -> None:
     """Import, generate and inspect agent traces (the replay format)."""
 
 
+TRACE_NAMES = (".jsonl", ".jsonl.zst")
+_OTHER_FORMATS = (".json", ".zst", ".gz", ".bz2", ".xz", ".zip", ".tar")
+
+
+def _check_trace_name(path: Path) -> None:
+    """A name that looks like a file of another format is a mistake, not a directory to make
+    or a plain-text trace to write under a compressed name."""
+    if path.name.endswith(_OTHER_FORMATS):
+        raise click.UsageError(f"-o: a trace file is .jsonl or .jsonl.zst, not {path.name}")
+
+
 def _write_traces(traces, out: str, zst: bool) -> list[Path]:
     from agentrt.replay.trace import write_trace
 
     target = Path(out)
-    if len(traces) == 1 and target.name.endswith((".jsonl", ".jsonl.zst")):
+    if len(traces) == 1 and target.name.endswith(TRACE_NAMES):
         return [write_trace(traces[0], target)]
-    if target.suffix in (".jsonl", ".zst"):
+    if len(traces) > 1 and target.name.endswith(TRACE_NAMES):
         raise click.UsageError(f"{len(traces)} traces: -o must be a directory, not {out}")
+    _check_trace_name(target)
     suffix = ".jsonl.zst" if zst else ".jsonl"
     names = _unique(traces)
     return [write_trace(t, target / (n + suffix)) for t, n in zip(traces, names, strict=True)]
@@ -117,12 +129,16 @@ def trace_import(fmt, inputs, out, limit, zst, drop_reasoning, truncate_tool_out
     help="Approximate size of the final request in tokens.",
 )
 @click.option("--max-turns", type=click.IntRange(min=1), default=150, show_default=True)
-@click.option("-o", "--out", required=True, help="Output .jsonl or .jsonl.zst file.")
+@click.option(
+    "-o", "--out", required=True, callback=output_path, help="Output .jsonl or .jsonl.zst file."
+)
 def trace_gen(seed, tokens, max_turns, out) -> None:
     """Generate a synthetic coding-agent session from files of this machine."""
     from agentrt.replay.generator import estimated_tokens, generate
     from agentrt.replay.trace import write_trace
 
+    if not out.endswith(TRACE_NAMES):
+        _check_trace_name(Path(out))
     t = generate(seed, tokens, max_turns)
     path = write_trace(t, out)
     click.echo(f"wrote {path}: {len(t.requests)} requests")

@@ -5,7 +5,9 @@ files, whatever the umask.
 Directories that already exist keep their mode; `private_dir(..., warn_open=True)` says once per
 process, on stderr, when one is readable or writable by group or others, with the `chmod` that
 fixes it. Files are written to a temporary name beside their target and renamed into place, so a
-reader never sees half a file. This module imports nothing of agentrt: every layer may use it.
+reader never sees half a file; a symbolic link's target is the file replaced (the link stays),
+and a target that is a character device or a pipe (`/dev/null`, `/dev/stdout`) is written as it
+is, never replaced. This module imports nothing of agentrt: every layer may use it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def check_private(path: str | Path) -> None:
         mode = os.stat(path).st_mode
     except OSError:
         return
-    if mode & _OPEN_BITS:
+    if stat.S_ISDIR(mode) and mode & _OPEN_BITS:  # (not a device: its own error follows)
         _warn_open(str(Path(path).resolve()), stat.S_IMODE(mode))
 
 
@@ -75,20 +77,51 @@ def _warn_open(path: str, mode: int) -> None:
 @contextmanager
 def private_output(path: str | Path) -> Iterator[Path]:
     """A new empty 0600 file beside `path` for a writer that takes a file name (it truncates,
-    so the mode stays); renamed onto `path` when the block ends, removed if it raises."""
-    fd, tmp = _temp_beside(Path(path))
+    so the mode stays); renamed onto `path` when the block ends, removed if it raises. A device
+    or pipe `path` is handed over as it is."""
+    if _stream(Path(path)):
+        yield Path(path)
+        return
+    target = _target(Path(path))
+    fd, tmp = _temp_beside(target)
     os.close(fd)
-    with _replacing(tmp, Path(path)):
+    with _replacing(tmp, target):
         yield tmp
 
 
 def write_private(path: str | Path, data: bytes | str) -> Path:
-    """Write `data` (str as UTF-8) to `path` as a 0600 file, atomically; return the path."""
-    path = Path(path)
-    fd, tmp = _temp_beside(path)
-    with _replacing(tmp, path), os.fdopen(fd, "wb") as out:
-        out.write(data.encode() if isinstance(data, str) else data)
+    """Write `data` (str as UTF-8) to `path` as a 0600 file, atomically; return the path. A
+    symbolic link's target is replaced, a device or pipe written into (module docstring); a
+    directory raises `IsADirectoryError`."""
+    path, data = Path(path), data.encode() if isinstance(data, str) else data
+    if _stream(path):
+        with open(path, "wb") as out:
+            out.write(data)
+        return path
+    target = _target(path)
+    fd, tmp = _temp_beside(target)
+    with _replacing(tmp, target), os.fdopen(fd, "wb") as out:
+        out.write(data)
     return path
+
+
+def _target(path: Path) -> Path:
+    """The file a write to `path` replaces: a link's target; a directory (or a name without
+    one: `.`, `/`, empty) raises `IsADirectoryError`."""
+    target = path.resolve() if path.is_symlink() else path
+    if target.is_dir() or not target.name or target.name in (".", ".."):
+        raise IsADirectoryError(21, "is a directory", str(path))
+    return target
+
+
+def _stream(path: Path) -> bool:
+    """Whether `path` (or what its links lead to) is a character device or a pipe (written
+    into, never replaced)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
 def _temp_beside(path: Path) -> tuple[int, Path]:

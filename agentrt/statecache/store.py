@@ -10,6 +10,7 @@ writes evict the least valuable records first. Several processes may share one d
 
 from __future__ import annotations
 
+import shlex
 import struct
 import threading
 import time
@@ -91,6 +92,24 @@ class _ResizeLock:
 DB_NAMES = (b"records", b"chunks", b"refs", b"blobs", b"meta")
 
 
+class DamagedStoreError(AgentrtError):
+    """The state directory's database cannot be read (`agentrt cache clear` empties it)."""
+
+
+def _fix(path: Path) -> str:
+    return f"; `agentrt cache clear --state-dir {shlex.quote(str(path))}` deletes it"
+
+
+def _check_whole(path: Path, env: lmdb.Environment) -> None:
+    """Refuse a data.mdb shorter than its last page (cut off: by a full disk, a partial copy):
+    reading the pages past its end through the map would kill the process (SIGBUS)."""
+    pages = env.info()["last_pgno"] + 1
+    size = (path / "data.mdb").stat().st_size
+    if size < pages * env.stat()["psize"]:
+        env.close()
+        raise lmdb.Error(f"data.mdb ends before its last page ({size:,} bytes): truncated")
+
+
 class _SharedEnv:
     """One LMDB environment per directory per process (LMDB allows no second one), shared by
     every `Store` on that directory; `lock` keeps map resizes away from open transactions."""
@@ -117,9 +136,10 @@ class _SharedEnv:
             # write lock without giving up the interpreter, which deadlocks beside a write
             # running on another thread of this process (a second Store on the directory, say)
             self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
+            _check_whole(path, self.env)
         except lmdb.Error as exc:
             self.mode.release()
-            raise AgentrtError(f"cannot open the state cache in {path}: {exc}") from None
+            raise DamagedStoreError(f"cannot open the state cache in {path}: {exc}{_fix(path)}")
         self.lock = _ResizeLock()
         self.users = 0
 
