@@ -139,7 +139,8 @@ class _SharedEnv:
             _check_whole(path, self.env)
         except lmdb.Error as exc:
             self.mode.release()
-            raise DamagedStoreError(f"cannot open the state cache in {path}: {exc}{_fix(path)}")
+            msg = f"cannot open the state cache in {path}: {exc}{_fix(path)}"
+            raise DamagedStoreError(msg) from None
         self.lock = _ResizeLock()
         self.users = 0
 
