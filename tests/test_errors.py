@@ -240,6 +240,19 @@ _DECODE_OFFLOAD = ["bench", "decode", "--device", "cpu", "--offload", "none"]
             ["bench", "prefill", "--offload", "auto", "--linear-attn", "torch,auto"],
             "one value only with --offload auto",
         ),
+        # numbers out of what the option can mean: refused before a model loads
+        (["chat", "--seed", str(2**64), "hi"], "is not in the range"),
+        (["chat", "--state-max-gb", "nan", "hi"], "'nan' is not a finite number"),
+        (["chat", "--temperature", "inf", "hi"], "'--temperature'"),
+        (["cache", "gc", "--max-gb", "inf"], "'--max-gb'"),
+        (["serve", "--max-request-mb", "nan"], "is not a finite number"),
+        (["chat", "--vram-budget", "1e400GiB", "hi"], "as a size"),
+        (["chat", "--vram-budget", "-1GiB", "hi"], "a size cannot be negative"),
+        (["serve", "--cors-origin", "http://x:99999"], "is not an origin"),
+        (["bench", "prefill", "--lengths", "999999999"], "do not fit the model's context"),
+        (["bench", "decode", "--tokens", "999999999"], "do not fit the model's context"),
+        (["bench", "accuracy", "--length", "999999999"], "do not fit the model's context"),
+        (["bench", "statecache", "--lengths", "999999999"], "do not fit the model's context"),
     ],
 )
 def test_usage_errors_are_one_line_before_any_work(args, words):
@@ -316,3 +329,36 @@ def test_group_options_and_declined_clears_answer_in_one_line(tmp_path):
     assert declined.exit_code == 1 and "nothing deleted" in declined.stderr
     ended = CliRunner().invoke(main, args, input="")  # (end of input, as Ctrl-C: click's Abort)
     assert ended.exit_code == 130 and "interrupted: nothing deleted" in ended.stderr
+
+
+def test_bench_commands_name_a_device_they_cannot_use_in_one_line():
+    import torch
+
+    for args in (["prefill", "--lengths", "8"], ["bw"]):
+        result = invoke_cli("bench", *args, "--device", "gpu0")
+        assert result.returncode == 2 and result.stderr.strip() == (
+            "error: device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"
+        )
+    if torch.cuda.is_available():
+        return  # (below: a machine without CUDA)
+    for args in (["prefill", "--lengths", "8"], ["decode", "--tokens", "2"], ["accuracy"]):
+        result = invoke_cli("bench", *args, "--device", "cuda:1")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == (
+            "error: device 'cuda:1' requested but CUDA is not available on this machine"
+        )
+
+
+def test_bench_text_without_text_and_plots_of_unknown_formats_fail_early(tmp_path):
+    """An empty --text (it looped for ever), and a --plot matplotlib cannot write (it failed
+    after the whole replay)."""
+    (tmp_path / "empty.txt").write_text("")
+    args = ["bench", "decode", "--device", "cpu", "--offload", "auto", "--prompt-len", "16"]
+    args += ["--tokens", "2", "--vram-budget", "1GiB", "--text", str(tmp_path / "empty.txt")]
+    result = invoke_cli(*args)
+    assert result.returncode == 2 and "no text in it" in result.stderr.splitlines()[-1]
+    trace = tmp_path / "t.jsonl"
+    assert invoke_cli("trace", "gen", "--tokens", "1000", "-o", str(trace)).returncode == 0
+    plot = ["replay", "--device", "cpu", "--plot", str(tmp_path / "p.txt"), str(trace)]
+    result = invoke_cli(*plot)
+    assert result.returncode == 2 and "a plot is one of" in result.stderr

@@ -55,7 +55,7 @@ from agentrt.bench.offload_figures import (
 from agentrt.engine import Engine
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.placement import install, profile_for
-from agentrt.errors import AgentrtError
+from agentrt.errors import AgentrtError, InvalidArgumentError
 from agentrt.host.heap import CollectorClock
 from agentrt.models import torch_dtype
 from agentrt.models.moe import RoutedExperts
@@ -105,14 +105,19 @@ def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None
     """`count` token ids of real text: `text` (a file or a directory of .py/.md/.txt files,
     default this package's own sources), through the tokenizer when there is one, else UTF-8."""
     root = Path(text) if text else Path(__file__).parent
-    files = [root] if root.is_file() else sorted(root.rglob("*.py")) + sorted(root.rglob("*.md"))
+    if not root.exists():
+        raise InvalidArgumentError(f"--text {text}: no such file or directory")
+    kinds = ("*.py", "*.md", "*.txt")
+    files = [root] if root.is_file() else sorted(f for k in kinds for f in root.rglob(k))
     corpus = "\n".join(f.read_text(errors="replace") for f in files)
     if tokenizer_dir:
-        from transformers import AutoTokenizer
+        from agentrt.session.tokenizer import load_tokenizer
 
-        ids = AutoTokenizer.from_pretrained(tokenizer_dir).encode(corpus)
+        ids = load_tokenizer(tokenizer_dir).encode(corpus)
     else:
         ids = list(corpus.encode())
+    if not ids:
+        raise InvalidArgumentError(f"--text {root}: no text in it (a file, or .py/.md/.txt files)")
     ids = [i % vocab for i in ids]
     while len(ids) < count:
         ids = ids + ids

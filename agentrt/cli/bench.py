@@ -9,6 +9,8 @@ from agentrt.cli.main import main
 from agentrt.cli.options import (
     DEVICE_HELP,
     MODEL_HELP,
+    SEED,
+    Finite,
     cpu_kernel_option,
     csv_choice,
     csv_ints,
@@ -16,6 +18,7 @@ from agentrt.cli.options import (
     csv_option,
     csv_sizes_or_none,
     expert_format_option,
+    fits_context,
     json_option,
     one_value,
     prepare_cpu_threads,
@@ -47,7 +50,7 @@ def model_bench_options(fn):
             callback=csv_choice("auto", "torch", "fla"),
             help="Comma-separated list of kernels to compare: auto, torch, fla.",
         ),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=SEED, default=0, show_default=True),
         click.option(
             "--eager", is_flag=True, help="Do not capture the decode step in a CUDA graph."
         ),
@@ -187,6 +190,9 @@ def bench_prefill(
         offloads = ["auto"]  # (as the runtime's default)
     if "auto" not in offloads:
         only_with(list(offload), "with --offload auto")
+    fits_context(model, max(lengths), "--lengths")
+    if offload.get("suffixes"):
+        fits_context(model, offload["prefix_len"] + max(offload["suffixes"]), "--suffixes")
     prepare_cpu_threads(device, offloads)  # (before anything imports torch)
     from agentrt.bench import engine as b
 
@@ -337,6 +343,7 @@ def bench_decode(
     if eager:
         only_with(["graphs"], "without --eager")
     modes = ["off"] if eager else graphs
+    fits_context(model, max(prompt_len) + tokens, "--prompt-len, --tokens")
     offload = offload or (["auto"] if vram_budget else None)  # (a budget: as the runtime's)
     if not offload:
         only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
@@ -392,6 +399,7 @@ def bench_decode(
 @click.option("--length", type=click.IntRange(min=2), default=300, show_default=True)
 def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, length) -> None:
     """Logits of MODEL on DEVICE/DTYPE vs the fp32 CPU path (max-abs diff, top-1 agreement)."""
+    fits_context(model, length, "--length")
     from agentrt.bench import engine as b
 
     _report(
@@ -403,11 +411,11 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
 @click.option("--model", "-m", default="tiny", show_default=True, help=MODEL_HELP)
 @click.option("--device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--clients", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--seconds", type=click.FloatRange(min=1), default=30.0, show_default=True)
+@click.option("--seconds", type=Finite(min=1), default=30.0, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option(
     "--disconnect",
-    type=click.FloatRange(0, 1),
+    type=Finite(0, 1),
     default=0.2,
     show_default=True,
     help="Share of requests whose client leaves mid-stream.",
@@ -419,7 +427,7 @@ def bench_accuracy(model, device, dtype, linear_attn, seed, eager, json_out, len
     show_default=True,
     help="Requests per conversation (each repeats the growing history).",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @json_option
 def bench_soak(json_out, **opts) -> None:
     """Concurrent streaming clients against `agentrt serve` for a while: errors, TTFT, RSS."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from agentrt.cli.bench import bench, model_bench_options
-from agentrt.cli.options import csv_ints, one_value, resolve_device
+from agentrt.cli.options import csv_ints, fits_context, one_value, resolve_device
 from agentrt.cli.tables import print_report as _report
 from agentrt.cli.unused import only_with
 
@@ -73,6 +73,8 @@ from agentrt.cli.unused import only_with
 def bench_statecache(model, device, dtype, linear_attn, seed, eager, json_out, lengths, **o):
     """Checkpoint bytes, writer throughput, restore latency vs recompute, capture overhead;
     with --fidelity, how exactly a restored checkpoint continues."""
+    extra = o["suffix"] + o["generate"] if o["fidelity"] else 0
+    fits_context(model, max(lengths) + extra, "--lengths")
     dev, state_dir, rounds = resolve_device(device), o["state_dir"], o["rounds"]
 
     def note(text: str) -> None:

@@ -9,6 +9,7 @@ import click
 
 from agentrt.cli.main import main
 from agentrt.cli.options import (
+    Finite,
     json_option,
     write_json,
 )
@@ -81,9 +82,7 @@ def cache_stats(state_dir, json_out) -> None:
 
 @cache.command("gc")
 @_state_dir_option
-@click.option(
-    "--max-gb", type=click.FloatRange(min=0), default=None, help="Evict down to this size."
-)
+@click.option("--max-gb", type=Finite(0, 2**20), default=None, help="Evict down to this size.")
 @click.option("--verify", is_flag=True, help="Check every payload's checksum; delete bad records.")
 def cache_gc(state_dir, max_gb, verify) -> None:
     """Evict to a size cap, drop unreferenced chunks, optionally verify payloads."""

@@ -9,6 +9,7 @@ import click
 
 from agentrt.cli.main import main
 from agentrt.cli.options import (
+    Finite,
     json_option,
     model_options,
     open_runtime,
@@ -23,8 +24,8 @@ from agentrt.errors import AgentrtError
 @click.argument("message")
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=0), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--temperature", type=Finite(0, 2), default=0.0, show_default=True)
+@click.option("--top-p", type=Finite(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @json_option
 def chat(message: str, system, max_tokens, temperature, top_p, stop, json_out, **opts) -> None:
@@ -93,7 +94,7 @@ def _print_stream(events):
 )
 @click.option("--max-turns", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--command-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True)
+@click.option("--command-timeout", type=Finite(min=0.1), default=30.0, show_default=True)
 @click.option(
     "--approve",
     type=click.Choice(["ask", "auto", "never"]),

@@ -9,6 +9,7 @@ import click
 
 from agentrt.cli.main import main
 from agentrt.cli.options import (
+    SEED,
     expert_format_option,
     json_option,
     write_json,
@@ -35,7 +36,7 @@ def model() -> None:
 @click.option(
     "-o", "--out", required=True, type=click.Path(file_okay=False), help="Output directory."
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16"]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -80,9 +81,38 @@ def prepare_cpu_threads(device: str, offloads: list[str]) -> None:
     spin_between_steps(gpu and any(mode != "none" for mode in offloads))
 
 
+class Finite(click.FloatRange):
+    """click's FloatRange without NaN and infinity (which pass its bounds: NaN compares false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+def fits_context(model: str, tokens: int, hint: str) -> None:
+    """Refuse a benchmark of `tokens` positions past `model`'s context before anything is
+    allocated for it."""
+    from agentrt.models.registry import config_of
+
+    context = config_of(model).max_position_embeddings
+    if tokens >= context:
+        raise click.BadParameter(
+            f"{tokens:,} tokens do not fit the model's context of {context:,}", param_hint=hint
+        )
+
+
+SEED = click.IntRange(-(2**63), 2**64 - 1)  # (what torch's generators take: 64 bits)
+
+
 def resolve_device(device: str) -> str:
+    """`auto`: CUDA where there is a GPU, else the CPU; any other device checked (a missing
+    GPU is a one-line error, not torch's traceback)."""
     if device != "auto":
-        return device
+        from agentrt.session.options import check_device
+
+        return check_device(device)
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -235,7 +265,7 @@ def model_options(fn=None, *, cache_list: bool = False):
         ),
         click.option(
             "--state-max-gb",
-            type=click.FloatRange(min=0, min_open=True),
+            type=Finite(min=0, max=2**20, min_open=True),
             default=None,
             help="Cap on stored checkpoints in GiB; the least valuable are evicted (default 20).",
         ),
@@ -262,7 +292,7 @@ def model_options(fn=None, *, cache_list: bool = False):
         ),
         click.option(
             "--seed",
-            type=int,
+            type=SEED,
             default=0,
             show_default=True,
             help="Seed of synthetic weights and of sampling (a server draws the seeds of "

@@ -8,6 +8,7 @@ import click
 
 from agentrt.cli.main import main
 from agentrt.cli.options import (
+    Finite,
     model_options,
     open_runtime,
 )
@@ -22,6 +23,10 @@ def _origin(value: str) -> str:
 
     url = urlsplit(value.strip())
     bare = url.path in ("", "/") and not (url.query or url.fragment or "@" in url.netloc)
+    try:
+        url.port  # noqa: B018 - (raises for a port out of range)
+    except ValueError:
+        bare = False
     if url.scheme not in ("http", "https") or not url.netloc or not bare:
         raise click.BadParameter(f"{value!r} is not an origin like https://example.com:8443")
     return f"{url.scheme}://{url.netloc.lower()}"
@@ -58,6 +63,7 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
     callback=_origins,
     metavar="ORIGIN",
     help="A browser origin (https://host[:port]) allowed to call the API; repeatable. "
+    "'*': any web page the browser shows (without --api-key, any of them may use the model). "
     "None: no CORS headers.",
 )
 @click.option(
@@ -67,7 +73,7 @@ def _origins(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
     show_default=True,
     help="Requests waiting beyond this get HTTP 429.",
 )
-@click.option("--max-request-mb", type=click.FloatRange(min=0.001), default=32.0, show_default=True)
+@click.option("--max-request-mb", type=Finite(0.001, 2**20), default=32.0, show_default=True)
 def serve(
     host, port, api_key, insecure_no_auth, cors_origins, queue_size, max_request_mb, **opts
 ) -> None:
@@ -94,8 +100,9 @@ def serve(
     sock = _listen(host, port)
     rt = open_runtime(opts, require_tokenizer=True)
     ready = rt.startup.get("total_s", 0.0)
+    where = f"[{host}]" if ":" in host else host  # (an IPv6 address in a URL: bracketed)
     click.echo(
-        f"agentrt: serving {rt.model_name} (cache={rt.cache}) on http://{host}:{port}/v1 "
+        f"agentrt: serving {rt.model_name} (cache={rt.cache}) on http://{where}:{port}/v1 "
         f"(ready in {ready:.1f} s)",
         err=True,
     )

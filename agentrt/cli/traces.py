@@ -12,6 +12,7 @@ import click
 from agentrt.cli.bench import bench
 from agentrt.cli.main import main
 from agentrt.cli.options import (
+    SEED,
     csv_choice,
     json_option,
     model_options,
@@ -28,6 +29,22 @@ from agentrt.offload.config import offload_mode
 @main.group()
 def trace() -> None:
     """Import, generate and inspect agent traces (the replay format)."""
+
+
+def plot_path(ctx, param, value: str | None) -> str | None:
+    """An output path (`output_path`) whose suffix matplotlib can write, checked before the
+    replay rather than after it."""
+    value = output_path(ctx, param, value)
+    if value is not None:
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise click.BadParameter("needs matplotlib: pip install 'agentrt[plot]'") from None
+        formats = Figure().canvas.get_supported_filetypes()
+        suffix = Path(value).suffix.lstrip(".").lower()
+        if suffix not in formats:
+            raise click.BadParameter(f"{value!r}: a plot is one of .{', .'.join(sorted(formats))}")
+    return value
 
 
 TRACE_NAMES = (".jsonl", ".jsonl.zst")
@@ -120,7 +137,7 @@ def trace_import(fmt, inputs, out, limit, zst, drop_reasoning, truncate_tool_out
 
 
 @trace.command("gen")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--tokens",
     type=click.IntRange(min=1000),
@@ -227,8 +244,8 @@ def _run_replay(traces, target, max_tokens: int, label: str, json_out: str | Non
     "--plot",
     type=click.Path(dir_okay=False),
     default=None,
-    callback=output_path,
-    help="Write a PNG of TTFT per request.",
+    callback=plot_path,
+    help="Write a plot of TTFT per request (PNG, or another format matplotlib writes: .svg, .pdf).",
 )
 @_drop_option
 @_truncate_option
@@ -287,8 +304,9 @@ def _refuse_local_options(opts: dict) -> None:
     "--plot",
     type=click.Path(dir_okay=False),
     default=None,
-    callback=output_path,
-    help="PNG file; with several variants one per variant, named FILE-VARIANT.png.",
+    callback=plot_path,
+    help="PNG file (or .svg, .pdf, ...); with several variants one per variant, named "
+    "FILE-VARIANT.png.",
 )
 @_max_requests_option
 @click.option(

@@ -71,10 +71,11 @@ def slots_for_budget(
 ) -> int:
     """Expert slots that fit: budget - dense weights - KV (the reservation unless `kv_bytes`)
     - workspace - the prefill staging ring."""
+    every = len(store.layers) * store.num_experts
     if config.expert_cache_slots is not None:
-        return config.expert_cache_slots
+        return min(config.expert_cache_slots, every)  # (more would hold nothing)
     if config.vram_budget is None:
-        return len(store.layers) * store.num_experts  # no budget: room for every expert
+        return every  # no budget: room for every expert
     return _budget_slots(Footprint.of(model), store, config, kv_bytes)
 
 

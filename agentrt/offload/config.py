@@ -29,9 +29,12 @@ def parse_bytes(text: str | int | float) -> int:
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number) :]
     try:
-        return int(float(number) * units[unit])
-    except (ValueError, KeyError):
+        size = int(float(number) * units[unit])
+    except (ValueError, KeyError, OverflowError):  # (OverflowError: infinity, 1e400)
         raise InvalidArgumentError(f"cannot read {text!r} as a size (e.g. 16GiB, 512MB)") from None
+    if size < 0:
+        raise InvalidArgumentError(f"a size cannot be negative, got {text!r}")
+    return size
 
 
 OFFLOAD_MODES = ("none", "auto", "static", "layer")

@@ -63,7 +63,7 @@ def check_device(device: str) -> str:
         raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InvalidArgumentError(
-            "device 'cuda' requested but CUDA is not available on this machine"
+            f"device {device!r} requested but CUDA is not available on this machine"
         )
     if index is not None and int(index) >= torch.cuda.device_count():
         raise InvalidArgumentError(
