@@ -328,7 +328,7 @@ def test_group_options_and_declined_clears_answer_in_one_line(tmp_path):
     declined = CliRunner().invoke(main, args, input="n\n")
     assert declined.exit_code == 1 and "nothing deleted" in declined.stderr
     ended = CliRunner().invoke(main, args, input="")  # (end of input, as Ctrl-C: click's Abort)
-    assert ended.exit_code == 130 and "interrupted: nothing deleted" in ended.stderr
+    assert ended.exit_code == 130 and "no answer: nothing deleted (--yes" in ended.stderr
 
 
 def test_bench_commands_name_a_device_they_cannot_use_in_one_line():
@@ -362,3 +362,24 @@ def test_bench_text_without_text_and_plots_of_unknown_formats_fail_early(tmp_pat
     plot = ["replay", "--device", "cpu", "--plot", str(tmp_path / "p.txt"), str(trace)]
     result = invoke_cli(*plot)
     assert result.returncode == 2 and "a plot is one of" in result.stderr
+
+
+def test_traces_cut_short_renamed_or_without_requests_are_errors(tmp_path):
+    """A .zst cut short is an error (it read as fewer requests, or none), a .zst under another
+    name is read as one, and a replay of traces without requests says so."""
+    from agentrt.replay.trace import TraceError, read_trace
+
+    whole = tmp_path / "t.jsonl.zst"
+    assert invoke_cli("trace", "gen", "--tokens", "3000", "-o", str(whole)).returncode == 0
+    raw = whole.read_bytes()
+    (tmp_path / "cut.jsonl.zst").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(TraceError, match="cut short"):
+        read_trace(tmp_path / "cut.jsonl.zst")
+    (tmp_path / "renamed.jsonl").write_bytes(raw)
+    assert read_trace(tmp_path / "renamed.jsonl").requests == read_trace(whole).requests
+    header = tmp_path / "header.jsonl"
+    header.write_text('{"agentrt_trace": 1, "source": "x"}\n')
+    result = invoke_cli("replay", "--device", "cpu", str(header))
+    assert result.returncode == 2 and "no requests in" in result.stderr.splitlines()[-1]
+    keyed = invoke_cli("replay", "--device", "cpu", "--api-key", "k", str(whole))
+    assert keyed.returncode == 2 and "--api-key is used only with --endpoint" in keyed.stderr

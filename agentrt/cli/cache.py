@@ -119,7 +119,8 @@ def cache_clear(state_dir, yes) -> None:
     if not sure:
         if store is not None:
             store.close()
-        click.echo("interrupted: nothing deleted" if sure is None else "nothing deleted", err=True)
+        stopped = "no answer: nothing deleted (--yes deletes without asking)"
+        click.echo(stopped if sure is None else "nothing deleted", err=True)
         sys.exit(130 if sure is None else 1)
     if store is None:
         for name in ("data.mdb", "lock.mdb"):

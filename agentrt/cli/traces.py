@@ -197,6 +197,8 @@ def _load_traces(paths, drop: bool, truncate: int | None, max_requests: int | No
     from agentrt.replay.trace import read_trace
 
     traces = [read_trace(p) for p in paths]
+    if not any(t.requests for t in traces):  # (a header alone: nothing to time)
+        raise AgentrtError(f"no requests in {', '.join(str(p) for p in paths)}")
     if max_requests:
         traces = [msgspec.structs.replace(t, requests=t.requests[:max_requests]) for t in traces]
     return _transform(traces, drop, truncate)
@@ -269,6 +271,8 @@ def replay_cmd(
 
     if endpoint:
         _refuse_local_options(opts)
+    else:
+        refuse(given(["api_key"]), "used only with --endpoint (a local replay needs no key)")
     loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
     if endpoint:
         target = endpoint_target(endpoint, opts["model"], api_key)

@@ -7,7 +7,6 @@ to context: drop earlier reasoning, truncate old tool outputs. Trace files are w
 from __future__ import annotations
 
 import copy
-import io
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -68,17 +67,31 @@ def _open_text(path: Path) -> Iterable[str]:
         raw = path.read_bytes()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
-    if path.name.endswith(".zst"):
-        import zstandard
-
-        try:
-            raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
-        except zstandard.ZstdError as exc:
-            raise TraceError(f"{path}: not a valid zstd file: {exc}") from None
+    if not raw:
+        raise TraceError(f"{path}: empty trace")
+    if path.name.endswith(".zst") or raw.startswith(_ZSTD_MAGIC):  # (a .zst by another name)
+        raw = _unzstd(path, raw)
     try:
         return raw.decode("utf-8").split("\n")  # not splitlines(): U+2028 may sit inside strings
     except UnicodeDecodeError as exc:
         raise TraceError(f"{path}: not UTF-8 text: {exc}") from None
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _unzstd(path: Path, raw: bytes) -> bytes:
+    """The frame in `raw`, whole: a file cut short is an error, not fewer requests."""
+    import zstandard
+
+    reader = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        text = reader.decompress(raw)
+    except zstandard.ZstdError as exc:
+        raise TraceError(f"{path}: not a valid zstd file: {exc}") from None
+    if not reader.eof:
+        raise TraceError(f"{path}: the zstd file is cut short (truncated)")
+    return text
 
 
 def read_trace(path: str | Path) -> Trace:
