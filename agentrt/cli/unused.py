@@ -64,3 +64,4 @@ def refuse_unused(mode: str) -> None:
             only_with([name], f"with --offload {owner}")
     if mode == "none":
         only_with(["cpu_kernel"], "where experts run on the CPU (--offload auto, static, layer)")
+        only_with(["vram_budget"], "with offloaded experts (--offload auto, static, layer)")

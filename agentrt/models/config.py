@@ -122,7 +122,8 @@ def _read_config_json(path: Path) -> dict:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ModelFormatError(f"no config.json in {path.parent}")
+        where = path.parent if path.name == "config.json" else path
+        raise ModelFormatError(f"no config.json in {where} (a model directory)")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
