@@ -432,7 +432,8 @@ def test_trace_output_that_cannot_be_written_is_one_line(tmp_path, where):
     (tmp_path / "file").write_text("")
     out = tmp_path if where == "dir" else tmp_path / "file" / "x.jsonl"
     result = invoke_cli("trace", "gen", "--tokens", "1000", "-o", str(out))
-    assert result.returncode == 2 and result.stderr.startswith("error: cannot write trace")
+    assert result.returncode == 2 and result.stderr.startswith("error: Invalid value for '-o'")
+    assert len(result.stderr.strip().splitlines()) == 1 and str(out) in result.stderr
 
 
 def test_plots_of_variants_get_their_own_files():

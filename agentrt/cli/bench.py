@@ -9,8 +9,6 @@ from agentrt.cli.main import main
 from agentrt.cli.options import (
     DEVICE_HELP,
     MODEL_HELP,
-    SEED,
-    Finite,
     cpu_kernel_option,
     csv_choice,
     csv_ints,
@@ -18,7 +16,6 @@ from agentrt.cli.options import (
     csv_option,
     csv_sizes_or_none,
     expert_format_option,
-    fits_context,
     json_option,
     one_value,
     prepare_cpu_threads,
@@ -27,6 +24,7 @@ from agentrt.cli.options import (
 )
 from agentrt.cli.tables import print_report as _report
 from agentrt.cli.unused import given, only_with
+from agentrt.cli.values import SEED, Finite, fits_context
 from agentrt.offload.config import PREFILL_PLANS, OffloadConfig
 
 
@@ -190,10 +188,10 @@ def bench_prefill(
         offloads = ["auto"]  # (as the runtime's default)
     if "auto" not in offloads:
         only_with(list(offload), "with --offload auto")
+    prepare_cpu_threads(device, offloads)  # (before anything imports torch)
     fits_context(model, max(lengths), "--lengths")
     if offload.get("suffixes"):
         fits_context(model, offload["prefix_len"] + max(offload["suffixes"]), "--suffixes")
-    prepare_cpu_threads(device, offloads)  # (before anything imports torch)
     from agentrt.bench import engine as b
 
     device = resolve_device(device)
@@ -343,7 +341,6 @@ def bench_decode(
     if eager:
         only_with(["graphs"], "without --eager")
     modes = ["off"] if eager else graphs
-    fits_context(model, max(prompt_len) + tokens, "--prompt-len, --tokens")
     offload = offload or (["auto"] if vram_budget else None)  # (a budget: as the runtime's)
     if not offload:
         only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
@@ -355,6 +352,7 @@ def bench_decode(
         one_value(linear_attn, "--linear-attn", "with --offload", only_auto=True)
         one_value(modes, "--graphs", "with --offload")
         prepare_cpu_threads(device, offload)
+        fits_context(model, max(prompt_len) + tokens, "--prompt-len, --tokens")
         from agentrt.bench import offload as bo
         from agentrt.session.options import packed_experts
 
@@ -384,6 +382,7 @@ def bench_decode(
         )
         _report(report, json_out)
         return
+    fits_context(model, prompt_len[0] + tokens, "--prompt-len, --tokens")
     from agentrt.bench import engine as b
 
     _report(

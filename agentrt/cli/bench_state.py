@@ -6,9 +6,10 @@ from __future__ import annotations
 import click
 
 from agentrt.cli.bench import bench, model_bench_options
-from agentrt.cli.options import csv_ints, fits_context, one_value, resolve_device
+from agentrt.cli.options import csv_ints, one_value, resolve_device
 from agentrt.cli.tables import print_report as _report
 from agentrt.cli.unused import only_with
+from agentrt.cli.values import fits_context
 
 
 @bench.command("statecache")

@@ -8,11 +8,8 @@ from pathlib import Path
 import click
 
 from agentrt.cli.main import main
-from agentrt.cli.options import (
-    Finite,
-    json_option,
-    write_json,
-)
+from agentrt.cli.options import json_option
+from agentrt.cli.values import Finite, write_json
 from agentrt.errors import AgentrtError
 
 

@@ -8,14 +8,8 @@ from pathlib import Path
 import click
 
 from agentrt.cli.main import main
-from agentrt.cli.options import (
-    Finite,
-    json_option,
-    model_options,
-    open_runtime,
-    output_path,
-    write_json,
-)
+from agentrt.cli.options import json_option, model_options, open_runtime
+from agentrt.cli.values import Finite, output_path, write_json
 from agentrt.errors import AgentrtError
 
 

@@ -8,12 +8,8 @@ from pathlib import Path
 import click
 
 from agentrt.cli.main import main
-from agentrt.cli.options import (
-    SEED,
-    expert_format_option,
-    json_option,
-    write_json,
-)
+from agentrt.cli.options import expert_format_option, json_option
+from agentrt.cli.values import SEED, write_json
 
 
 @main.group()

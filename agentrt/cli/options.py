@@ -6,15 +6,13 @@ one-line messages."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 import sys
 from pathlib import Path
 
 import click
 
 from agentrt.cli.unused import refuse_unused
+from agentrt.cli.values import SEED, Finite, output_path
 from agentrt.errors import AgentrtError, InvalidArgumentError
 from agentrt.offload.config import (
     CPU_KERNELS,
@@ -79,31 +77,6 @@ def prepare_cpu_threads(device: str, offloads: list[str]) -> None:
 
     gpu = device == "cuda" or (device == "auto" and Path("/dev/nvidiactl").exists())
     spin_between_steps(gpu and any(mode != "none" for mode in offloads))
-
-
-class Finite(click.FloatRange):
-    """click's FloatRange without NaN and infinity (which pass its bounds: NaN compares false)."""
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
-
-
-def fits_context(model: str, tokens: int, hint: str) -> None:
-    """Refuse a benchmark of `tokens` positions past `model`'s context before anything is
-    allocated for it."""
-    from agentrt.models.registry import config_of
-
-    context = config_of(model).max_position_embeddings
-    if tokens >= context:
-        raise click.BadParameter(
-            f"{tokens:,} tokens do not fit the model's context of {context:,}", param_hint=hint
-        )
-
-
-SEED = click.IntRange(-(2**63), 2**64 - 1)  # (what torch's generators take: 64 bits)
 
 
 def resolve_device(device: str) -> str:
@@ -473,36 +446,6 @@ def open_runtime(opts: dict, require_tokenizer: bool = False, check_unused: bool
         require_tokenizer=require_tokenizer,
     )
     return Runtime.open(opts["model"], config=RuntimeConfig(**given))
-
-
-def write_json(path: str | None, data) -> None:
-    """Write `data` as JSON to `path` (if given) whole or not at all: a command stopped during
-    the write leaves the previous file."""
-    if path:
-        target, text = Path(path), json.dumps(data, indent=2) + "\n"
-        target = target.resolve() if target.is_symlink() else target  # (the link stays)
-        temp = target.with_name(f".{target.name}.tmp")
-        try:
-            if target.exists() and not target.is_file():  # (/dev/stdout, a pipe)
-                target.write_text(text)
-                return
-            temp.write_text(text)
-            os.replace(temp, target)
-        except OSError as exc:
-            raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
-
-
-def output_path(ctx, param, value: str | None) -> str | None:
-    """Fail before any work when an output file (--json, --trace) cannot be created: an empty
-    name, a directory, a missing directory."""
-    if value is None:
-        return value
-    path = Path(value).expanduser()
-    if not value or path.is_dir():
-        raise click.BadParameter(f"{value!r} is not a file name")
-    if not path.resolve().parent.is_dir():
-        raise click.BadParameter(f"directory of {value!r} does not exist")
-    return value
 
 
 json_option = click.option(

@@ -7,11 +7,8 @@ import socket
 import click
 
 from agentrt.cli.main import main
-from agentrt.cli.options import (
-    Finite,
-    model_options,
-    open_runtime,
-)
+from agentrt.cli.options import model_options, open_runtime
+from agentrt.cli.values import Finite
 from agentrt.errors import InvalidArgumentError
 
 

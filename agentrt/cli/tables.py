@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from agentrt.cli.options import write_json
+from agentrt.cli.values import write_json
 
 MAX_COLUMNS = 10
 SCALARS = (str, int, float, bool, type(None))

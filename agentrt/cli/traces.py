@@ -12,16 +12,14 @@ import click
 from agentrt.cli.bench import bench
 from agentrt.cli.main import main
 from agentrt.cli.options import (
-    SEED,
     csv_choice,
     json_option,
     model_options,
     open_runtime,
-    output_path,
     prepare_cpu_threads,
-    write_json,
 )
 from agentrt.cli.unused import given, refuse
+from agentrt.cli.values import SEED, output_path, write_json
 from agentrt.errors import AgentrtError
 from agentrt.offload.config import offload_mode
 
