@@ -179,7 +179,8 @@ def test_unusable_state_dirs_are_one_line_errors(tmp_path):
     garbage.mkdir()
     (garbage / "data.mdb").write_text("not lmdb")
     result = invoke_cli("cache", "ls", "--state-dir", str(garbage))
-    assert result.returncode == 2 and "cannot open the state cache" in result.stderr
+    assert result.returncode == 2 and "is damaged" in result.stderr
+    assert "agentrt cache clear --state-dir" in result.stderr
     (tmp_path / "file").write_text("")
     under_file = str(tmp_path / "file" / "state")
     result = invoke_cli("chat", "--device", "cpu", "--state-dir", under_file, "hi")
@@ -187,25 +188,43 @@ def test_unusable_state_dirs_are_one_line_errors(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == f"error: Not a directory: {under_file}"
 
 
-def test_a_truncated_state_database_is_an_error_and_clear_removes_it(tmp_path):
-    """A data.mdb cut off before its last page (a full disk, a partial copy) would kill the
-    process reading it (SIGBUS): every command refuses it in one line naming the fix, and
-    `cache clear` deletes the database files it cannot open."""
+def test_a_truncated_state_database_never_kills_a_command_and_clear_removes_it(tmp_path):
+    """A data.mdb cut off before its last page (a full disk, a partial copy) killed the process
+    reading a page past its end (SIGBUS): it is filled out at open, so every command ends
+    normally or with one line naming the fix, and `cache clear` deletes the damaged files."""
     from agentrt.statecache.store import Store
 
     state = tmp_path / "state"
     store = Store(state, 2**30)
-    store.put_checkpoint(*_record(b"k"), b"x" * 300_000)
+    for n in range(4):
+        store.put_checkpoint(*_record(b"k%d" % n), b"x" * 300_000)
     store.close()
     data = state / "data.mdb"
-    os.truncate(data, data.stat().st_size - 4096)
-    for args in (["cache", "gc"], ["cache", "ls"], ["chat", "--device", "cpu", "hi"]):
-        result = invoke_cli(*args, "--state-dir", str(state))
-        assert result.returncode == 2, (args, result.returncode, result.stderr)
-        assert "truncated; `agentrt cache clear --state-dir" in result.stderr.splitlines()[-1]
-    cleared = invoke_cli("cache", "clear", "--yes", "--state-dir", str(state))
-    assert cleared.returncode == 0 and not data.exists()
-    assert invoke_cli("cache", "ls", "--state-dir", str(state)).returncode == 2  # (none now)
+    os.truncate(data, data.stat().st_size // 2)
+    for args in (["cache", "gc", "--verify"], ["cache", "ls"], ["chat", "--device", "cpu", "hi"]):
+        result = run_cli(*args, "--state-dir", str(state))  # (a crash: a signal's status)
+        assert result.returncode in (0, 2), (args, result.returncode, result.stderr)
+        assert "Traceback" not in result.stderr
+        if result.returncode == 2:
+            assert "damaged" in result.stderr and "agentrt cache clear" in result.stderr
+    cleared = run_cli("cache", "clear", "--yes", "--state-dir", str(state))
+    assert cleared.returncode == 0 and data.stat().st_size < 300_000, cleared.stderr
+    Store(state, 2**30).close()
+
+
+def test_errors_that_are_not_damage_do_not_advise_deleting_the_cache(tmp_path, monkeypatch):
+    import lmdb
+
+    from agentrt.errors import AgentrtError
+    from agentrt.statecache.store import DamagedStoreError, Store
+
+    def no_memory(*args, **kwargs):
+        raise lmdb.MemoryError("Cannot allocate memory")
+
+    monkeypatch.setattr(lmdb, "open", no_memory)
+    with pytest.raises(AgentrtError) as info:
+        Store(tmp_path / "state", 2**30)
+    assert not isinstance(info.value, DamagedStoreError) and "clear" not in str(info.value)
 
 
 def _record(key: bytes):
@@ -383,3 +402,20 @@ def test_traces_cut_short_renamed_or_without_requests_are_errors(tmp_path):
     assert result.returncode == 2 and "no requests in" in result.stderr.splitlines()[-1]
     keyed = invoke_cli("replay", "--device", "cpu", "--api-key", "k", str(whole))
     assert keyed.returncode == 2 and "--api-key is used only with --endpoint" in keyed.stderr
+
+
+def test_multi_frame_traces_plots_without_a_suffix_and_the_largest_seed(tmp_path):
+    import zstandard
+
+    from agentrt.bench.engine import random_ids
+    from agentrt.cli.traces import plot_path
+    from agentrt.replay.trace import read_trace
+
+    plain = tmp_path / "t.jsonl"
+    assert invoke_cli("trace", "gen", "--tokens", "3000", "-o", str(plain)).returncode == 0
+    lines = plain.read_bytes().splitlines(keepends=True)
+    frames = b"".join(zstandard.ZstdCompressor().compress(line) for line in lines)
+    (tmp_path / "multi.jsonl.zst").write_bytes(frames)
+    assert read_trace(tmp_path / "multi.jsonl.zst").requests == read_trace(plain).requests
+    assert plot_path(None, None, str(tmp_path / "plot")) == str(tmp_path / "plot")
+    assert len(random_ids(100, 4, 2**64 - 1 + 64)) == 4  # (a derived seed past 64 bits)

@@ -209,3 +209,32 @@ def test_cli_outputs_refuse_directories_and_keep_links(tmp_path, monkeypatch):
     assert run(main, ["model", "info", "tiny", "--json", "m.json"]).exit_code == 0
     assert (tmp_path / "m.json").is_symlink() and (tmp_path / "info.json").stat().st_size > 0
     assert run(main, ["model", "info", "tiny", "--json", ""]).exit_code == 2
+
+
+def test_stdout_as_an_output_is_written_as_the_shell_set_it_up(tmp_path):
+    """`-o /dev/stdout >> log`: the trace is appended to the log through the descriptor (the
+    name reopened would truncate it, or be replaced by a new 0600 file); status goes to
+    stderr, not into the data."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("earlier\n")
+    os.chmod(log, 0o644)
+    cmd = [sys.executable, "-m", "agentrt.cli", "trace", "gen", "--tokens", "1000"]
+    with open(log, "a") as out:
+        subprocess.run([*cmd, "-o", "/dev/stdout"], stdout=out, check=True, cwd=tmp_path)
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier" and '"agentrt_trace"' in lines[1] and _mode(log) == 0o644
+
+
+def test_links_loops_and_links_of_others(tmp_path):
+    (tmp_path / "loop").symlink_to("loop")
+    write_private(tmp_path / "loop", "x")  # (no traceback: the loop itself is replaced)
+    assert (tmp_path / "loop").read_text() == "x"
+    if os.getuid() == 0:
+        other = tmp_path / "theirs"
+        other.symlink_to(tmp_path / "target")
+        os.lchown(other, 12345, 12345)  # a link someone else planted: not followed
+        write_private(other, "y")
+        assert not other.is_symlink() and not (tmp_path / "target").exists()

@@ -111,7 +111,7 @@ def _engines(
 
 
 def random_ids(vocab: int, length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed & (2**64 - 1))  # (a derived seed: into 64 bits)
     return torch.randint(0, vocab, (length,), generator=gen).tolist()
 
 

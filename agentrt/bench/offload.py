@@ -110,14 +110,14 @@ def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None
     kinds = ("*.py", "*.md", "*.txt")
     files = [root] if root.is_file() else sorted(f for k in kinds for f in root.rglob(k))
     corpus = "\n".join(f.read_text(errors="replace") for f in files)
+    if not corpus.strip():
+        raise InvalidArgumentError(f"--text {root}: no text in it (a file, or .py/.md/.txt files)")
     if tokenizer_dir:
         from agentrt.session.tokenizer import load_tokenizer
 
         ids = load_tokenizer(tokenizer_dir).encode(corpus)
     else:
         ids = list(corpus.encode())
-    if not ids:
-        raise InvalidArgumentError(f"--text {root}: no text in it (a file, or .py/.md/.txt files)")
     ids = [i % vocab for i in ids]
     while len(ids) < count:
         ids = ids + ids

@@ -99,33 +99,35 @@ def cache_gc(state_dir, max_gb, verify) -> None:
 @_state_dir_option
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def cache_clear(state_dir, yes) -> None:
-    """Delete every stored checkpoint (a database too damaged to open: its files)."""
-    from agentrt.statecache.store import DamagedStoreError
+    """Delete every stored checkpoint: the database's files, or, while another process (a
+    server) has it open, its records through LMDB."""
+    from agentrt.statecache.mapmode import in_use
 
+    path = _state_path(state_dir)
+    if not (path / "data.mdb").is_file():
+        raise AgentrtError(f"no state cache in {path}")
+    _confirm(yes, f"delete all checkpoints in {path}?")
+    if in_use(path):  # (its files stay: the other process keeps writing to them)
+        store = _open_store(state_dir)
+        store.clear()
+        store.close()
+    else:  # (no LMDB walk: a damaged database would abort it)
+        for name in ("data.mdb", "lock.mdb"):
+            (path / name).unlink(missing_ok=True)
+        _open_store(state_dir, must_exist=False).close()  # (an empty one in their place)
+    click.echo("cleared")
+
+
+def _confirm(yes: bool, question: str) -> None:
+    """Exit unless `yes` or the user says yes (130 without an answer, 1 for no)."""
     try:
-        store, path = _open_store(state_dir), None
-    except DamagedStoreError as exc:
-        store, path = None, _state_path(state_dir)
-        click.echo(f"agentrt: {exc}", err=True)
-    where = store.path if store is not None else path
-    what = "all checkpoints" if store is not None else "the damaged database files"
-    try:
-        sure = yes or click.confirm(f"delete {what} in {where}?")
+        sure = yes or click.confirm(question)
     except click.Abort:  # Ctrl-C (or the end of input) at the question
         sure = None
     if not sure:
-        if store is not None:
-            store.close()
         stopped = "no answer: nothing deleted (--yes deletes without asking)"
         click.echo(stopped if sure is None else "nothing deleted", err=True)
         sys.exit(130 if sure is None else 1)
-    if store is None:
-        for name in ("data.mdb", "lock.mdb"):
-            (path / name).unlink(missing_ok=True)
-    else:
-        store.clear()
-        store.close()
-    click.echo("cleared")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,7 +40,7 @@ def plot_path(ctx, param, value: str | None) -> str | None:
             raise click.BadParameter("needs matplotlib: pip install 'agentrt[plot]'") from None
         formats = Figure().canvas.get_supported_filetypes()
         suffix = Path(value).suffix.lstrip(".").lower()
-        if suffix not in formats:
+        if suffix and suffix not in formats:  # (none: PNG, `_variant_path`)
             raise click.BadParameter(f"{value!r}: a plot is one of .{', .'.join(sorted(formats))}")
     return value
 
@@ -131,7 +131,7 @@ def trace_import(fmt, inputs, out, limit, zst, drop_reasoning, truncate_tool_out
     paths = _write_traces(_transform(traces, drop_reasoning, truncate_tool_outputs), out, zst)
     total = sum(len(t.requests) for t in traces)
     more = " ..." if len(paths) > 1 else ""
-    click.echo(f"wrote {len(paths)} trace(s), {total} request(s): {paths[0]}{more}")
+    click.echo(f"wrote {len(paths)} trace(s), {total} request(s): {paths[0]}{more}", err=True)
 
 
 @trace.command("gen")
@@ -156,7 +156,7 @@ def trace_gen(seed, tokens, max_turns, out) -> None:
         _check_trace_name(Path(out))
     t = generate(seed, tokens, max_turns)
     path = write_trace(t, out)
-    click.echo(f"wrote {path}: {len(t.requests)} requests")
+    click.echo(f"wrote {path}: {len(t.requests)} requests", err=True)  # (-o /dev/stdout)
     if (reached := estimated_tokens(t)) < tokens:
         click.echo(
             f"note: --max-turns {max_turns} ended the session at about {reached} "

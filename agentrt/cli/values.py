@@ -40,19 +40,15 @@ SEED = click.IntRange(-(2**63), 2**64 - 1)  # (what torch's generators take: 64 
 
 def write_json(path: str | None, data) -> None:
     """Write `data` as JSON to `path` (if given) whole or not at all: a command stopped during
-    the write leaves the previous file."""
+    the write leaves the previous file (a link's target written, a device, pipe or
+    `/dev/stdout` written into: `host.private.write_file`)."""
     if path:
-        target, text = Path(path), json.dumps(data, indent=2) + "\n"
-        target = target.resolve() if target.is_symlink() else target  # (the link stays)
-        temp = target.with_name(f".{target.name}.tmp")
+        from agentrt.host.private import write_file
+
         try:
-            if target.exists() and not target.is_file():  # (/dev/stdout, a pipe)
-                target.write_text(text)
-                return
-            temp.write_text(text)
-            os.replace(temp, target)
+            write_file(Path(path).expanduser(), json.dumps(data, indent=2) + "\n")
         except OSError as exc:
-            raise AgentrtError(f"cannot write {path}: {exc.strerror}") from None
+            raise AgentrtError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def output_path(ctx, param, value: str | None) -> str | None:
@@ -63,6 +59,6 @@ def output_path(ctx, param, value: str | None) -> str | None:
     path = Path(value).expanduser()
     if not value or path.is_dir():
         raise click.BadParameter(f"{value!r} is not a file name")
-    if not path.resolve().parent.is_dir():
+    if not Path(os.path.realpath(path)).parent.is_dir():
         raise click.BadParameter(f"directory of {value!r} does not exist")
-    return value
+    return str(path)

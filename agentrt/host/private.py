@@ -79,7 +79,7 @@ def private_output(path: str | Path) -> Iterator[Path]:
     """A new empty 0600 file beside `path` for a writer that takes a file name (it truncates,
     so the mode stays); renamed onto `path` when the block ends, removed if it raises. A device
     or pipe `path` is handed over as it is."""
-    if _stream(Path(path)):
+    if _stream(Path(path)) or _fd_of(Path(path)) is not None:
         yield Path(path)
         return
     target = _target(Path(path))
@@ -93,22 +93,55 @@ def write_private(path: str | Path, data: bytes | str) -> Path:
     """Write `data` (str as UTF-8) to `path` as a 0600 file, atomically; return the path. A
     symbolic link's target is replaced, a device or pipe written into (module docstring); a
     directory raises `IsADirectoryError`."""
+    return write_file(path, data, private=True)
+
+
+def write_file(path: str | Path, data: bytes | str, private: bool = False) -> Path:
+    """`write_private`, or with the umask's mode (not `private`)."""
     path, data = Path(path), data.encode() if isinstance(data, str) else data
+    if (fd := _fd_of(path)) is not None:  # (/dev/stdout: the descriptor as the shell set it up)
+        _write_all(fd, data)
+        return path
     if _stream(path):
         with open(path, "wb") as out:
             out.write(data)
         return path
     target = _target(path)
-    fd, tmp = _temp_beside(target)
+    fd, tmp = _temp_beside(target, private)
     with _replacing(tmp, target), os.fdopen(fd, "wb") as out:
         out.write(data)
     return path
 
 
+_FD_NAMES = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def _fd_of(path: Path) -> int | None:
+    """The open descriptor `path` names (`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`): written
+    as it is (a `>>` redirection appends; reopening the name would truncate or replace it)."""
+    name = str(path)
+    if name in _FD_NAMES:
+        return _FD_NAMES[name]
+    for prefix in ("/dev/fd/", "/proc/self/fd/"):
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return int(name[len(prefix) :])
+    return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    if fd in (1, 2):  # (what Python buffered for it goes first)
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _target(path: Path) -> Path:
-    """The file a write to `path` replaces: a link's target; a directory (or a name without
-    one: `.`, `/`, empty) raises `IsADirectoryError`."""
-    target = path.resolve() if path.is_symlink() else path
+    """The file a write to `path` replaces: the target of a link the user owns (a link someone
+    else planted, in /tmp say, is replaced itself, as the kernel's protected_symlinks would
+    have it); a directory (or a name without one: `.`, `/`, empty) raises `IsADirectoryError`."""
+    own = path.is_symlink() and path.lstat().st_uid == os.getuid()
+    target = Path(os.path.realpath(path)) if own else path  # (realpath: loops stay as named)
     if target.is_dir() or not target.name or target.name in (".", ".."):
         raise IsADirectoryError(21, "is a directory", str(path))
     return target
@@ -124,12 +157,14 @@ def _stream(path: Path) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
-def _temp_beside(path: Path) -> tuple[int, Path]:
-    """A new file next to `path`, opened for writing, mode exactly 0600."""
+def _temp_beside(path: Path, private: bool = True) -> tuple[int, Path]:
+    """A new file next to `path`, opened for writing, mode exactly 0600 (`private`, else
+    0666 less the umask)."""
     tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, FILE_MODE)
-    os.fchmod(fd, FILE_MODE)  # the umask may have taken bits off (never added any)
+    fd = os.open(tmp, flags, FILE_MODE if private else 0o666)
+    if private:
+        os.fchmod(fd, FILE_MODE)  # the umask may have taken bits off (never added any)
     return fd, tmp
 
 

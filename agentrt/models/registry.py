@@ -61,7 +61,12 @@ def config_of(spec: str):
         from agentrt.models.synthetic import model_config, resolve_size
 
         return model_config(resolve_size(spec[len(SYNTHETIC_PREFIX) :]))
-    return ModelConfig.from_hf(ensure_tiny() if spec == "tiny" else Path(spec).expanduser())
+    path = ensure_tiny() if spec == "tiny" else Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {spec!r} not found: give a HF-format directory, 'tiny', or 'synthetic:NAME'"
+        )
+    return ModelConfig.from_hf(path)
 
 
 MXFP4_SIZES = ("gpt-oss-20b", "gpt-oss-120b")  # synthetic shapes published with MXFP4 experts

@@ -14,7 +14,7 @@ GIB = 2**30
 def parse_bytes(text: str | int | float) -> int:
     """'16GiB', '512MB', '2g', 1.5e9 -> bytes."""
     if isinstance(text, (int, float)):
-        return int(text)
+        text = repr(text)  # (numbers from the Python API: the same checks)
     units = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6}
     units |= {
         "mib": 2**20,

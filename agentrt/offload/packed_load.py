@@ -84,7 +84,9 @@ class PackedSink(RoutedExperts):
         exponent = exponent_for(std)
         for layer in self.store.layers:
             rows = self.store.flat[layer]
-            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
+            gen = torch.Generator(device=device).manual_seed(
+                (seed * 1_000_003 + layer) & (2**64 - 1)
+            )
             shape = tuple(rows.shape)
             block = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
             for part in (self.store.layout.gate_up, self.store.layout.down):

@@ -81,17 +81,21 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def _unzstd(path: Path, raw: bytes) -> bytes:
-    """The frame in `raw`, whole: a file cut short is an error, not fewer requests."""
+    """Every frame in `raw` (concatenated files, parallel compressors), each whole: a file cut
+    short is an error, not fewer requests."""
     import zstandard
 
-    reader = zstandard.ZstdDecompressor().decompressobj()
-    try:
-        text = reader.decompress(raw)
-    except zstandard.ZstdError as exc:
-        raise TraceError(f"{path}: not a valid zstd file: {exc}") from None
-    if not reader.eof:
-        raise TraceError(f"{path}: the zstd file is cut short (truncated)")
-    return text
+    parts = []
+    while raw:
+        reader = zstandard.ZstdDecompressor().decompressobj()
+        try:
+            parts.append(reader.decompress(raw))
+        except zstandard.ZstdError as exc:
+            raise TraceError(f"{path}: not a valid zstd file: {exc}") from None
+        if not reader.eof:
+            raise TraceError(f"{path}: the zstd file is cut short (truncated)")
+        raw = reader.unused_data
+    return b"".join(parts)
 
 
 def read_trace(path: str | Path) -> Trace:

@@ -74,6 +74,16 @@ def _open(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
 
 
+def in_use(path: Path) -> bool:
+    """Whether a process holds the directory's database open (either mode's lock)."""
+    if fcntl is None:
+        return False
+    try:
+        return _held_by_others(path, True) or _held_by_others(path, False)
+    except OSError:
+        return False
+
+
 def _held_by_others(path: Path, mode: bool) -> bool:
     """Whether another process holds `mode`'s lock on `path` (an exclusive try fails)."""
     fd = _open(_lock_path(path, mode))

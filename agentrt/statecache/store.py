@@ -10,6 +10,7 @@ writes evict the least valuable records first. Several processes may share one d
 
 from __future__ import annotations
 
+import os
 import shlex
 import struct
 import threading
@@ -93,21 +94,37 @@ DB_NAMES = (b"records", b"chunks", b"refs", b"blobs", b"meta")
 
 
 class DamagedStoreError(AgentrtError):
-    """The state directory's database cannot be read (`agentrt cache clear` empties it)."""
+    """The state directory's database is damaged (`agentrt cache clear` deletes it)."""
 
 
-def _fix(path: Path) -> str:
-    return f"; `agentrt cache clear --state-dir {shlex.quote(str(path))}` deletes it"
+CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
 
 
-def _check_whole(path: Path, env: lmdb.Environment) -> None:
-    """Refuse a data.mdb shorter than its last page (cut off: by a full disk, a partial copy):
-    reading the pages past its end through the map would kill the process (SIGBUS)."""
-    pages = env.info()["last_pgno"] + 1
-    size = (path / "data.mdb").stat().st_size
-    if size < pages * env.stat()["psize"]:
-        env.close()
-        raise lmdb.Error(f"data.mdb ends before its last page ({size:,} bytes): truncated")
+def damaged(path: Path, exc: Exception) -> DamagedStoreError:
+    fix = f"`agentrt cache clear --state-dir {shlex.quote(str(path))}` deletes it"
+    return DamagedStoreError(f"the state cache in {path} is damaged ({exc}); {fix}")
+
+
+def _fill_out(path: Path, env: lmdb.Environment) -> None:
+    """Make data.mdb reach its last page. A file cut short (a full disk, a partial copy) would
+    kill the process reading a page past its end through the map (SIGBUS); filled out, such a
+    page reads as zeros, which LMDB reports as corruption and payload checksums refuse. A
+    healthy file may be short too (pages allocated and freed in one transaction are never
+    written): its filling is what LMDB's writemap mode does at open. Never shrinks the file."""
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    data = path / "data.mdb"
+    if data.stat().st_size >= need:
+        return
+    try:
+        fd = os.open(data, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, need)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise lmdb.CorruptedError(
+            f"data.mdb is cut short and cannot be filled out: {exc}"
+        ) from None
 
 
 class _SharedEnv:
@@ -135,14 +152,21 @@ class _SharedEnv:
             # the named databases, opened once with the environment: opening one takes LMDB's
             # write lock without giving up the interpreter, which deadlocks beside a write
             # running on another thread of this process (a second Store on the directory, say)
+            _fill_out(path, self.env)  # (before anything reads a page: `open_db` does)
             self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
-            _check_whole(path, self.env)
+        except CORRUPTION as exc:
+            self._close_failed()
+            raise damaged(path, exc) from None
         except lmdb.Error as exc:
-            self.mode.release()
-            msg = f"cannot open the state cache in {path}: {exc}{_fix(path)}"
-            raise DamagedStoreError(msg) from None
+            self._close_failed()
+            raise AgentrtError(f"cannot open the state cache in {path}: {exc}") from None
         self.lock = _ResizeLock()
         self.users = 0
+
+    def _close_failed(self) -> None:
+        if getattr(self, "env", None) is not None:
+            self.env.close()
+        self.mode.release()
 
     @classmethod
     def acquire(cls, path: Path, map_size: int) -> _SharedEnv:
@@ -482,4 +506,7 @@ class Store:
             for db in (self.records, self.chunks, self.refs, self.blobs, self.meta):
                 txn.drop(db, delete=False)
 
-        self._txn(drop, write=True)
+        try:
+            self._txn(drop, write=True)
+        except CORRUPTION as exc:
+            raise damaged(self.path, exc) from None
