@@ -216,7 +216,8 @@ def test_errors_that_are_not_damage_do_not_advise_deleting_the_cache(tmp_path, m
     import lmdb
 
     from agentrt.errors import AgentrtError
-    from agentrt.statecache.store import DamagedStoreError, Store
+    from agentrt.statecache.damage import DamagedStoreError
+    from agentrt.statecache.store import Store
 
     def no_memory(*args, **kwargs):
         raise lmdb.MemoryError("Cannot allocate memory")

@@ -10,8 +10,6 @@ writes evict the least valuable records first. Several processes may share one d
 
 from __future__ import annotations
 
-import os
-import shlex
 import struct
 import threading
 import time
@@ -26,6 +24,7 @@ from agentrt.errors import AgentrtError
 from agentrt.host.cputhreads import waiting
 from agentrt.host.private import FILE_MODE, private_dir
 from agentrt.statecache.codec import CorruptPayload, Record, decode_record, encode_record
+from agentrt.statecache.damage import CORRUPTION, damaged, fill_out
 from agentrt.statecache.mapmode import MapMode, writemap
 
 T = TypeVar("T")
@@ -93,40 +92,6 @@ class _ResizeLock:
 DB_NAMES = (b"records", b"chunks", b"refs", b"blobs", b"meta")
 
 
-class DamagedStoreError(AgentrtError):
-    """The state directory's database is damaged (`agentrt cache clear` deletes it)."""
-
-
-CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
-
-
-def damaged(path: Path, exc: Exception) -> DamagedStoreError:
-    fix = f"`agentrt cache clear --state-dir {shlex.quote(str(path))}` deletes it"
-    return DamagedStoreError(f"the state cache in {path} is damaged ({exc}); {fix}")
-
-
-def _fill_out(path: Path, env: lmdb.Environment) -> None:
-    """Make data.mdb reach its last page. A file cut short (a full disk, a partial copy) would
-    kill the process reading a page past its end through the map (SIGBUS); filled out, such a
-    page reads as zeros, which LMDB reports as corruption and payload checksums refuse. A
-    healthy file may be short too (pages allocated and freed in one transaction are never
-    written): its filling is what LMDB's writemap mode does at open. Never shrinks the file."""
-    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    data = path / "data.mdb"
-    if data.stat().st_size >= need:
-        return
-    try:
-        fd = os.open(data, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, need)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise lmdb.CorruptedError(
-            f"data.mdb is cut short and cannot be filled out: {exc}"
-        ) from None
-
-
 class _SharedEnv:
     """One LMDB environment per directory per process (LMDB allows no second one), shared by
     every `Store` on that directory; `lock` keeps map resizes away from open transactions."""
@@ -152,7 +117,7 @@ class _SharedEnv:
             # the named databases, opened once with the environment: opening one takes LMDB's
             # write lock without giving up the interpreter, which deadlocks beside a write
             # running on another thread of this process (a second Store on the directory, say)
-            _fill_out(path, self.env)  # (before anything reads a page: `open_db` does)
+            fill_out(path, self.env)  # (before anything reads a page: `open_db` does)
             self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
         except CORRUPTION as exc:
             self._close_failed()

@@ -1,0 +1,46 @@
+"""A damaged state database: the error that names the fix, LMDB's errors that mean damage, and
+filling out a data.mdb cut short before anything reads past its end."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import lmdb
+
+from agentrt.errors import AgentrtError
+
+
+class DamagedStoreError(AgentrtError):
+    """The state directory's database is damaged (`agentrt cache clear` deletes it)."""
+
+
+CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
+
+
+def damaged(path: Path, exc: Exception) -> DamagedStoreError:
+    fix = f"`agentrt cache clear --state-dir {shlex.quote(str(path))}` deletes it"
+    return DamagedStoreError(f"the state cache in {path} is damaged ({exc}); {fix}")
+
+
+def fill_out(path: Path, env: lmdb.Environment) -> None:
+    """Make data.mdb reach its last page. A file cut short (a full disk, a partial copy) would
+    kill the process reading a page past its end through the map (SIGBUS); filled out, such a
+    page reads as zeros, which LMDB reports as corruption and payload checksums refuse. A
+    healthy file may be short too (pages allocated and freed in one transaction are never
+    written): its filling is what LMDB's writemap mode does at open. Never shrinks the file."""
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    data = path / "data.mdb"
+    if data.stat().st_size >= need:
+        return
+    try:
+        fd = os.open(data, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, need)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise lmdb.CorruptedError(
+            f"data.mdb is cut short and cannot be filled out: {exc}"
+        ) from None
