@@ -27,7 +27,9 @@ def damaged(path: Path, exc: Exception) -> DamagedStoreError:
 def fill_out(path: Path, env: lmdb.Environment) -> None:
     """Make data.mdb reach its last page. A file cut short (a full disk, a partial copy) would
     kill the process reading a page past its end through the map (SIGBUS); filled out, such a
-    page reads as zeros, which LMDB reports as corruption and payload checksums refuse. A
+    page reads as zeros, which LMDB reports as corruption (or, in a few of its own checks,
+    aborts on: dropping a damaged tree does, so `cache clear` removes files instead) and
+    payload checksums refuse. A
     healthy file may be short too (pages allocated and freed in one transaction are never
     written): its filling is what LMDB's writemap mode does at open. Never shrinks the file."""
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
@@ -37,7 +39,10 @@ def fill_out(path: Path, env: lmdb.Environment) -> None:
     try:
         fd = os.open(data, os.O_RDWR)
         try:
-            os.posix_fallocate(fd, 0, need)
+            if hasattr(os, "posix_fallocate"):  # (never shrinks; not on macOS)
+                os.posix_fallocate(fd, 0, need)
+            else:
+                os.ftruncate(fd, max(need, os.fstat(fd).st_size))
         finally:
             os.close(fd)
     except OSError as exc:
