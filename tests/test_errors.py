@@ -403,6 +403,8 @@ def test_traces_cut_short_renamed_or_without_requests_are_errors(tmp_path):
     assert result.returncode == 2 and "no requests in" in result.stderr.splitlines()[-1]
     keyed = invoke_cli("replay", "--device", "cpu", "--api-key", "k", str(whole))
     assert keyed.returncode == 2 and "--api-key is used only with --endpoint" in keyed.stderr
+    waits = invoke_cli("replay", "--device", "cpu", "--endpoint-timeout", "5", str(whole))
+    assert waits.returncode == 2 and "--endpoint-timeout is used only with" in waits.stderr
 
 
 def test_multi_frame_traces_plots_without_a_suffix_and_the_largest_seed(tmp_path):
@@ -420,3 +422,15 @@ def test_multi_frame_traces_plots_without_a_suffix_and_the_largest_seed(tmp_path
     assert read_trace(tmp_path / "multi.jsonl.zst").requests == read_trace(plain).requests
     assert plot_path(None, None, str(tmp_path / "plot")) == str(tmp_path / "plot")
     assert len(random_ids(100, 4, 2**64 - 1 + 64)) == 4  # (a derived seed past 64 bits)
+
+
+def test_a_replay_against_a_server_that_never_answers_stops_at_its_timeout(tmp_path):
+    import socket
+
+    trace = tmp_path / "t.jsonl"
+    assert invoke_cli("trace", "gen", "--tokens", "1000", "-o", str(trace)).returncode == 0
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # (connections queue, never answered)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        args = ["replay", "--endpoint", url, "--endpoint-timeout", "1", str(trace)]
+        result = invoke_cli(*args)
+    assert result.returncode == 2 and "timed out" in result.stderr.splitlines()[-1]

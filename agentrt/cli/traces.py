@@ -19,7 +19,7 @@ from agentrt.cli.options import (
     prepare_cpu_threads,
 )
 from agentrt.cli.unused import given, refuse
-from agentrt.cli.values import SEED, output_path, write_json
+from agentrt.cli.values import SEED, Finite, output_path, write_json
 from agentrt.errors import AgentrtError
 from agentrt.offload.config import offload_mode
 
@@ -239,6 +239,14 @@ def _run_replay(traces, target, max_tokens: int, label: str, json_out: str | Non
     "model name sent; the server's own settings apply).",
 )
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="Bearer key for --endpoint.")
+@click.option(
+    "--endpoint-timeout",
+    type=Finite(min=1),
+    default=3600.0,
+    show_default=True,
+    help="With --endpoint: seconds to wait for the server's next bytes before the replay stops "
+    "with an error.",
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
     "--plot",
@@ -255,6 +263,7 @@ def replay_cmd(
     traces,
     endpoint,
     api_key,
+    endpoint_timeout,
     max_tokens,
     plot,
     drop_reasoning,
@@ -270,10 +279,10 @@ def replay_cmd(
     if endpoint:
         _refuse_local_options(opts)
     else:
-        refuse(given(["api_key"]), "used only with --endpoint (a local replay needs no key)")
+        refuse(given(["api_key", "endpoint_timeout"]), "used only with --endpoint")
     loaded = _load_traces(traces, drop_reasoning, truncate_tool_outputs, max_requests)
     if endpoint:
-        target = endpoint_target(endpoint, opts["model"], api_key)
+        target = endpoint_target(endpoint, opts["model"], api_key, endpoint_timeout)
     else:
         target = local_target(open_runtime(opts, require_tokenizer=True))
     rep = _run_replay(loaded, target, max_tokens, f"replay ({target.cache})", json_out)
