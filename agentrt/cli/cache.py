@@ -31,16 +31,16 @@ def _open_store(state_dir: str | None, must_exist: bool = True):
     from agentrt.statecache.config import StateCacheConfig
     from agentrt.statecache.store import Store
 
-    path = _state_path(state_dir)
-    if must_exist and not (path / "data.mdb").is_file():
-        raise AgentrtError(f"no state cache in {path}")
-    return Store(path, StateCacheConfig().max_bytes)
+    return Store(_state_path(state_dir, must_exist), StateCacheConfig().max_bytes)
 
 
-def _state_path(state_dir: str | None) -> Path:
+def _state_path(state_dir: str | None, must_exist: bool = True) -> Path:
     from agentrt.statecache.config import default_state_dir
 
-    return Path(state_dir).expanduser() if state_dir else default_state_dir()
+    path = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    if must_exist and not (path / "data.mdb").is_file():
+        raise AgentrtError(f"no state cache in {path}")
+    return path
 
 
 @cache.command("ls")
@@ -104,8 +104,6 @@ def cache_clear(state_dir, yes) -> None:
     from agentrt.statecache.mapmode import in_use
 
     path = _state_path(state_dir)
-    if not (path / "data.mdb").is_file():
-        raise AgentrtError(f"no state cache in {path}")
     _confirm(yes, f"delete all checkpoints in {path}?")
     if in_use(path):  # (its files stay: the other process keeps writing to them)
         store = _open_store(state_dir)

@@ -46,10 +46,10 @@ class AgentrtGroup(click.Group):
             click.echo(f"error: {exc.strerror or exc}{where}", err=True)
             sys.exit(2)
         except Exception as exc:
-            if not _lmdb_corruption(exc):
+            damage = sys.modules.get("agentrt.statecache.damage")  # (loaded with the store)
+            if damage is None or not isinstance(exc, damage.CORRUPTION):
                 raise
-            fix = "`agentrt cache clear [--state-dir DIR]` deletes it"
-            click.echo(f"error: the state cache is damaged ({exc}); {fix}", err=True)
+            click.echo(f"error: {damage.damaged(None, exc)}", err=True)  # (met past the open)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -63,13 +63,6 @@ class AgentrtGroup(click.Group):
             raise
         except click.UsageError as exc:
             _usage_error(exc, ctx)
-
-
-def _lmdb_corruption(exc: Exception) -> bool:
-    """Whether `exc` is LMDB's report of a damaged database (met past the open's checks)."""
-    lmdb = sys.modules.get("lmdb")
-    kinds = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError) if lmdb else ()
-    return isinstance(exc, kinds)
 
 
 # click >= 8.2 shows the help through this usage error when no command is given

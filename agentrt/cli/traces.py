@@ -52,7 +52,7 @@ _OTHER_FORMATS = (".json", ".zst", ".gz", ".bz2", ".xz", ".zip", ".tar")
 def _check_trace_name(path: Path) -> None:
     """A name that looks like a file of another format is a mistake, not a directory to make
     or a plain-text trace to write under a compressed name."""
-    if path.name.endswith(_OTHER_FORMATS):
+    if path.name.endswith(_OTHER_FORMATS) and not path.name.endswith(TRACE_NAMES):
         raise click.UsageError(f"-o: a trace file is .jsonl or .jsonl.zst, not {path.name}")
 
 
@@ -62,7 +62,7 @@ def _write_traces(traces, out: str, zst: bool) -> list[Path]:
     target = Path(out)
     if len(traces) == 1 and target.name.endswith(TRACE_NAMES):
         return [write_trace(traces[0], target)]
-    if len(traces) > 1 and target.name.endswith(TRACE_NAMES):
+    if target.name.endswith(TRACE_NAMES):
         raise click.UsageError(f"{len(traces)} traces: -o must be a directory, not {out}")
     _check_trace_name(target)
     suffix = ".jsonl.zst" if zst else ".jsonl"
@@ -152,8 +152,7 @@ def trace_gen(seed, tokens, max_turns, out) -> None:
     from agentrt.replay.generator import estimated_tokens, generate
     from agentrt.replay.trace import write_trace
 
-    if not out.endswith(TRACE_NAMES):
-        _check_trace_name(Path(out))
+    _check_trace_name(Path(out))
     t = generate(seed, tokens, max_turns)
     path = write_trace(t, out)
     click.echo(f"wrote {path}: {len(t.requests)} requests", err=True)  # (-o /dev/stdout)

@@ -19,9 +19,13 @@ class DamagedStoreError(AgentrtError):
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)
 
 
-def damaged(path: Path, exc: Exception) -> DamagedStoreError:
-    fix = f"`agentrt cache clear --state-dir {shlex.quote(str(path))}` deletes it"
-    return DamagedStoreError(f"the state cache in {path} is damaged ({exc}); {fix}")
+def damaged(path: Path | None, exc: Exception) -> DamagedStoreError:
+    """The error naming the fix (`path` None: where the damage was met is not known)."""
+    where = "[--state-dir DIR]" if path is None else f"--state-dir {shlex.quote(str(path))}"
+    which = "" if path is None else f" in {path}"
+    return DamagedStoreError(
+        f"the state cache{which} is damaged ({exc}); `agentrt cache clear {where}` deletes it"
+    )
 
 
 def fill_out(path: Path, env: lmdb.Environment) -> None:
@@ -29,9 +33,9 @@ def fill_out(path: Path, env: lmdb.Environment) -> None:
     kill the process reading a page past its end through the map (SIGBUS); filled out, such a
     page reads as zeros, which LMDB reports as corruption (or, in a few of its own checks,
     aborts on: dropping a damaged tree does, so `cache clear` removes files instead) and
-    payload checksums refuse. A
-    healthy file may be short too (pages allocated and freed in one transaction are never
-    written): its filling is what LMDB's writemap mode does at open. Never shrinks the file."""
+    payload checksums refuse. A healthy file may be short too (pages allocated and freed in
+    one transaction are never written): its filling is what LMDB's writemap mode does at open.
+    Never shrinks the file."""
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     data = path / "data.mdb"
     if data.stat().st_size >= need:

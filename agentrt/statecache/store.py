@@ -114,10 +114,10 @@ class _SharedEnv:
                 writemap=self.mode.writemap,
                 mode=FILE_MODE,
             )
+            fill_out(path, self.env)  # (before anything reads a page: `open_db` does)
             # the named databases, opened once with the environment: opening one takes LMDB's
             # write lock without giving up the interpreter, which deadlocks beside a write
             # running on another thread of this process (a second Store on the directory, say)
-            fill_out(path, self.env)  # (before anything reads a page: `open_db` does)
             self.dbs = {name: self.env.open_db(name) for name in DB_NAMES}
         except CORRUPTION as exc:
             self._close_failed()
