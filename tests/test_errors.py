@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from util import invoke_cli, run_cli
@@ -148,6 +149,18 @@ def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
     assert (
         proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_cli_output_where_no_file_can_be_created_is_a_usage_error(tmp_path):
+    """An output in a directory that takes no new file fails before any work (it failed after
+    the whole run), as root too (permission bits do not stop root; /proc does); a device is
+    written into, not probed."""
+    proc = invoke_cli("model", "info", "tiny", "--json", "/proc/agentrt-x.json")
+    assert proc.returncode == 2 and "cannot write" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = invoke_cli("model", "info", "tiny", "--json", "/dev/null")
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.slow

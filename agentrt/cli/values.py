@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import click
 
 from agentrt.errors import AgentrtError
+from agentrt.host.private import replaced_file
 
 
 class Finite(click.FloatRange):
@@ -53,7 +55,9 @@ def write_json(path: str | None, data) -> None:
 
 def output_path(ctx, param, value: str | None) -> str | None:
     """Fail before any work when an output file (--json, --trace) cannot be created: an empty
-    name, a directory, a missing directory."""
+    name, a directory, a missing directory, a directory that takes no new file (an output is
+    written beside itself first, then moved onto it; a descriptor, device or pipe is written
+    into instead, and not probed)."""
     if value is None:
         return value
     path = Path(value).expanduser()
@@ -61,4 +65,18 @@ def output_path(ctx, param, value: str | None) -> str | None:
         raise click.BadParameter(f"{value!r} is not a file name")
     if not Path(os.path.realpath(path)).parent.is_dir():
         raise click.BadParameter(f"directory of {value!r} does not exist")
+    replaced = replaced_file(path)
+    if replaced is not None:
+        _probe(replaced.parent, value)
     return str(path)
+
+
+def _probe(directory: Path, value: str) -> None:
+    """Create and remove a file in `directory` (permission bits alone do not tell: root
+    ignores them, /proc or a read-only mount still refuse)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".agentrt-probe-")
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {value!r}: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(name)

@@ -113,6 +113,15 @@ def write_file(path: str | Path, data: bytes | str, private: bool = False) -> Pa
     return path
 
 
+def replaced_file(path: str | Path) -> Path | None:
+    """The file a `write_file` to `path` creates or replaces (its temporary file is made beside
+    it); None where the write goes into an open descriptor, a device or a pipe."""
+    path = Path(path)
+    if _fd_of(path) is not None or _stream(path):
+        return None
+    return _target(path)
+
+
 _FD_NAMES = {"/dev/stdout": 1, "/dev/stderr": 2}
 
 
