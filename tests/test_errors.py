@@ -153,9 +153,8 @@ def test_cli_json_into_missing_directory_is_a_usage_error(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_cli_output_where_no_file_can_be_created_is_a_usage_error(tmp_path):
-    """An output in a directory that takes no new file fails before any work (it failed after
-    the whole run), as root too (permission bits do not stop root; /proc does); a device is
-    written into, not probed."""
+    """An output in a directory that takes no new file fails before any work, as root too
+    (permission bits do not stop root; /proc does); a device is written into, not probed."""
     proc = invoke_cli("model", "info", "tiny", "--json", "/proc/agentrt-x.json")
     assert proc.returncode == 2 and "cannot write" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
