@@ -22,6 +22,7 @@ import time
 import torch
 
 from agentrt.models.moe import SwiGLU, expert_ffn
+from agentrt.offload.calibrate import SPIN_SETTLE_S
 from agentrt.offload.cpu_mxfp4 import mxfp4_kernel
 from agentrt.offload.store import ExpertStore
 
@@ -82,6 +83,7 @@ def main() -> None:
             kernel.start_experts(0, [i % EXPERTS], [1.0], x, out)
             kernel.finish()
 
+        time.sleep(SPIN_SETTLE_S)  # (the OpenMP team's workers spin on the same cores a while)
         s = _time(pooled, CALLS)
         report["native_pool"] = {
             "threads": kernel.pool_threads,
