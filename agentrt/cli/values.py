@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from agentrt.errors import AgentrtError
-from agentrt.host.private import replaced_file
+from agentrt.host.private import replaced_file, write_file
 
 
 class Finite(click.FloatRange):
@@ -45,8 +45,6 @@ def write_json(path: str | None, data) -> None:
     the write leaves the previous file (a link's target written, a device, pipe or
     `/dev/stdout` written into: `host.private.write_file`)."""
     if path:
-        from agentrt.host.private import write_file
-
         try:
             write_file(Path(path).expanduser(), json.dumps(data, indent=2) + "\n")
         except OSError as exc:
@@ -61,12 +59,15 @@ def output_path(ctx, param, value: str | None) -> str | None:
     if value is None:
         return value
     path = Path(value).expanduser()
-    if not value or path.is_dir():
-        raise click.BadParameter(f"{value!r} is not a file name")
-    if not Path(os.path.realpath(path)).parent.is_dir():
-        raise click.BadParameter(f"directory of {value!r} does not exist")
-    replaced = replaced_file(path)
+    try:
+        if not value or path.is_dir():
+            raise IsADirectoryError
+        replaced = replaced_file(path)
+    except IsADirectoryError:  # (`replaced_file`: a name without a file's, `nodir/..`)
+        raise click.BadParameter(f"{value!r} is not a file name") from None
     if replaced is not None:
+        if not replaced.parent.is_dir():
+            raise click.BadParameter(f"directory of {value!r} does not exist")
         _probe(replaced.parent, value)
     return str(path)
 

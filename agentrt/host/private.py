@@ -79,10 +79,10 @@ def private_output(path: str | Path) -> Iterator[Path]:
     """A new empty 0600 file beside `path` for a writer that takes a file name (it truncates,
     so the mode stays); renamed onto `path` when the block ends, removed if it raises. A device
     or pipe `path` is handed over as it is."""
-    if _stream(Path(path)) or _fd_of(Path(path)) is not None:
+    target = replaced_file(path)
+    if target is None:
         yield Path(path)
         return
-    target = _target(Path(path))
     fd, tmp = _temp_beside(target)
     os.close(fd)
     with _replacing(tmp, target):
