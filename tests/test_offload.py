@@ -726,7 +726,7 @@ def test_graph_host_step_fills_what_the_next_piece_needs(split, biased):
         io.ids_h.copy_(torch.tensor(ids))
         io.w_h.copy_(w)
         io.x_h.copy_(x[0])
-        experts._host_step(layer, io)
+        experts._host_step(layer, io)()  # (with the work it leaves for the next piece's run)
         on_device = sum(
             io.gw_h[j] * ffn(x, cache.gate_up(int(s)), cache.down(int(s)), layer, ids[j])
             for j, s in enumerate(io.slot_h.tolist())
@@ -764,7 +764,10 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
         io.pred_h.copy_(torch.tensor(predicted))
         io.w_h.copy_(w)
         io.x_h.copy_(x[0])
-        experts._host_step(layer, io)
+        later = experts._host_step(layer, io)
+        # the bookkeeping and the prefetch wait for the returned work (run while the next
+        # piece runs): the inputs that piece reads are complete without them
+        assert cache.stats[layer].misses == 0 and experts.totals.prefetched == 2 * layer
         gate_up, down = store.gate_up(layer), store.down(layer)
         dense = sum(w[j] * expert_ffn(x, gate_up[e], down[e])[0] for j, e in enumerate(ids))
         on_device = sum(
@@ -772,6 +775,7 @@ def test_host_step_prefetches_the_next_layers_predicted_experts():
             for j, s in enumerate(io.slot_h.tolist())
         )
         torch.testing.assert_close(on_device + io.cpu_h, dense)
+        later()
         cache.check()
         if layer == 0:  # 4 slots hold layer 0's copies: 2 free ones take the best predictions
             assert [cache.slot_of[1][e] >= 0 for e in predicted] == [True, True, False, False]
@@ -812,7 +816,7 @@ def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     io = LayerIO(top_k=4, hidden=4, dtype=torch.bfloat16, device="cpu")
     io.ids_h.copy_(torch.tensor([0, 1, 2, 3]))
     io.w_h.fill_(0.25)
-    experts._host_step(0, io)
+    experts._host_step(0, io)()
     # q* = 2 of 4 misses at equal bandwidths; the prefetches into the layer are awaited after
     # the post, before the copies (which may refill a prefetched slot)
     assert [e[0] for e in events] == ["cpu", "admit", "admit", "await", "copy"]
@@ -936,7 +940,7 @@ def _graph_host_steps(store, kernel, prefetch: bool):
             io.ids_h.copy_(torch.tensor(ids))
             io.w_h.copy_(w)
             io.x_h.copy_(x)
-            experts._host_step(layer, io)
+            experts._host_step(layer, io)()
             yield layer, ids, w, x, io
 
     return experts, cache, steps()

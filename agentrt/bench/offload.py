@@ -397,7 +397,7 @@ def _free(device: str) -> None:
 def _counters(experts) -> dict[str, int]:
     names = ("hits", "misses", "copied", "cpu", "bytes", "copy_s", "copy_b", "cpu_s", "cpu_b")
     names += ("host_n", "host_s", "plan_s", "prefetched", "prefetch_hits", "start_s", "wait_s")
-    names += ("warmed", "warm_used")
+    names += ("warmed", "warm_used", "after_s")
     if experts is None:
         return dict.fromkeys(names, 0)
     stats, t = experts.cache.stats.values(), experts.totals
@@ -405,7 +405,7 @@ def _counters(experts) -> dict[str, int]:
     values += (t.bytes_copied, t.copy_seconds, t.copy_timed_bytes, t.cpu_seconds)
     values += (t.cpu_timed_bytes, t.host_steps, t.host_seconds, t.plan_seconds)
     values += (t.prefetched, t.prefetch_hits, t.cpu_start_seconds, t.cpu_wait_seconds)
-    values += (t.warmed, t.warm_used)
+    values += (t.warmed, t.warm_used, t.after_seconds)
     return dict(zip(names, values, strict=True))
 
 
@@ -458,4 +458,6 @@ def _per_token(
         # part before the CPU starts), and waiting for the pool after the step's own work
         "host_to_cpu_start_ms_per_token": 1e3 * d["start_s"] / tokens,
         "host_cpu_wait_ms_per_token": 1e3 * d["wait_s"] / tokens,
+        # their bookkeeping and prefetches, run while the next piece runs (not in host_ms)
+        "host_after_ms_per_token": 1e3 * d["after_s"] / tokens,
     }

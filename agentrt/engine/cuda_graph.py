@@ -22,7 +22,7 @@ import gc
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +31,9 @@ from agentrt.engine.state import SequenceState
 from agentrt.models.kv import KVCache
 from agentrt.models.layers import CausalLM, Span
 
-HostStep = Callable[[int], None]  # called with the position being decoded
+# called with the position decoded; what it returns (host-only work) runs once the next piece is
+# launched, while the GPU runs it
+HostStep = Callable[[int], Callable[[], None] | None]
 # A capture that fails is tried again this many times in all before decode falls back to eager
 # steps for the engine (a transient failure must not cost the rest of the session its graphs)
 CAPTURE_ATTEMPTS = 2
@@ -68,12 +70,14 @@ class Pieces:
             self.graphs[-1].capture_end()
 
     def replay(self, position: int) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        for graph, host in zip(self.graphs, self.hosts, strict=False):
+        stream, later = torch.cuda.current_stream(self.device), None
+        for i, graph in enumerate(self.graphs):
             graph.replay()
-            stream.synchronize()  # the host step reads what the graph wrote to pinned buffers
-            host(position)
-        self.graphs[-1].replay()
+            if later is not None:  # (the last host step's deferred work, while this piece runs)
+                later()
+            if i < len(self.hosts):  # the host step reads what the graph wrote to pinned buffers
+                stream.synchronize()
+                later = self.hosts[i](position)
 
 
 @dataclass
@@ -90,7 +94,9 @@ class EagerCuts:
     def cut(self, host: HostStep) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         with _recording(self.cutters, None):
-            host(self.position)
+            later = host(self.position)
+            if later is not None:
+                later()
 
 
 @dataclass
@@ -105,11 +111,9 @@ class _Captured:
 def _buffers_key(state: SequenceState) -> tuple[int, ...]:
     ptrs = []
     for cache in state.caches:
-        tensors = (
-            (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.conv, cache.recurrent)
-        )
-        ptrs += [t.data_ptr() for t in tensors]
-        ptrs.append(tensors[0].shape[1] if isinstance(cache, KVCache) else 0)
+        kv = isinstance(cache, KVCache)
+        tensors = (cache.k, cache.v) if kv else (cache.conv, cache.recurrent)
+        ptrs += [t.data_ptr() for t in tensors] + [tensors[0].shape[1] if kv else 0]
     return tuple(ptrs)
 
 
@@ -117,9 +121,7 @@ class DecodeGraph:
     """Captures the decode step of one model lazily and replays it."""
 
     def __init__(self, model: CausalLM, device: torch.device) -> None:
-        self.model = model
-        self.device = device
-        self.enabled = True
+        self.model, self.device, self.enabled = model, device, True
         self.current: _Captured | None = None
         self.captures, self.capture_seconds = 0, 0.0  # (at start-up, between turns, in a request)
 
@@ -247,10 +249,8 @@ def abandon_pool(device: torch.device, pool: object) -> None:
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        try:
+        with suppress(RuntimeError):  # (it was closed after all)
             end(index, pool)
-        except RuntimeError:  # it was closed after all
-            pass
 
 
 @contextmanager
@@ -343,11 +343,11 @@ class PrefillGraphs:
     Each bucket has a graph with `cut_slots` cuts (capture positions inside the piece, whose
     linear states the pass records; unused slots repeat the end), which pieces without cuts
     replay too; with `plain`, each also has one without cuts (`cut_buckets` then limits which
-    buckets have a cut variant). Graphs are valid for the cache buffers
-    they were captured on: all are captured together (`prepare`, or at first use) and again
-    whenever the KV buffers change (so capture costs land in one request; KV is reserved
-    `reserve` positions at a time, so growth is rare); they share one memory pool (they never
-    run at once); any capture failure turns them off for the engine.
+    buckets have a cut variant). Graphs are valid for the cache buffers they were captured on:
+    all are captured together (`prepare`, or at first use) and again whenever the KV buffers
+    change (so capture costs land in one request; KV is reserved `reserve` positions at a time,
+    so growth is rare); they share one memory pool (they never run at once); any capture
+    failure turns them off for the engine.
 
     `capture=False` runs the same static pass eagerly (CPU tests of the padding and masking)."""
 

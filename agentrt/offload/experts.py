@@ -40,6 +40,7 @@ The host steps live in `host_step.py` and the prefetch in `prefetch.py` (mixins 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -104,7 +105,10 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self.next_layer = dict(zip(layers, layers[1:], strict=False))
         self._pending: dict[int, object] = {}  # layer -> event of its prefetches' end
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
+        # the end of a host step's own copies, which its prefetches wait for (`_mark_own_copies`)
         self._mark = self.fast.new_event() if self.fast is not None else None
+        if self._mark is None and self.on_cuda:
+            self._mark = torch.cuda.Event()
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         # layer -> the experts a graph host step read into the CPU's caches for it (missing
         # there, they go to its CPU side)
@@ -220,13 +224,15 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         synced: bool = False,
         start_cpu: Callable[[list[int]], None] | None = None,
         before_copies: Callable[[], None] | None = None,
+        later: list[Callable[[], None]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Hits run from their slots; misses split into copies (admitted) and CPU work.
         `start_cpu(cpu)`, where given, is called as soon as the CPU's share is known, before the
         copies are admitted and issued (a graph host step starts its CPU experts there: they
         take longer than choosing victims and issuing the copies, and the copies then queue
         behind the prefetches anyway), and `before_copies()` after the admission; the
-        bookkeeping comes last. The returned CPU share ends with any copy that found no slot
+        bookkeeping comes last, or is appended to `later` (a graph host step runs it once the
+        next piece is launched). The returned CPU share ends with any copy that found no slot
         (none: q is capped by the slots outside the layer's own experts), which `start_cpu`
         was not given. `synced`: the device has finished all earlier work (a graph host step)."""
         lookup = self.cache.slot_of[layer]
@@ -250,10 +256,21 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         finally:  # (whatever happened, nothing reads the slots before this)
             if before_copies is not None:
                 before_copies()
-        self._count_prefetch_hits(layer, hits)
         if copied:
             self._copy_in(layer, copied, targets, synced)
-        for expert in pairs:  # after the copies: they are already on their way
+        # (after the copies: they are already on their way)
+        book = functools.partial(self._book_decode, layer, list(pairs), hits, misses, copied, cpu)
+        if later is None:
+            book(warm)
+        else:
+            later.append(functools.partial(book, warm))
+        return hits + copied, cpu
+
+    def _book_decode(self, layer, routed, hits, misses, copied, cpu, warm) -> None:
+        """A planned decode layer's bookkeeping: prefetch hits, the policy's uses, counters."""
+        self._count_prefetch_hits(layer, hits)
+        policy = self.cache.policy
+        for expert in routed:
             policy.touch((layer, expert))
         stats = self.cache.stats[layer]
         stats.hits += len(hits)
@@ -262,7 +279,6 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         stats.cpu += len(cpu)
         if warm:
             self.totals.warm_used += len(warm.intersection(cpu))
-        return hits + copied, cpu
 
     def _count_prefetch_hits(self, layer: int, hits: list[int]) -> None:
         """Count the experts prefetched for `layer` that its token routed to and found resident

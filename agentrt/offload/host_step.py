@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -63,23 +64,25 @@ class CapturedDecode:
         out = torch.where(gw != 0, ys * gw, 0.0).sum(0) + io.cpu_d  # (ys * fp32 gw: fp32)
         return out.to(x.dtype).unsqueeze(0)
 
-    def _host_step(self, layer: int, io: LayerIO) -> None:
+    def _host_step(self, layer: int, io: LayerIO) -> Callable[[], None]:
         """Between graph pieces: plan and issue the copies, compute the CPU experts while they
-        run, then fill the next piece's inputs and make it wait for the copies."""
+        run, then fill the next piece's inputs and make it wait for the copies. Returns what
+        only the host reads (`_after_step`), which runs once the next piece is launched."""
         t_begin = time.perf_counter()
         self._measure_period(layer, t_begin)
         try:
-            self._host_work(layer, io, t_begin)
+            return self._host_work(layer, io, t_begin)
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
 
-    def _host_work(self, layer: int, io: LayerIO, t_begin: float) -> None:
+    def _host_work(self, layer: int, io: LayerIO, t_begin: float) -> Callable[[], None]:
         """The host step's work (see `_host_step`). With the native kernel's pool, the CPU
         experts start as soon as the plan names them, and run while this thread issues the
-        copies, plans and issues the next layer's prefetch and fills the next piece's inputs."""
+        copies and fills the next piece's inputs."""
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids, w = io.ids_np.tolist(), io.w_np.tolist()
         copied_before = self.cache.stats[layer].copied
+        later: list[Callable[[], None]] = []  # the bookkeeping, once the next piece runs
         kernel = self.cpu_kernel or self.packed_cpu
         pooled = kernel is not None and kernel.pooled
         running = False  # the native kernel's pool computes while this thread works on
@@ -102,11 +105,10 @@ class CapturedDecode:
                 awaited()
             else:
                 pairs = {e: [row] for row, e in enumerate(ids)}
-                gpu, cpu = self._plan_decode(layer, pairs, True, start, awaited)
-            likely: list[int] = []  # the next layer's likely CPU experts
-            if self.routers is not None and layer in self.next_layer:
-                own = self.cache.stats[layer].copied - copied_before
-                likely = self._prefetch_after(layer, io.pred_np.tolist(), ids, own)
+                gpu, cpu = self._plan_decode(layer, pairs, True, start, awaited, later)
+            prefetching = self.routers is not None and layer in self.next_layer
+            if prefetching and self.on_cuda:
+                self._mark_own_copies()
             slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
             io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
             io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
@@ -126,14 +128,32 @@ class CapturedDecode:
             self._host_cpu_experts(*args, accumulate=running)
         elif not running:
             io.cpu_np.fill(0.0)
-        if likely and pooled and self.warm_cpu:
-            self._warm_next(layer, likely[: max(1, len(ids) // 2)])
-        if pending is not None:
-            self._read_copy_timing(pending)
         # (the copies went on the current stream: the next piece, which reads the slots they
         # fill, runs after them)
         self.totals.host_steps += 1
         self.totals.host_seconds += time.perf_counter() - t_begin
+        prefetch = (io.pred_np.tolist(), copied_before) if prefetching else None
+        return functools.partial(self._after_step, layer, ids, later, prefetch, pending, pooled)
+
+    def _after_step(self, layer, ids, later, prefetch, pending, pooled) -> None:
+        """A host step's work that the next piece does not wait for (it runs while the GPU
+        runs that piece, before the next host step): the bookkeeping in `later`, the next
+        layer's prefetch (`prefetch`: its predicted experts and this layer's copy count
+        before the step; the copies wait for the step's own, marked before the piece), the
+        read of its likely CPU experts into the pool's caches, and the timing of the last
+        copies (`pending`)."""
+        t_begin = time.perf_counter()
+        for work in later:
+            work()
+        if prefetch is not None:
+            predicted, copied_before = prefetch
+            own = self.cache.stats[layer].copied - copied_before
+            likely = self._prefetch_after(layer, predicted, ids, own)
+            if likely and pooled and self.warm_cpu:
+                self._warm_next(layer, likely[: max(1, len(ids) // 2)])
+        if pending is not None:
+            self._read_copy_timing(pending)
+        self.totals.after_seconds += time.perf_counter() - t_begin
 
     def _warm_next(self, layer: int, experts: list[int]) -> None:
         """Post a read of the next layer's likely CPU experts into the caches of the native

@@ -59,21 +59,29 @@ class Prefetch:
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
         return done
 
+    def _mark_own_copies(self) -> None:
+        """Mark the end of what the current stream has queued (this layer's own copies), which
+        the prefetches issued after it wait for: a graph host step marks before the next piece
+        is launched and prefetches once it runs."""
+        if self.fast is not None:
+            self.fast.record(self._mark, self._current().cuda_stream)
+        else:
+            self._mark.record(self._current())
+
     def _issue_ahead(self, layer: int, targets: list, sources: list, experts: list):
-        """Queue prefetch copies on the copy stream behind what the current stream has queued
-        (this layer's own copies); returns the event of their end (a raw handle with `fast`)."""
-        side, current = self.copy_stream, self._current()
+        """Queue prefetch copies on the copy stream behind the mark (`_mark_own_copies`);
+        returns the event of their end (a raw handle with `fast`)."""
+        side = self.copy_stream
         event = self._done_events.get(layer)
         if event is None:  # one per layer, recorded again each token
             event = self.fast.new_event() if self.fast is not None else torch.cuda.Event()
             self._done_events[layer] = event
         if self.fast is None:
-            side.wait_stream(current)
+            side.wait_event(self._mark)
             with torch.cuda.stream(side):
                 self._issue(targets, sources, side, layer, experts)
             event.record(side)
             return event
-        self.fast.record(self._mark, current.cuda_stream)
         self.fast.wait(side.cuda_stream, self._mark)
         self._issue(targets, sources, side, layer, experts)
         self.fast.record(event, side.cuda_stream)

@@ -24,9 +24,12 @@ class Totals:
     cpu_timed_bytes: int = 0
     host_steps: int = 0  # graph-decode host steps (one per offloaded layer and token)
     host_seconds: float = 0.0  # their wall time, all of it
-    # of which planning and issuing the copies (prefetches included) and filling the next
-    # piece's inputs (overlapping the CPU experts when the native kernel's pool runs them)
+    # of which planning and issuing the copies and filling the next piece's inputs
+    # (overlapping the CPU experts when the native kernel's pool runs them)
     plan_seconds: float = 0.0
+    # their bookkeeping and the next layer's prefetch, once the next piece is launched (while
+    # the GPU runs it: off the layer chain)
+    after_seconds: float = 0.0
     # of the host steps that posted CPU experts to the native kernel's pool: from the step's
     # start to the post (the chain's serial part before the CPU starts), and the time the
     # step then waited for the pool once its own work was done
