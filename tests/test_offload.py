@@ -268,6 +268,31 @@ def test_bench_decode_replays_the_timed_steps_routing_only(tmp_path, monkeypatch
     assert counted == 4 * layers and report["runs"][0]["lru_hit_rate"] == 0.5
 
 
+def test_decode_settings_vary_the_overlap_of_auto_only():
+    from agentrt.bench import offload as bench_offload
+
+    runs = bench_offload.settings(["static", "auto"], [True], ["lfu"], overlaps=(True, False))
+    names = [bench_offload.label(r) for r in runs]
+    assert names == ["auto/split/lfu", "auto/split/lfu/no-overlap", "static"]
+
+
+def test_native_pool_waits_for_a_call_its_thread_left():
+    """A call posted to the native kernel's pool and never waited for (a captured decode step
+    that failed between its host step's halves) is waited for by the thread's next call, which
+    then runs (the library's lock would otherwise stop it for good)."""
+    kernel = _native_or_skip()
+    torch.manual_seed(0)
+    gate_up = (torch.randn(2, 16, 32) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(2, 32, 8) * 0.1).to(torch.bfloat16)
+    x, left, out = torch.randn(32).to(torch.bfloat16), torch.zeros(32), torch.zeros(32)
+    kernel.start([gate_up[0]], [down[0]], [1.0], x, left)
+    kernel.run([gate_up[1]], [down[1]], [1.0], x, out)
+    assert not kernel.posted and left.abs().sum() > 0 and out.abs().sum() > 0
+    kernel.start([gate_up[0]], [down[0]], [1.0], x, left)
+    kernel.start([gate_up[1]], [down[1]], [1.0], x, out)  # (a post after a post: the same)
+    assert kernel.finish() > 0 and not kernel.posted
+
+
 def test_lru_replay_counts_a_plain_lru_over_the_timed_steps():
     from agentrt.bench.offload_figures import lru_replay
 

@@ -71,21 +71,25 @@ WARMUP_STEPS = 16  # decode steps before timing: graph capture, a warm expert ca
 PROFILE_STEPS = 16  # with `py_profile`: decode steps profiled after the timed ones
 
 
-def settings(offloads, splits, policies, prefetches=(True,), warms=(True,)) -> list[dict[str, Any]]:
-    """Every combination; split, policy, prefetch and the CPU experts' warm-up only vary for
-    `auto`. `none` first (it gives t_gpu), `layer` last (it moves layers to the host for
-    good)."""
+def settings(
+    offloads, splits, policies, prefetches=(True,), warms=(True,), overlaps=(True,)
+) -> list[dict[str, Any]]:
+    """Every combination; split, policy, prefetch, the CPU experts' warm-up and the overlap
+    only vary for `auto`. `none` first (it gives t_gpu), `layer` last (it moves layers to the
+    host for good)."""
     order = {"none": 0, "auto": 1, "static": 2, "layer": 3}
     out: list[dict[str, Any]] = []
     for mode in sorted(dict.fromkeys(offloads), key=order.__getitem__):
         if mode == "auto":
             out += [
                 {"offload": mode, "split": s, "policy": p, "prefetch": f, "cpu_warm": w}
-                for f, s, p, w in itertools.product(
+                | {"overlap": o}
+                for f, s, p, w, o in itertools.product(
                     dict.fromkeys(prefetches),
                     dict.fromkeys(splits),
                     dict.fromkeys(policies),
                     dict.fromkeys(warms),
+                    dict.fromkeys(overlaps),
                 )
             ]
         else:
@@ -98,7 +102,8 @@ def label(setting: dict[str, Any]) -> str:
         return setting["offload"]
     name = f"auto/{'split' if setting['split'] else 'copy-only'}/{setting['policy']}"
     name += "" if setting.get("prefetch", True) else "/no-prefetch"
-    return name if setting.get("cpu_warm", True) else name + "/no-warm"
+    name += "" if setting.get("cpu_warm", True) else "/no-warm"
+    return name if setting.get("overlap", True) else name + "/no-overlap"
 
 
 def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None) -> list[int]:
@@ -205,6 +210,7 @@ def offload_decode(
             policy=setting.get("policy", OffloadConfig.policy),
             prefetch=setting.get("prefetch", True),
             cpu_warm=setting.get("cpu_warm", True),
+            overlap=setting.get("overlap", True),
             cpu_kernel=cpu_kernel,
             vram_budget=budget_bytes,
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured

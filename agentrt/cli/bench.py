@@ -222,8 +222,8 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
 
 
 _DECODE_OFFLOAD_ONLY = (
-    "split", "expert_policy", "prefetch", "cpu_warm", "text", "tokenizer", "repeat", "cpu_kernel",
-    "expert_format", "py_profile",
+    "split", "expert_policy", "prefetch", "cpu_warm", "overlap", "text", "tokenizer", "repeat",
+    "cpu_kernel", "expert_format", "py_profile",
 )  # fmt: skip
 
 
@@ -276,6 +276,13 @@ _DECODE_OFFLOAD_ONLY = (
     "(the next layer's likely CPU experts read into the CPU's caches while the GPU works), "
     "on and/or off.",
 )
+@csv_option(
+    "--overlap",
+    ("on", "off"),
+    "on",
+    "For --offload auto: comma-separated settings of captured decode's overlap (a layer's "
+    "device experts computed while the CPU computes its share, not after it), on and/or off.",
+)
 @click.option(
     "--vram-budget",
     default=None,
@@ -325,6 +332,7 @@ def bench_decode(
     expert_policy,
     prefetch,
     cpu_warm,
+    overlap,
     vram_budget,
     text,
     tokenizer,
@@ -345,7 +353,9 @@ def bench_decode(
     if not offload:
         only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
     elif "auto" not in offload:
-        only_with(["split", "expert_policy", "prefetch", "cpu_warm"], "with --offload auto")
+        only_with(
+            ["split", "expert_policy", "prefetch", "cpu_warm", "overlap"], "with --offload auto"
+        )
     if len(prompt_len) > 1 and not offload:
         raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
     if offload:
@@ -362,6 +372,7 @@ def bench_decode(
             expert_policy,
             [v == "on" for v in prefetch],
             [v == "on" for v in cpu_warm],
+            [v == "on" for v in overlap],
         )
         report = bo.offload_decode(
             model,

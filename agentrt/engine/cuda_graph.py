@@ -46,6 +46,7 @@ class Pieces:
     device: torch.device
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     hosts: list[HostStep] = field(default_factory=list)
+    syncs: list[bool] = field(default_factory=list)  # per host step: waits for the graph first
     pool: object = None
     capturing: bool = False
 
@@ -58,10 +59,11 @@ class Pieces:
         self.graphs.append(graph)
         self.capturing = True
 
-    def cut(self, host: HostStep) -> None:
-        """End the current graph; `host` runs between it and the next one (which begins now)."""
+    def cut(self, host: HostStep, sync: bool = True) -> None:
+        """End the graph; `host` runs before the next (begun now), after this one ends if `sync`."""
         self.end()
         self.hosts.append(host)
+        self.syncs.append(sync)
         self.begin()
 
     def end(self) -> None:
@@ -75,8 +77,9 @@ class Pieces:
             graph.replay()
             if later is not None:  # (the last host step's deferred work, while this piece runs)
                 later()
-            if i < len(self.hosts):  # the host step reads what the graph wrote to pinned buffers
-                stream.synchronize()
+            if i < len(self.hosts):
+                if self.syncs[i]:  # the host step reads what the graph wrote to pinned buffers
+                    stream.synchronize()
                 later = self.hosts[i](position)
 
 
@@ -91,7 +94,7 @@ class EagerCuts:
     position: int
     cutters: list
 
-    def cut(self, host: HostStep) -> None:
+    def cut(self, host: HostStep, sync: bool = True) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         with _recording(self.cutters, None):
             later = host(self.position)
@@ -223,8 +226,7 @@ def _warm_up(state: SequenceState, device: torch.device, step: Callable[[], obje
 
 
 def _record(pieces: Pieces, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Capture `step` into `pieces` on a side stream; returns its output (which each replay
-    refills)."""
+    """Capture `step` into `pieces` on a side stream; its output (each replay refills it)."""
     with torch.cuda.stream(torch.cuda.Stream(pieces.device)):
         pieces.begin()
         try:
@@ -282,10 +284,8 @@ def _collector_off() -> Iterator[None]:
 def _cutters(model: CausalLM) -> list:
     """Objects in the step that cut captures: they have a `recorder` attribute (None outside a
     capture). The routed-experts object, and any module of the model."""
-    found = [m for m in model.modules() if hasattr(m, "recorder")]
-    if hasattr(model.experts, "recorder"):
-        found.append(model.experts)
-    return found
+    extra = [model.experts] if hasattr(model.experts, "recorder") else []
+    return [m for m in model.modules() if hasattr(m, "recorder")] + extra
 
 
 # ----------------------------------------------------------------------------- prefill graphs

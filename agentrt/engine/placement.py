@@ -174,6 +174,7 @@ def install(
             routers=routers,
             cpu_kernel=kernel,
             warm_cpu=config.cpu_warm,
+            overlap=config.overlap,
             prefill_plan=config.prefill_plan,
             staging_bytes=config.staging_bytes,
             slots_for_kv=_slots_for_kv(model, store, config),

@@ -73,6 +73,9 @@ class OffloadConfig:
     # decode with prefetch and the native kernel's pool: read the next layer's likely CPU
     # experts (predicted, missing, not copied ahead) into the CPU's caches during its piece
     cpu_warm: bool = True
+    # captured decode: a layer's device experts run while the CPU computes its share (in a
+    # graph piece launched before the CPU experts end), not after them
+    overlap: bool = True
     # a decode token's CPU experts: torch's kernels, the native bf16 kernel built at first use
     # (offload/cpu_kernel.py; falls back to torch's without a C compiler), or auto: native where
     # the CPU has AVX512-BF16 or AVX2 with FMA

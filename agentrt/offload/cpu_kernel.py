@@ -147,10 +147,17 @@ class PoolCalls:
             self._guard.resting = True
             self._spin(0.0)
 
+    def _reclaim(self) -> None:
+        """Wait for a call this thread posted and left (a captured decode step that failed
+        between its host step's halves): the lock it holds would stop this thread's next call."""
+        if self.posted:
+            self.finish()
+
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:
         """The library's lock, once a posted warm-up is done (a call on the caller's OpenMP
         team would compete with its threads for the cores)."""
+        self._reclaim()
         with self._lock:
             self._settle()
             yield
@@ -160,6 +167,7 @@ class PoolCalls:
         return at once, keeping `alive` until the next call (or `settle`) waits for it. False
         (nothing posted) where another thread's call runs or the pool is off."""
         guard = self._guard
+        self._reclaim()
         if not self.pooled or not guard.lock.acquire(blocking=False):
             return False
         try:
@@ -188,6 +196,7 @@ class PoolCalls:
         `start(*arguments, pool_threads)`; `finish` must follow. Raises OSError (and turns
         `pooled` off) where the pool's threads cannot be made."""
         guard = self._guard
+        self._reclaim()
         guard.lock.acquire()
         self._settle()
         if guard.resting:  # (a decode begins: the pool spins between its calls again)
@@ -485,11 +494,7 @@ def _build(compiler: str, path: Path, text: str, name: str) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         source, out = Path(tmp) / f"{name}.c", Path(tmp) / path.name
         source.write_text(text)
-        subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(out), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
+        command = [compiler, *FLAGS, str(source), "-o", str(out), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
         os.chmod(out, FILE_MODE)
         os.replace(out, path)

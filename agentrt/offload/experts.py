@@ -78,6 +78,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel: NativeExperts | PackedCPUExperts | None = None,
         warm_cpu: bool = True,
+        overlap: bool = True,
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
         slots_for_kv: Callable[[int], int] | None = None,
@@ -131,6 +132,10 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         )
         # whether graph host steps post those reads (both native kernels' pools have them)
         self.warm_cpu = warm_cpu and self.layer_cpu is not None
+        # captured decode runs a layer's device experts in a piece of their own, launched
+        # while the CPU computes its share (`CapturedDecode._captured`)
+        self.overlap = overlap
+        self._open = None  # a host step between its halves (`_host_plan`, `_host_finish`)
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,31 +22,46 @@ class CapturedDecode:
     """Host steps of captured decode (attributes: see `OffloadedExperts.__init__`)."""
 
     def _captured(self, layer, x, ids, weights) -> torch.Tensor:
-        """Graph side of one MoE layer in a captured decode step (see the module docstring)."""
+        """Graph side of one MoE layer in a captured decode step (see the module docstring).
+        With `overlap`, the device experts run in a piece of their own, launched once the host
+        has planned and posted its CPU experts: the GPU computes them while the CPU computes
+        its share, and the next piece adds the CPU's sum."""
         io = self._io[layer]
         io.ids_h.copy_(ids[0], non_blocking=True)
         io.w_h.copy_(weights[0].float(), non_blocking=True)
         io.x_h.copy_(x[0], non_blocking=True)
         if self.routers is not None and layer in self.next_layer:
             io.pred_h.copy_(self._predict(layer, x, io.pred_h.numel()), non_blocking=True)
-        self.recorder.cut(lambda _pos: self._host_step(layer, io))
-        # (read by the GPU's cores: copies would queue behind the next layer's prefetches)
-        self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
         if layer in self.cpu_layers:
+            self.recorder.cut(lambda _pos: self._host_step(layer, io))
+            self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
             return io.cpu_d.to(x.dtype).unsqueeze(0)
+        overlap = self.overlap
+        self.recorder.cut(lambda _pos: (self._host_plan if overlap else self._host_step)(layer, io))
+        # (read by the GPU's cores: copies would queue behind the next layer's prefetches)
         self.uploads.from_host(io.slot_h, io.slot_d, hold=False)
         self.uploads.from_host(io.gw_h, io.gw_d, hold=False)
+        if not overlap:
+            self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
+            return self._device_experts(layer, x, ids, io, io.cpu_d).to(x.dtype).unsqueeze(0)
+        y = self._device_experts(layer, x, ids, io, None)
+        self.recorder.cut(lambda _pos: self._host_finish(layer, io), sync=False)
+        self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
+        return (y + io.cpu_d).to(x.dtype).unsqueeze(0)
+
+    def _device_experts(self, layer, x, ids, io, add: torch.Tensor | None) -> torch.Tensor:
+        """The device experts' weighted sum (fp32 `[H]`), read from their slots, plus `add`
+        (the CPU's sum) where given."""
         s = self.store
         if s.packed:
             ys = token_experts(s, layer, self.cache.slots, io.slot_d, x, ids[0])
-            return self._weighted(ys, io, x)
+            return self._weighted(ys, io, add)
         biases = s.biases(layer, x.device)
-        if expert_gemv.available(x):  # the slots read in place, the CPU's sum added
+        if expert_gemv.available(x):  # the slots read in place
             gate_up, down = s.stacks(self.cache.slots)
-            y = expert_gemv.token_moe(
-                x, io.slot_d, io.gw_d, gate_up, down, biases, s.act, io.cpu_d, bias_ids=ids[0]
+            return expert_gemv.token_moe(
+                x, io.slot_d, io.gw_d, gate_up, down, biases, s.act, add, bias_ids=ids[0]
             )
-            return y.to(x.dtype).unsqueeze(0)
         gate_up, down = s.stacks(self.cache.slots.index_select(0, io.slot_d))  # [k, ...]
         xs = x.expand(gate_up.shape[0], -1).unsqueeze(1)  # [k, 1, H]
         h = torch.bmm(xs, gate_up.transpose(1, 2))  # [k, 1, 2I]
@@ -54,105 +70,117 @@ class CapturedDecode:
         ys = torch.bmm(s.act(h), down.transpose(1, 2)).squeeze(1)  # [k, H]
         if biases is not None:
             ys = ys + biases[1].index_select(0, ids[0])
-        return self._weighted(ys, io, x)
+        return self._weighted(ys, io, add)
 
     @staticmethod
-    def _weighted(ys: torch.Tensor, io: LayerIO, x: torch.Tensor) -> torch.Tensor:
-        """The device experts' outputs `ys [k, H]` under their weights, plus the CPU's sum."""
+    def _weighted(ys: torch.Tensor, io: LayerIO, add: torch.Tensor | None) -> torch.Tensor:
+        """The device experts' outputs `ys [k, H]` under their weights (fp32), plus `add`."""
         # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
         gw = io.gw_d.unsqueeze(1)
-        out = torch.where(gw != 0, ys * gw, 0.0).sum(0) + io.cpu_d  # (ys * fp32 gw: fp32)
-        return out.to(x.dtype).unsqueeze(0)
+        out = torch.where(gw != 0, ys * gw, 0.0).sum(0)  # (ys * fp32 gw: fp32)
+        return out if add is None else out + add
 
     def _host_step(self, layer: int, io: LayerIO) -> Callable[[], None]:
         """Between graph pieces: plan and issue the copies, compute the CPU experts while they
-        run, then fill the next piece's inputs and make it wait for the copies. Returns what
-        only the host reads (`_after_step`), which runs once the next piece is launched."""
+        run, then fill the next piece's inputs and make it wait for the copies (`_host_plan`
+        then `_host_finish`). Returns what only the host reads (`_after_step`), which runs once
+        the next piece is launched."""
+        self._host_plan(layer, io)
+        return self._host_finish(layer, io)
+
+    def _host_plan(self, layer: int, io: LayerIO) -> None:
+        """A host step's first half: plan, post the CPU experts to the native kernel's pool,
+        issue the copies and fill the device experts' inputs (the CPU experts may still run)."""
         t_begin = time.perf_counter()
         self._measure_period(layer, t_begin)
         try:
-            return self._host_work(layer, io, t_begin)
+            self._open = self._plan_step(layer, io, t_begin)
+        except BaseException:  # (the kernel writes the buffer until it is waited for)
+            kernel = self.cpu_kernel or self.packed_cpu
+            if kernel is not None and kernel.posted:
+                kernel.finish()
+            raise
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
 
-    def _host_work(self, layer: int, io: LayerIO, t_begin: float) -> Callable[[], None]:
-        """The host step's work (see `_host_step`). With the native kernel's pool, the CPU
-        experts start as soon as the plan names them, and run while this thread issues the
-        copies and fills the next piece's inputs."""
+    def _plan_step(self, layer: int, io: LayerIO, t_begin: float) -> _Planned:
+        """`_host_plan`'s work. With the native kernel's pool, the CPU experts start as soon as
+        the plan names them, and run while this thread issues the copies and fills the inputs."""
         pending, self._copy_timing = self._copy_timing, None  # the last copies (done: synced)
         ids, w = io.ids_np.tolist(), io.w_np.tolist()
         copied_before = self.cache.stats[layer].copied
         later: list[Callable[[], None]] = []  # the bookkeeping, once the next piece runs
         kernel = self.cpu_kernel or self.packed_cpu
         pooled = kernel is not None and kernel.pooled
-        running = False  # the native kernel's pool computes while this thread works on
-        posted: list[int] = []  # the experts it computes
+        posted: list[int] = []  # the CPU experts the pool computes
 
         def start(cpu: list[int]) -> None:
-            nonlocal running, posted
-            if cpu and pooled:
-                running = self._start_native(layer, io, cpu, _weights_of(cpu, ids, w))
-                posted = cpu if running else []
+            if cpu and pooled and self._start_native(layer, io, cpu, _weights_of(cpu, ids, w)):
+                posted.extend(cpu)
                 self.totals.cpu_start_seconds += time.perf_counter() - t_begin
 
-        try:
-            # (the prefetches into this layer awaited once its CPU experts are posted, before
-            # its copies may refill a prefetched slot)
-            awaited = functools.partial(self._await_prefetch, layer)
-            if layer in self.cpu_layers:
-                gpu, cpu = [], ids
-                start(cpu)
-                awaited()
-            else:
-                pairs = {e: [row] for row, e in enumerate(ids)}
-                gpu, cpu = self._plan_decode(layer, pairs, True, start, awaited, later)
-            prefetching = self.routers is not None and layer in self.next_layer
-            if prefetching and self.on_cuda:
-                self._mark_own_copies()
-            slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
-            io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
-            io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
-            t_planned = time.perf_counter()
-            self.totals.plan_seconds += t_planned - t_begin
-        finally:  # (the kernel writes the buffer until it is waited for; an interrupt may
-            # land between the post and `running`)
-            seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
+        # (the prefetches into this layer awaited once its CPU experts are posted, before its
+        # copies may refill a prefetched slot)
+        awaited = functools.partial(self._await_prefetch, layer)
+        if layer in self.cpu_layers:
+            gpu, cpu = [], ids
+            start(cpu)
+            awaited()
+        else:
+            pairs = {e: [row] for row, e in enumerate(ids)}
+            gpu, cpu = self._plan_decode(layer, pairs, True, start, awaited, later)
+        prefetching = self.routers is not None and layer in self.next_layer
+        if prefetching and self.on_cuda:
+            self._mark_own_copies()
+        slot_of, on_gpu = self.cache.slot_of[layer], set(gpu)
+        io.slot_np[:] = [slot_of[e] if e in on_gpu else 0 for e in ids]
+        io.gw_np[:] = [w[j] if e in on_gpu else 0.0 for j, e in enumerate(ids)]
+        planned_s = time.perf_counter() - t_begin
+        self.totals.plan_seconds += planned_s
+        prefetch = (io.pred_np.tolist(), copied_before) if prefetching else None
+        return _Planned(ids, w, cpu, posted, planned_s, pending, later, prefetch, pooled)
+
+    def _host_finish(self, layer: int, io: LayerIO) -> Callable[[], None]:
+        """A host step's second half: wait for the pool's CPU experts, compute any the pool
+        did not take (copies that found no slot, or no pool) into the CPU's sum. Returns
+        `_after_step`'s work."""
+        step, self._open = self._open, None
+        t_begin = time.perf_counter()
+        kernel = self.cpu_kernel or self.packed_cpu
+        seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
+        running = bool(step.posted)
         if running:
-            self.totals.cpu_wait_seconds += time.perf_counter() - t_planned
-        self.totals.cpu += len(cpu)
-        if running:
-            self._observe_cpu(len(posted) * self.store.expert_bytes, seconds)
-        rest = cpu[len(posted) :]  # (after the posted ones: copies that found no slot)
+            self.totals.cpu_wait_seconds += time.perf_counter() - t_begin
+            self._observe_cpu(len(step.posted) * self.store.expert_bytes, seconds)
+        self.totals.cpu += len(step.cpu)
+        rest = step.cpu[len(step.posted) :]  # (after the posted ones: copies that found no slot)
         if rest:
-            args = (layer, io, rest, _weights_of(rest, ids, w))
+            args = (layer, io, rest, _weights_of(rest, step.ids, step.w))
             self._host_cpu_experts(*args, accumulate=running)
         elif not running:
             io.cpu_np.fill(0.0)
-        # (the copies went on the current stream: the next piece, which reads the slots they
-        # fill, runs after them)
+        # (the copies went on the current stream: the pieces that read the slots they fill run
+        # after them)
         self.totals.host_steps += 1
-        self.totals.host_seconds += time.perf_counter() - t_begin
-        prefetch = (io.pred_np.tolist(), copied_before) if prefetching else None
-        return functools.partial(self._after_step, layer, ids, later, prefetch, pending, pooled)
+        self.totals.host_seconds += step.planned_s + time.perf_counter() - t_begin
+        return functools.partial(self._after_step, layer, step)
 
-    def _after_step(self, layer, ids, later, prefetch, pending, pooled) -> None:
+    def _after_step(self, layer: int, step: _Planned) -> None:
         """A host step's work that the next piece does not wait for (it runs while the GPU
-        runs that piece, before the next host step): the bookkeeping in `later`, the next
-        layer's prefetch (`prefetch`: its predicted experts and this layer's copy count
-        before the step; the copies wait for the step's own, marked before the piece), the
-        read of its likely CPU experts into the pool's caches, and the timing of the last
-        copies (`pending`)."""
+        runs that piece, before the next host step): the plan's bookkeeping, the next layer's
+        prefetch (its copies wait for the step's own, marked before the piece), the read of
+        its likely CPU experts into the pool's caches, and the timing of the last copies."""
         t_begin = time.perf_counter()
-        for work in later:
+        for work in step.later:
             work()
-        if prefetch is not None:
-            predicted, copied_before = prefetch
+        if step.prefetch is not None:
+            predicted, copied_before = step.prefetch
             own = self.cache.stats[layer].copied - copied_before
-            likely = self._prefetch_after(layer, predicted, ids, own)
-            if likely and pooled and self.warm_cpu:
-                self._warm_next(layer, likely[: max(1, len(ids) // 2)])
-        if pending is not None:
-            self._read_copy_timing(pending)
+            likely = self._prefetch_after(layer, predicted, step.ids, own)
+            if likely and step.pooled and self.warm_cpu:
+                self._warm_next(layer, likely[: max(1, len(step.ids) // 2)])
+        if step.pending is not None:
+            self._read_copy_timing(step.pending)
         self.totals.after_seconds += time.perf_counter() - t_begin
 
     def _warm_next(self, layer: int, experts: list[int]) -> None:
@@ -233,6 +261,25 @@ class CapturedDecode:
         self.totals.copy_timed_bytes += num_bytes
         if self.adaptive:
             self.bw.observe("copy", num_bytes, seconds)
+
+
+@dataclass
+class _Planned:
+    """A host step between its halves (`CapturedDecode._host_plan`, `_host_finish`): the
+    token's experts `ids` and weights `w`, its CPU experts and of which those `posted` to the
+    pool, the plan's seconds, the last copies' timing, the bookkeeping for later, the next
+    layer's prediction and this layer's copy count before the step (None: no prefetch), and
+    whether the pool runs CPU experts."""
+
+    ids: list[int]
+    w: list[float]
+    cpu: list[int]
+    posted: list[int]
+    planned_s: float
+    pending: tuple | None
+    later: list[Callable[[], None]]
+    prefetch: tuple[list[int], int] | None
+    pooled: bool
 
 
 def _weights_of(cpu: list[int], ids: list[int], w: list[float]) -> list[float]:
