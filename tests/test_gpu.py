@@ -445,7 +445,7 @@ OFFLOAD_GPU = {
     "split": dict(mode="auto", expert_cache_slots=12),
     "copy-only": dict(mode="auto", expert_cache_slots=12, split=False),
     "split-no-prefetch": dict(mode="auto", expert_cache_slots=12, prefetch=False),
-    "split-no-overlap": dict(mode="auto", expert_cache_slots=12, overlap=False),
+    "split-overlap": dict(mode="auto", expert_cache_slots=12, overlap=True),
     "static": dict(mode="static", cpu_moe_layers=2),
     "layer": dict(mode="layer", cpu_layers=2),
 }

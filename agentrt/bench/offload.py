@@ -72,7 +72,7 @@ PROFILE_STEPS = 16  # with `py_profile`: decode steps profiled after the timed o
 
 
 def settings(
-    offloads, splits, policies, prefetches=(True,), warms=(True,), overlaps=(True,)
+    offloads, splits, policies, prefetches=(True,), warms=(True,), overlaps=(OffloadConfig.overlap,)
 ) -> list[dict[str, Any]]:
     """Every combination; split, policy, prefetch, the CPU experts' warm-up and the overlap
     only vary for `auto`. `none` first (it gives t_gpu), `layer` last (it moves layers to the
@@ -103,7 +103,10 @@ def label(setting: dict[str, Any]) -> str:
     name = f"auto/{'split' if setting['split'] else 'copy-only'}/{setting['policy']}"
     name += "" if setting.get("prefetch", True) else "/no-prefetch"
     name += "" if setting.get("cpu_warm", True) else "/no-warm"
-    return name if setting.get("overlap", True) else name + "/no-overlap"
+    overlap = setting.get("overlap", OffloadConfig.overlap)
+    if overlap == OffloadConfig.overlap:  # (the default unnamed)
+        return name
+    return name + ("/overlap" if overlap else "/no-overlap")
 
 
 def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None) -> list[int]:
@@ -210,7 +213,7 @@ def offload_decode(
             policy=setting.get("policy", OffloadConfig.policy),
             prefetch=setting.get("prefetch", True),
             cpu_warm=setting.get("cpu_warm", True),
-            overlap=setting.get("overlap", True),
+            overlap=setting.get("overlap", OffloadConfig.overlap),
             cpu_kernel=cpu_kernel,
             vram_budget=budget_bytes,
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured

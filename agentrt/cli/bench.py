@@ -279,7 +279,7 @@ _DECODE_OFFLOAD_ONLY = (
 @csv_option(
     "--overlap",
     ("on", "off"),
-    "on",
+    "on" if OffloadConfig.overlap else "off",
     "For --offload auto: comma-separated settings of captured decode's overlap (a layer's "
     "device experts computed while the CPU computes its share, not after it), on and/or off.",
 )

@@ -78,7 +78,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         routers: dict[int, torch.Tensor] | None = None,
         cpu_kernel: NativeExperts | PackedCPUExperts | None = None,
         warm_cpu: bool = True,
-        overlap: bool = True,
+        overlap: bool = False,
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
         slots_for_kv: Callable[[int], int] | None = None,
