@@ -82,8 +82,7 @@ def settings(
     for mode in sorted(dict.fromkeys(offloads), key=order.__getitem__):
         if mode == "auto":
             out += [
-                {"offload": mode, "split": s, "policy": p, "prefetch": f, "cpu_warm": w}
-                | {"overlap": o}
+                dict(offload=mode, split=s, policy=p, prefetch=f, cpu_warm=w, overlap=o)
                 for f, s, p, w, o in itertools.product(
                     dict.fromkeys(prefetches),
                     dict.fromkeys(splits),

@@ -108,8 +108,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
         # the end of a host step's own copies, which its prefetches wait for (`_mark_own_copies`)
         self._mark = self.fast.new_event() if self.fast is not None else None
-        if self._mark is None and self.on_cuda:
-            self._mark = torch.cuda.Event()
+        self._mark = self._mark or (torch.cuda.Event() if self.on_cuda else None)
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         # layer -> the experts a graph host step read into the CPU's caches for it (missing
         # there, they go to its CPU side)
@@ -126,6 +125,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self.cpu_kernel = cpu_kernel if store.dtype == torch.bfloat16 and store.plain else None
         # packed MXFP4 experts: the native kernel that reads their rows (`cpu_mxfp4.py`)
         self.packed_cpu = cpu_kernel if store.packed else None
+        # either native kernel (its pool: graph decode's host steps post to it and wait)
+        self.native = self.cpu_kernel or self.packed_cpu
         # either native kernel, addressed by (layer, experts): graph decode's host steps
         self.layer_cpu = self.packed_cpu or (
             StoreExperts(self.cpu_kernel, store) if self.cpu_kernel is not None else None
@@ -162,7 +163,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             staging_bytes=0 if cpu_layers else staging_bytes,
             adaptive=self.adaptive,
             routers=self.routers,
-            cpu_kernel=self.cpu_kernel or self.packed_cpu,
+            cpu_kernel=self.native,
             calls=self.fast,
             uploads=self.uploads,
         )
@@ -264,11 +265,12 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         if copied:
             self._copy_in(layer, copied, targets, synced)
         # (after the copies: they are already on their way)
-        book = functools.partial(self._book_decode, layer, list(pairs), hits, misses, copied, cpu)
+        args = (layer, list(pairs), hits, misses, copied, cpu, warm)
+        book = functools.partial(self._book_decode, *args)
         if later is None:
-            book(warm)
+            book()
         else:
-            later.append(functools.partial(book, warm))
+            later.append(book)
         return hits + copied, cpu
 
     def _book_decode(self, layer, routed, hits, misses, copied, cpu, warm) -> None:
@@ -457,7 +459,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
     def close(self) -> None:
         """Wait for a warm-up the CPU kernel's pool may still run over the host store (the
         store may be freed next)."""
-        kernel = self.cpu_kernel or self.packed_cpu
+        kernel = self.native
         if kernel is not None:
             kernel.settle()
 

@@ -96,7 +96,7 @@ class CapturedDecode:
         try:
             self._open = self._plan_step(layer, io, t_begin)
         except BaseException:  # (the kernel writes the buffer until it is waited for)
-            kernel = self.cpu_kernel or self.packed_cpu
+            kernel = self.native
             if kernel is not None and kernel.posted:
                 kernel.finish()
             raise
@@ -110,7 +110,7 @@ class CapturedDecode:
         ids, w = io.ids_np.tolist(), io.w_np.tolist()
         copied_before = self.cache.stats[layer].copied
         later: list[Callable[[], None]] = []  # the bookkeeping, once the next piece runs
-        kernel = self.cpu_kernel or self.packed_cpu
+        kernel = self.native
         pooled = kernel is not None and kernel.pooled
         posted: list[int] = []  # the CPU experts the pool computes
 
@@ -146,7 +146,7 @@ class CapturedDecode:
         `_after_step`'s work."""
         step, self._open = self._open, None
         t_begin = time.perf_counter()
-        kernel = self.cpu_kernel or self.packed_cpu
+        kernel = self.native
         seconds = kernel.finish() if kernel is not None and kernel.posted else 0.0
         running = bool(step.posted)
         if running:
