@@ -501,7 +501,7 @@ def test_offloaded_decode_on_cuda_matches_resident(name, model):
     totals = rt.engine.offload.totals
     assert totals.copied > 0 if name.startswith(("split", "copy-only")) else totals.cpu > 0
     # graph decode copied experts ahead on the next layer's predicted routing
-    assert (totals.prefetched > 0) == (name in ("split", "copy-only"))
+    assert (totals.prefetched > 0) == name.startswith(("split", "copy-only"))
 
 
 def test_kv_grown_ahead_on_cuda_captures_the_decode_graph_between_turns():
