@@ -873,6 +873,53 @@ def test_prefetch_count_fills_pcie_over_a_layers_time():
     assert experts._prefetch_cap() == 4 and experts._prefetch_cap(own=2) == 2
 
 
+def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch):
+    """With pacing on, a graph host step checks whether the prefetches it awaited are done
+    before the next piece is launched: late ones cut the share of the layer's time they may
+    fill (so the cap), timely ones raise it back, within [LOW, 1]; off (the default), nothing
+    is checked and the cap is the layer's whole time."""
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.prefetch import PrefetchPace
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+    store = _store(layers=2, experts=8)
+    cache = ExpertCache(store, 4, "cpu", "lru")
+    assert not OffloadedExperts(store, cache, Bandwidths(1.0, 1.0)).pace.on
+    monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
+    experts._period, experts.bw.copy = 0.002, 8 * store.expert_bytes / 0.002
+    stream = type("Stream", (), {"wait_event": lambda self, event: None})()
+    monkeypatch.setattr(experts, "_current", lambda: stream)  # (what a CUDA stream offers)
+    assert experts.pace.on and experts._prefetch_cap() == 8
+
+    def step(done: bool) -> None:  # a host step: await layer 1's prefetches, then the check
+        experts._pending[1] = Event(done)
+        experts._await_prefetch(1, check=True)
+        experts._pace_prefetch()
+
+    step(False)
+    assert experts.pace.share == pytest.approx(PrefetchPace.DOWN)
+    assert experts._prefetch_cap() == int(8 * PrefetchPace.DOWN)
+    for _ in range(20):
+        step(False)
+    assert experts.pace.share == PrefetchPace.LOW and experts._prefetch_cap() == 1
+    step(True)
+    assert experts.pace.share == pytest.approx(PrefetchPace.LOW + PrefetchPace.UP)
+    for _ in range(200):
+        step(True)
+    assert experts.pace.share == 1.0 and (experts.pace.checks, experts.pace.late) == (222, 21)
+    experts._pending[1] = Event(False)
+    experts._await_prefetch(1)  # (eager decode: no check)
+    experts._pace_prefetch()
+    assert experts.pace.checks == 222
+
+
 def test_a_copy_that_fails_leaves_no_expert_listed_as_resident(monkeypatch):
     """Slots are admitted before the copies are issued: if issuing fails, the experts must not
     stay listed as resident (later tokens would compute with another expert's weights)."""

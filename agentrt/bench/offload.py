@@ -332,6 +332,8 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         "ms_per_token": 1000 * elapsed / tokens,
         **_per_token(before, after, tokens, store.expert_bytes, setting["offload"] == "auto"),
         "expert_cache_slots": experts.cache.num_slots if experts else None,
+        # the prefetches' share of a layer's time at the end (None: pacing off, the default)
+        "prefetch_pace": experts.pace.share if experts and experts.pace.on else None,
         # the share of all routed experts the cache holds: the hit rate's reference (near-uniform
         # routing hits about this often from the cache alone; skewed routing, `@skew=`, more)
         "expert_residency": (
@@ -405,7 +407,7 @@ def _free(device: str) -> None:
 def _counters(experts) -> dict[str, int]:
     names = ("hits", "misses", "copied", "cpu", "bytes", "copy_s", "copy_b", "cpu_s", "cpu_b")
     names += ("host_n", "host_s", "plan_s", "prefetched", "prefetch_hits", "start_s", "wait_s")
-    names += ("warmed", "warm_used", "after_s")
+    names += ("warmed", "warm_used", "after_s", "paced", "late")
     if experts is None:
         return dict.fromkeys(names, 0)
     stats, t = experts.cache.stats.values(), experts.totals
@@ -413,7 +415,7 @@ def _counters(experts) -> dict[str, int]:
     values += (t.bytes_copied, t.copy_seconds, t.copy_timed_bytes, t.cpu_seconds)
     values += (t.cpu_timed_bytes, t.host_steps, t.host_seconds, t.plan_seconds)
     values += (t.prefetched, t.prefetch_hits, t.cpu_start_seconds, t.cpu_wait_seconds)
-    values += (t.warmed, t.warm_used, t.after_seconds)
+    values += (t.warmed, t.warm_used, t.after_seconds, experts.pace.checks, experts.pace.late)
     return dict(zip(names, values, strict=True))
 
 
@@ -449,6 +451,9 @@ def _per_token(
         "prefetched_per_token": d["prefetched"] / tokens,
         "prefetch_hits_per_token": d["prefetch_hits"] / tokens,
         "prefetch_accuracy": d["prefetch_hits"] / d["prefetched"] if d["prefetched"] else None,
+        # of the layers that awaited prefetches, those whose copies were still running when
+        # the piece that reads them was launched (`PrefetchPace`)
+        "prefetch_late_share": d["late"] / d["paced"] if d["paced"] else None,
         # the next layer's likely CPU experts read into the CPU's caches ahead, and of which
         # that layer computed on the CPU
         "cpu_warmed_per_token": d["warmed"] / tokens,

@@ -23,12 +23,14 @@ from agentrt.host.libs import loaded_libraries
 HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
+_NOT_READY = 600  # cudaErrorNotReady (a query's answer, not a failure)
 _SIGNATURES = {  # argument types of the calls used (all return a cudaError_t)
     "cudaMemcpyAsync": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     + [ctypes.c_void_p],
     "cudaEventCreateWithFlags": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
     "cudaEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
     "cudaStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cudaEventQuery": [ctypes.c_void_p],
     "cudaGetLastError": [],
 }
 
@@ -102,6 +104,15 @@ class CudaCalls:
 
     def record(self, event: int, stream: int) -> None:
         self._check(self._lib.cudaEventRecord(event, stream))
+
+    def done(self, event: int) -> bool:
+        """Whether the work before `event`'s last record has finished."""
+        err = self._lib.cudaEventQuery(event)
+        if err == _NOT_READY:
+            self._lib.cudaGetLastError()  # (the runtime keeps it as the thread's last error)
+            return False
+        self._check(err)
+        return True
 
     def wait(self, stream: int, event: int) -> None:
         """Work queued on `stream` from now on waits for `event`'s last record."""

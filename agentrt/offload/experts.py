@@ -47,12 +47,13 @@ from contextlib import nullcontext
 
 import torch
 
+from agentrt.env import setting
 from agentrt.models.moe import ExpertBackend, expert_ffn
 from agentrt.offload.copies import CudaCalls
 from agentrt.offload.cpu_kernel import NativeExperts, StoreExperts
 from agentrt.offload.cpu_mxfp4 import PackedCPUExperts
 from agentrt.offload.host_step import CapturedDecode, LayerIO
-from agentrt.offload.prefetch import Prefetch
+from agentrt.offload.prefetch import Prefetch, PrefetchPace
 from agentrt.offload.prefill import PrefillStreamer
 from agentrt.offload.slots import ExpertCache
 from agentrt.offload.split import Bandwidths, q_star
@@ -110,6 +111,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._mark = self.fast.new_event() if self.fast is not None else None
         self._mark = self._mark or (torch.cuda.Event() if self.on_cuda else None)
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
+        self.pace = PrefetchPace(on=setting("PREFETCH_PACE") == "1")
+        self._awaited = None  # the prefetches a graph host step awaited (`_pace_prefetch`)
         # layer -> the experts a graph host step read into the CPU's caches for it (missing
         # there, they go to its CPU side)
         self._warmed: dict[int, set[int]] = {}

@@ -102,6 +102,8 @@ class CapturedDecode:
             raise
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
+        if self.overlap:  # (the piece launched next reads the prefetched slots)
+            self._pace_prefetch()
 
     def _plan_step(self, layer: int, io: LayerIO, t_begin: float) -> _Planned:
         """`_host_plan`'s work. With the native kernel's pool, the CPU experts start as soon as
@@ -121,7 +123,7 @@ class CapturedDecode:
 
         # (the prefetches into this layer awaited once its CPU experts are posted, before its
         # copies may refill a prefetched slot)
-        awaited = functools.partial(self._await_prefetch, layer)
+        awaited = functools.partial(self._await_prefetch, layer, True)
         if layer in self.cpu_layers:
             gpu, cpu = [], ids
             start(cpu)
@@ -163,6 +165,7 @@ class CapturedDecode:
         # after them)
         self.totals.host_steps += 1
         self.totals.host_seconds += step.planned_s + time.perf_counter() - t_begin
+        self._pace_prefetch()  # (none left to check where `_host_plan` did)
         return functools.partial(self._after_step, layer, step)
 
     def _after_step(self, layer: int, step: _Planned) -> None:

@@ -1,12 +1,41 @@
 """Decode prefetch of `OffloadedExperts` (a mixin): the next MoE layer's router applied to this
 layer's input predicts its experts, and those the cache lacks are copied ahead into victim slots
 behind this layer's own copies, as many as the link carries in the time the layer leaves it
-(`_prefetch_cap`)."""
+(`_prefetch_cap`), paced by whether the last ones arrived before the GPU needed them
+(`PrefetchPace`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+class PrefetchPace:
+    """The share of a layer's time that the next layer's prefetches may fill on the link. The
+    time between host steps sizes them (`Prefetch._prefetch_cap`), but copies that outlast the
+    GPU piece stall the next one, which lengthens that time and so raises the cap again: left
+    alone, the prefetches grow until the link alone paces decode. So each graph host step,
+    just before the piece that reads the layer's prefetched slots is launched, checks whether
+    those copies are done: when late, the share falls by a fifth (to `LOW` at least); on
+    time, it rises by `UP` (to 1). Off by default (`AGENTRT_PREFETCH_PACE=1` turns it on):
+    on an H100 host whose CPU experts read at 80-130 GB/s it made the copies late at 7% of
+    the layers instead of 69-91%, but the CPU then took the experts the link no longer
+    carried, and decode ran at the same rate (BENCHMARKS.md, "Prefetches that outlast their
+    piece"). Off, nothing is checked (a query costs host time on the layer chain)."""
+
+    LOW, DOWN, UP = 0.2, 0.8, 0.01
+
+    def __init__(self, on: bool = True) -> None:
+        self.on, self.share = on, 1.0
+        self.checks = self.late = 0
+
+    def observe(self, late: bool) -> None:
+        self.checks += 1
+        self.late += late
+        if self.on and late:
+            self.share = max(self.LOW, self.share * self.DOWN)
+        elif self.on:
+            self.share = min(1.0, self.share + self.UP)
 
 
 class Prefetch:
@@ -98,14 +127,26 @@ class Prefetch:
         ran 15% slower). Unbounded on the CPU before any measurement (tests), one on a GPU."""
         if self._period is None:
             return 1 if self.on_cuda else self.store.num_experts
-        return max(1, int(self._period * self.bw.copy / self.store.expert_bytes) - own)
+        ahead = self._period * self.pace.share * self.bw.copy
+        return max(1, int(ahead / self.store.expert_bytes) - own)
 
-    def _await_prefetch(self, layer: int) -> None:
-        """The current stream waits for the copies prefetched into `layer`'s slots."""
+    def _await_prefetch(self, layer: int, check: bool = False) -> None:
+        """The current stream waits for the copies prefetched into `layer`'s slots; `check`:
+        `_pace_prefetch` will then ask whether they are done (a graph host step)."""
         event = self._pending.pop(layer, None)
         if event is None:
             return
+        if check and self.pace.on:
+            self._awaited = event
         if self.fast is not None:
             self.fast.wait(self._current().cuda_stream, event)
         else:
             self._current().wait_event(event)
+
+    def _pace_prefetch(self) -> None:
+        """Tell the pace whether the prefetches the host step awaited are done, just before the
+        piece that waits for them is launched (see `PrefetchPace`)."""
+        event, self._awaited = self._awaited, None
+        if event is not None:
+            done = self.fast.done(event) if self.fast is not None else event.query()
+            self.pace.observe(not done)
