@@ -890,19 +890,25 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
 
     store = _store(layers=2, experts=8)
     cache = ExpertCache(store, 4, "cpu", "lru")
-    assert not OffloadedExperts(store, cache, Bandwidths(1.0, 1.0)).pace.on
-    monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1")
-    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
-    experts._period, experts.bw.copy = 0.002, 8 * store.expert_bytes / 0.002
     stream = type("Stream", (), {"wait_event": lambda self, event: None})()
-    monkeypatch.setattr(experts, "_current", lambda: stream)  # (what a CUDA stream offers)
-    assert experts.pace.on and experts._prefetch_cap() == 8
 
-    def step(done: bool) -> None:  # a host step: await layer 1's prefetches, then the check
+    def paced(on: bool) -> OffloadedExperts:
+        monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1" if on else "")
+        experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
+        experts._period, experts.bw.copy = 0.002, 8 * store.expert_bytes / 0.002
+        monkeypatch.setattr(experts, "_current", lambda: stream)  # (what a CUDA stream offers)
+        assert experts.pace.on == on and experts._prefetch_cap() == 8
+        return experts
+
+    def step(done: bool) -> None:  # a host step: await layer 1's prefetches, then check
         experts._pending[1] = Event(done)
         experts._await_prefetch(1, check=True)
         experts._pace_prefetch()
 
+    experts = paced(on=False)
+    step(False)
+    assert experts.pace.checks == 0 and experts._prefetch_cap() == 8
+    experts = paced(on=True)
     step(False)
     assert experts.pace.share == pytest.approx(PrefetchPace.DOWN)
     assert experts._prefetch_cap() == int(8 * PrefetchPace.DOWN)
@@ -918,6 +924,74 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
     experts._await_prefetch(1)  # (eager decode: no check)
     experts._pace_prefetch()
     assert experts.pace.checks == 222
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_graph_host_step_checks_its_prefetches_before_the_launch(monkeypatch, overlap):
+    """The check comes where the piece that reads the prefetched slots is launched next: at the
+    end of the whole host step, or after its first half with overlap (that piece runs the
+    device experts beside the CPU's), and before the step's deferred work either way."""
+    from agentrt.offload.experts import Bandwidths, OffloadedExperts
+    from agentrt.offload.host_step import LayerIO
+
+    order: list[str] = []
+
+    class Event:
+        def query(self) -> bool:
+            order.append("query")
+            return False
+
+    monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1")
+    store = _random_bf16_store()
+    cache = ExpertCache(store, 3, "cpu", "lru")
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
+    stream = type("Stream", (), {"wait_event": lambda self, event: None})()
+    monkeypatch.setattr(experts, "_current", lambda: stream)
+    finish, after = experts._host_finish, experts._after_step
+    monkeypatch.setattr(experts, "_host_finish", lambda *a: (order.append("finish"), finish(*a))[1])
+    monkeypatch.setattr(experts, "_after_step", lambda *a: (order.append("after"), after(*a))[1])
+    io = LayerIO(top_k=4, hidden=store.hidden, dtype=store.dtype, device="cpu")
+    io.ids_h.copy_(torch.tensor([0, 2, 5, 7]))
+    io.w_h.fill_(0.25)
+    experts._awaited = Event()  # (left by a step that failed: never checked)
+    for prefetched in (False, True):  # a step that awaits no prefetch, then one that does
+        if prefetched:
+            experts._pending[1] = Event()
+        if overlap:
+            experts._host_plan(1, io, paced=True)
+            later = experts._host_finish(1, io)
+        else:
+            later = experts._host_step(1, io)
+        later()
+    checked = ["query", "finish", "after"] if overlap else ["finish", "query", "after"]
+    assert order == ["finish", "after", *checked]
+    assert (experts.pace.checks, experts.pace.late) == (1, 1)
+
+
+def test_an_event_query_through_the_runtime_clears_not_ready():
+    """`CudaCalls.done`: True when the event's work is done, False when it is not ready (and
+    the runtime's last error, which that answer sets, cleared), an error raised otherwise."""
+    from agentrt.offload.copies import CudaCalls
+
+    class Lib:
+        cudaMemcpyAsync = None  # noqa: N815 (bound by `CudaCalls`, not called here)
+
+        def __init__(self, answer: int) -> None:
+            self.answer, self.cleared = answer, 0
+
+        def cudaEventQuery(self, event: int) -> int:  # noqa: N802 (the runtime's name)
+            return self.answer
+
+        def cudaGetLastError(self) -> int:  # noqa: N802
+            self.cleared += 1
+            return 0
+
+    ready, busy, broken = Lib(0), Lib(600), Lib(700)
+    assert CudaCalls(ready).done(1) and ready.cleared == 0
+    assert not CudaCalls(busy).done(1) and busy.cleared == 1
+    with pytest.raises(RuntimeError):
+        CudaCalls(broken).done(1)
+    assert broken.cleared == 1
 
 
 def test_a_copy_that_fails_leaves_no_expert_listed_as_resident(monkeypatch):

@@ -1,11 +1,11 @@
 """The few CUDA runtime calls an offloaded decode's host step makes per MoE layer, issued straight
 through `libcudart` (ctypes) on raw stream and event handles: expert copies host -> device
-(`cudaMemcpyAsync`), event records, queries and stream waits. Through torch they cost several times more
-host time (measured on the H200 machine by `benchmarks/host_step_costs.py`: a pinned 6 MiB copy
-28.5 us in a stream context, 4.7 us direct; `current_stream` 8.9 us; a stream context 15.9 us;
-`wait_stream` 6.3 us), and a host step spends it before the layer's CPU experts start, 40 times
-per token. torch's `copy_` also records an event for its pinned-memory allocator, which the
-expert store's blocks, alive as long as the engine, do not need.
+(`cudaMemcpyAsync`), event records, queries and stream waits. Through torch they cost several
+times more host time (measured on the H200 machine by `benchmarks/host_step_costs.py`: a pinned
+6 MiB copy 28.5 us in a stream context, 4.7 us direct; `current_stream` 8.9 us; a stream context
+15.9 us; `wait_stream` 6.3 us), and a host step spends it before the layer's CPU experts start,
+40 times per token. torch's `copy_` also records an event for its pinned-memory allocator, which
+the expert store's blocks, alive as long as the engine, do not need.
 
 `CudaCalls.open(device, sample)` checks the path once (a copy of a real expert compared with
 torch's) and returns None where the runtime library cannot be found or the check fails: callers

@@ -37,7 +37,10 @@ class CapturedDecode:
             self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
             return io.cpu_d.to(x.dtype).unsqueeze(0)
         overlap = self.overlap
-        self.recorder.cut(lambda _pos: (self._host_plan if overlap else self._host_step)(layer, io))
+        if overlap:  # (the piece launched after the plan reads the prefetched slots)
+            self.recorder.cut(lambda _pos: self._host_plan(layer, io, paced=True))
+        else:
+            self.recorder.cut(lambda _pos: self._host_step(layer, io))
         # (read by the GPU's cores: copies would queue behind the next layer's prefetches)
         self.uploads.from_host(io.slot_h, io.slot_d, hold=False)
         self.uploads.from_host(io.gw_h, io.gw_d, hold=False)
@@ -88,10 +91,13 @@ class CapturedDecode:
         self._host_plan(layer, io)
         return self._host_finish(layer, io)
 
-    def _host_plan(self, layer: int, io: LayerIO) -> None:
+    def _host_plan(self, layer: int, io: LayerIO, paced: bool = False) -> None:
         """A host step's first half: plan, post the CPU experts to the native kernel's pool,
-        issue the copies and fill the device experts' inputs (the CPU experts may still run)."""
+        issue the copies and fill the device experts' inputs (the CPU experts may still run).
+        `paced`: the next piece, launched right after it, reads the prefetched slots (overlap):
+        the prefetch pace is told here whether they arrived (else at the step's end)."""
         t_begin = time.perf_counter()
+        self._awaited = None  # (one a failed step left is not this step's)
         self._measure_period(layer, t_begin)
         try:
             self._open = self._plan_step(layer, io, t_begin)
@@ -102,7 +108,7 @@ class CapturedDecode:
             raise
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
-        if self.overlap:  # (the piece launched next reads the prefetched slots)
+        if paced:
             self._pace_prefetch()
 
     def _plan_step(self, layer: int, io: LayerIO, t_begin: float) -> _Planned:

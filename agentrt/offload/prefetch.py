@@ -18,8 +18,8 @@ class PrefetchPace:
     just before the piece that reads the layer's prefetched slots is launched, checks whether
     those copies are done: when late, the share falls by a fifth (to `LOW` at least); on
     time, it rises by `UP` (to 1). Off by default (`AGENTRT_PREFETCH_PACE=1` turns it on):
-    on an H100 host whose CPU experts read at 80-130 GB/s it made the copies late at 7% of
-    the layers instead of 69-91%, but the CPU then took the experts the link no longer
+    on an H100 host whose CPU experts read at 80-130 GB/s it made the copies late at 6-10% of
+    the layers instead of 17-91%, but the CPU then took the experts the link no longer
     carried, and decode ran at the same rate (BENCHMARKS.md, "Prefetches that outlast their
     piece"). Off, nothing is checked (a query costs host time on the layer chain)."""
 
@@ -117,14 +117,14 @@ class Prefetch:
         return event
 
     def _prefetch_cap(self, own: int = 0) -> int:
-        """Experts to prefetch for the next layer, at least one: what PCIe carries in one
-        layer's time (the measured period between host steps) besides this layer's `own`
-        copies. With the split the CPU takes the rest; copy-only, the prefetches fill what the
-        copy engine would leave idle (the GPU piece and the next host step). Measured on the
-        H200 (copy-only, random weights, B_P 52 GB/s): the gap between host steps without the
-        own copies (to 3f005ea) 250 prefetches per token at 78% right, 24.6 tok/s; that gap
-        less the own copies 57 at 93%, 24.5; this cap 109 at 90%, 27.1 (on a host where static
-        ran 15% slower). Unbounded on the CPU before any measurement (tests), one on a GPU."""
+        """Experts to prefetch for the next layer, at least one: what PCIe carries in one layer's
+        time (the measured period between host steps; with pacing, the pace's share of it) besides
+        this layer's `own` copies. With the split the CPU takes the rest; copy-only, the prefetches
+        fill what the copy engine would leave idle (the GPU piece and the next host step). Measured
+        on the H200 (copy-only, random weights, B_P 52 GB/s): the gap between host steps without the
+        own copies (to 3f005ea) 250 prefetches per token at 78% right, 24.6 tok/s; that gap less the
+        own copies 57 at 93%, 24.5; this cap 109 at 90%, 27.1 (on a host where static ran 15%
+        slower). Unbounded on the CPU before any measurement (tests), one on a GPU."""
         if self._period is None:
             return 1 if self.on_cuda else self.store.num_experts
         ahead = self._period * self.pace.share * self.bw.copy
