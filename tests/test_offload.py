@@ -839,7 +839,7 @@ def test_host_step_starts_the_cpu_experts_before_issuing_its_copies():
     issue, wait, admit = experts._issue, experts._await_prefetch, cache.admit
     experts._issue = lambda *a: (events.append(("copy", len(a[4]))), issue(*a))
     cache.admit = lambda *a: (events.append(("admit", a[1])), admit(*a))[1]
-    experts._await_prefetch = lambda layer: (events.append(("await", layer)), wait(layer))
+    experts._await_prefetch = lambda layer, *a: (events.append(("await", layer)), wait(layer, *a))
     io = LayerIO(top_k=4, hidden=4, dtype=torch.bfloat16, device="cpu")
     io.ids_h.copy_(torch.tensor([0, 1, 2, 3]))
     io.w_h.fill_(0.25)
