@@ -881,16 +881,9 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
     from agentrt.offload.experts import Bandwidths, OffloadedExperts
     from agentrt.offload.prefetch import PrefetchPace
 
-    class Event:
-        def __init__(self, done: bool) -> None:
-            self.done = done
-
-        def query(self) -> bool:
-            return self.done
-
     store = _store(layers=2, experts=8)
     cache = ExpertCache(store, 4, "cpu", "lru")
-    stream = type("Stream", (), {"wait_event": lambda self, event: None})()
+    stream = _Stream()
 
     def paced(on: bool) -> OffloadedExperts:
         monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1" if on else "")
@@ -901,7 +894,7 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
         return experts
 
     def step(done: bool) -> None:  # a host step: await layer 1's prefetches, then check
-        experts._pending[1] = Event(done)
+        experts._pending[1] = _Event(done)
         experts._await_prefetch(1, check=True)
         experts._pace_prefetch()
 
@@ -920,7 +913,7 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
     for _ in range(200):
         step(True)
     assert experts.pace.share == 1.0 and (experts.pace.checks, experts.pace.late) == (222, 21)
-    experts._pending[1] = Event(False)
+    experts._pending[1] = _Event(False)
     experts._await_prefetch(1)  # (eager decode: no check)
     experts._pace_prefetch()
     assert experts.pace.checks == 222
@@ -935,17 +928,11 @@ def test_a_graph_host_step_checks_its_prefetches_before_the_launch(monkeypatch, 
     from agentrt.offload.host_step import LayerIO
 
     order: list[str] = []
-
-    class Event:
-        def query(self) -> bool:
-            order.append("query")
-            return False
-
     monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1")
     store = _random_bf16_store()
     cache = ExpertCache(store, 3, "cpu", "lru")
     experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
-    stream = type("Stream", (), {"wait_event": lambda self, event: None})()
+    stream = _Stream()
     monkeypatch.setattr(experts, "_current", lambda: stream)
     finish, after = experts._host_finish, experts._after_step
     monkeypatch.setattr(experts, "_host_finish", lambda *a: (order.append("finish"), finish(*a))[1])
@@ -953,10 +940,10 @@ def test_a_graph_host_step_checks_its_prefetches_before_the_launch(monkeypatch, 
     io = LayerIO(top_k=4, hidden=store.hidden, dtype=store.dtype, device="cpu")
     io.ids_h.copy_(torch.tensor([0, 2, 5, 7]))
     io.w_h.fill_(0.25)
-    experts._awaited = Event()  # (left by a step that failed: never checked)
+    experts._awaited = _Event(False, order)  # (left by a step that failed: never checked)
     for prefetched in (False, True):  # a step that awaits no prefetch, then one that does
         if prefetched:
-            experts._pending[1] = Event()
+            experts._pending[1] = _Event(False, order)
         if overlap:
             experts._host_plan(1, io, paced=True)
             later = experts._host_finish(1, io)
@@ -992,6 +979,25 @@ def test_an_event_query_through_the_runtime_clears_not_ready():
     with pytest.raises(RuntimeError):
         CudaCalls(broken).done(1)
     assert broken.cleared == 1
+
+
+class _Event:
+    """A CUDA event's stand-in: `query()` answers `done`, logged into `log` where given."""
+
+    def __init__(self, done: bool, log: list[str] | None = None) -> None:
+        self.done, self.log = done, log
+
+    def query(self) -> bool:
+        if self.log is not None:
+            self.log.append("query")
+        return self.done
+
+
+class _Stream:
+    """A CUDA stream's stand-in for `OffloadedExperts._current` (waits do nothing)."""
+
+    def wait_event(self, event) -> None:
+        pass
 
 
 def test_a_copy_that_fails_leaves_no_expert_listed_as_resident(monkeypatch):

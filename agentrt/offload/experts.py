@@ -108,8 +108,9 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self._pending: dict[int, object] = {}  # layer -> event of its prefetches' end
         self._done_events: dict[int, object] = {}  # (raw handles with `fast`, else torch's)
         # the end of a host step's own copies, which its prefetches wait for (`_mark_own_copies`)
-        self._mark = self.fast.new_event() if self.fast is not None else None
-        self._mark = self._mark or (torch.cuda.Event() if self.on_cuda else None)
+        self._mark = (
+            self.fast.new_event() if self.fast else (torch.cuda.Event() if self.on_cuda else None)
+        )
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         self.pace = PrefetchPace(on=setting("PREFETCH_PACE") == "1")
         self._awaited = None  # the prefetches a graph host step awaited (`_pace_prefetch`)

@@ -25,16 +25,17 @@ class PrefetchPace:
 
     LOW, DOWN, UP = 0.2, 0.8, 0.01
 
-    def __init__(self, on: bool = True) -> None:
+    def __init__(self, on: bool) -> None:
         self.on, self.share = on, 1.0
         self.checks = self.late = 0
 
     def observe(self, late: bool) -> None:
+        """One check's answer (made only where `on`)."""
         self.checks += 1
         self.late += late
-        if self.on and late:
+        if late:
             self.share = max(self.LOW, self.share * self.DOWN)
-        elif self.on:
+        else:
             self.share = min(1.0, self.share + self.UP)
 
 
