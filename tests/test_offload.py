@@ -276,6 +276,10 @@ def test_decode_settings_vary_the_overlap_of_auto_only():
     other = bench_offload.label(runs[OffloadConfig.overlap])
     assert default == "auto/split/lfu" and runs[2]["offload"] == "static"
     assert other == "auto/split/lfu/" + ("no-overlap" if OffloadConfig.overlap else "overlap")
+    runs = bench_offload.settings(["auto"], [True], ["lfu"], paces=(True, False))
+    names = [bench_offload.label(r) for r in runs]
+    assert names == ["auto/split/lfu/paced", "auto/split/lfu/unpaced"]
+    assert [r["pace"] for r in runs] == [True, False]
 
 
 def test_native_pool_waits_for_a_call_its_thread_left():
@@ -917,6 +921,10 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
     experts._await_prefetch(1)  # (eager decode: no check)
     experts._pace_prefetch()
     assert experts.pace.checks == 222
+    for given in (False, True):  # (the config's setting, as `bench decode --prefetch-pace`)
+        monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "" if given else "1")
+        experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), prefetch_pace=given)
+        assert experts.pace.on == given
 
 
 @pytest.mark.parametrize("overlap", [False, True])

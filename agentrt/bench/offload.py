@@ -72,23 +72,30 @@ PROFILE_STEPS = 16  # with `py_profile`: decode steps profiled after the timed o
 
 
 def settings(
-    offloads, splits, policies, prefetches=(True,), warms=(True,), overlaps=(OffloadConfig.overlap,)
+    offloads,
+    splits,
+    policies,
+    prefetches=(True,),
+    warms=(True,),
+    overlaps=(OffloadConfig.overlap,),
+    paces=(None,),
 ) -> list[dict[str, Any]]:
-    """Every combination; split, policy, prefetch, the CPU experts' warm-up and the overlap
-    only vary for `auto`. `none` first (it gives t_gpu), `layer` last (it moves layers to the
-    host for good)."""
+    """Every combination; split, policy, prefetch, the CPU experts' warm-up, the overlap and
+    the prefetch pace (None: the environment's) only vary for `auto`. `none` first (it gives
+    t_gpu), `layer` last (it moves layers to the host for good)."""
     order = {"none": 0, "auto": 1, "static": 2, "layer": 3}
     out: list[dict[str, Any]] = []
     for mode in sorted(dict.fromkeys(offloads), key=order.__getitem__):
         if mode == "auto":
             out += [
-                dict(offload=mode, split=s, policy=p, prefetch=f, cpu_warm=w, overlap=o)
-                for f, s, p, w, o in itertools.product(
+                dict(offload=mode, split=s, policy=p, prefetch=f, cpu_warm=w, overlap=o, pace=a)
+                for f, s, p, w, o, a in itertools.product(
                     dict.fromkeys(prefetches),
                     dict.fromkeys(splits),
                     dict.fromkeys(policies),
                     dict.fromkeys(warms),
                     dict.fromkeys(overlaps),
+                    dict.fromkeys(paces),
                 )
             ]
         else:
@@ -103,9 +110,10 @@ def label(setting: dict[str, Any]) -> str:
     name += "" if setting.get("prefetch", True) else "/no-prefetch"
     name += "" if setting.get("cpu_warm", True) else "/no-warm"
     overlap = setting.get("overlap", OffloadConfig.overlap)
-    if overlap == OffloadConfig.overlap:  # (the default unnamed)
-        return name
-    return name + ("/overlap" if overlap else "/no-overlap")
+    if overlap != OffloadConfig.overlap:  # (the defaults unnamed)
+        name += "/overlap" if overlap else "/no-overlap"
+    pace = setting.get("pace")
+    return name if pace is None else name + ("/paced" if pace else "/unpaced")
 
 
 def text_ids(vocab: int, count: int, text: str | None, tokenizer_dir: str | None) -> list[int]:
@@ -213,6 +221,7 @@ def offload_decode(
             prefetch=setting.get("prefetch", True),
             cpu_warm=setting.get("cpu_warm", True),
             overlap=setting.get("overlap", OffloadConfig.overlap),
+            prefetch_pace=setting.get("pace"),
             cpu_kernel=cpu_kernel,
             vram_budget=budget_bytes,
             kv_reserve_tokens=kv_reserve_tokens,  # bandwidths: the saved profile, then measured

@@ -222,8 +222,8 @@ def _offload_prefill(model, device, dtype, seed, lengths, chunk, repeat, o: dict
 
 
 _DECODE_OFFLOAD_ONLY = (
-    "split", "expert_policy", "prefetch", "cpu_warm", "overlap", "text", "tokenizer", "repeat",
-    "cpu_kernel", "expert_format", "py_profile",
+    "split", "expert_policy", "prefetch", "cpu_warm", "overlap", "prefetch_pace", "text",
+    "tokenizer", "repeat", "cpu_kernel", "expert_format", "py_profile",
 )  # fmt: skip
 
 
@@ -283,6 +283,14 @@ _DECODE_OFFLOAD_ONLY = (
     "For --offload auto: comma-separated settings of captured decode's overlap (a layer's "
     "device experts computed while the CPU computes its share, not after it), on and/or off.",
 )
+@csv_option(
+    "--prefetch-pace",
+    ("on", "off"),
+    None,
+    "For --offload auto with prefetch: comma-separated settings of the prefetch pacing (fewer "
+    "experts copied ahead while they arrive after the piece that reads them is launched), on "
+    "and/or off; default: as AGENTRT_PREFETCH_PACE says.",
+)
 @click.option(
     "--vram-budget",
     default=None,
@@ -333,6 +341,7 @@ def bench_decode(
     prefetch,
     cpu_warm,
     overlap,
+    prefetch_pace,
     vram_budget,
     text,
     tokenizer,
@@ -354,7 +363,8 @@ def bench_decode(
         only_with(_DECODE_OFFLOAD_ONLY, "with --offload")
     elif "auto" not in offload:
         only_with(
-            ["split", "expert_policy", "prefetch", "cpu_warm", "overlap"], "with --offload auto"
+            ["split", "expert_policy", "prefetch", "cpu_warm", "overlap", "prefetch_pace"],
+            "with --offload auto",
         )
     if len(prompt_len) > 1 and not offload:
         raise click.BadParameter("a list only with --offload", param_hint="--prompt-len")
@@ -373,6 +383,7 @@ def bench_decode(
             [v == "on" for v in prefetch],
             [v == "on" for v in cpu_warm],
             [v == "on" for v in overlap],
+            [v == "on" for v in prefetch_pace] if prefetch_pace else [None],
         )
         report = bo.offload_decode(
             model,

@@ -175,6 +175,7 @@ def install(
             cpu_kernel=kernel,
             warm_cpu=config.cpu_warm,
             overlap=config.overlap,
+            prefetch_pace=config.prefetch_pace,
             prefill_plan=config.prefill_plan,
             staging_bytes=config.staging_bytes,
             slots_for_kv=_slots_for_kv(model, store, config),

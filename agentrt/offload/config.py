@@ -77,6 +77,10 @@ class OffloadConfig:
     # graph piece launched before the CPU experts end), not after them. Off by default: on
     # two H100 hosts 0.90-1.06x by host and model (`bench decode --overlap on,off`)
     overlap: bool = False
+    # captured decode with prefetch: the prefetch cap shrinks while a layer's prefetches are
+    # still copying when the piece that reads them is launched (offload/prefetch.py); None:
+    # as `AGENTRT_PREFETCH_PACE` says (off unless it is "1")
+    prefetch_pace: bool | None = None
     # a decode token's CPU experts: torch's kernels, the native bf16 kernel built at first use
     # (offload/cpu_kernel.py; falls back to torch's without a C compiler), or auto: native where
     # the CPU has AVX512-BF16 or AVX2 with FMA

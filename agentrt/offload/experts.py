@@ -80,6 +80,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         cpu_kernel: NativeExperts | PackedCPUExperts | None = None,
         warm_cpu: bool = True,
         overlap: bool = False,
+        prefetch_pace: bool | None = None,
         prefill_plan: str = "auto",
         staging_bytes: int | None = None,
         slots_for_kv: Callable[[int], int] | None = None,
@@ -112,7 +113,8 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
             self.fast.new_event() if self.fast else (torch.cuda.Event() if self.on_cuda else None)
         )
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
-        self.pace = PrefetchPace(on=setting("PREFETCH_PACE") == "1")
+        paced = setting("PREFETCH_PACE") == "1" if prefetch_pace is None else prefetch_pace
+        self.pace = PrefetchPace(on=paced)
         self._awaited = None  # the prefetches a graph host step awaited (`_pace_prefetch`)
         # layer -> the experts a graph host step read into the CPU's caches for it (missing
         # there, they go to its CPU side)
