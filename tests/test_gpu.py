@@ -446,6 +446,7 @@ OFFLOAD_GPU = {
     "copy-only": dict(mode="auto", expert_cache_slots=12, split=False),
     "split-no-prefetch": dict(mode="auto", expert_cache_slots=12, prefetch=False),
     "split-overlap": dict(mode="auto", expert_cache_slots=12, overlap=True),
+    "split-paced": dict(mode="auto", expert_cache_slots=12, prefetch_pace=True),
     "static": dict(mode="static", cpu_moe_layers=2),
     "layer": dict(mode="layer", cpu_layers=2),
 }
@@ -501,7 +502,10 @@ def test_offloaded_decode_on_cuda_matches_resident(name, model):
     totals = rt.engine.offload.totals
     assert totals.copied > 0 if name.startswith(("split", "copy-only")) else totals.cpu > 0
     # graph decode copied experts ahead on the next layer's predicted routing
-    assert (totals.prefetched > 0) == name.startswith(("split", "copy-only"))
+    setting = OFFLOAD_GPU[name]
+    assert (totals.prefetched > 0) == (setting["mode"] == "auto" and setting.get("prefetch", True))
+    if setting.get("prefetch_pace"):  # (each graph host step asked whether they arrived)
+        assert rt.engine.offload.pace.checks > 0
 
 
 def test_kv_grown_ahead_on_cuda_captures_the_decode_graph_between_turns():
