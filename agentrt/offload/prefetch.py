@@ -17,11 +17,12 @@ class PrefetchPace:
     alone, the prefetches grow until the link alone paces decode. So each graph host step,
     just before the piece that reads the layer's prefetched slots is launched, checks whether
     those copies are done: when late, the share falls by a fifth (to `LOW` at least); on
-    time, it rises by `UP` (to 1). Off by default (`AGENTRT_PREFETCH_PACE=1` turns it on):
-    on an H100 host whose CPU experts read at 80-130 GB/s it made the copies late at 6-10% of
-    the layers instead of 17-91%, but the CPU then took the experts the link no longer
-    carried, and decode ran at the same rate (BENCHMARKS.md, "Prefetches that outlast their
-    piece"). Off, nothing is checked (a query costs host time on the layer chain)."""
+    time, it rises by `UP` (to 1). Off by default (`OffloadConfig.prefetch_pace`, else
+    `AGENTRT_PREFETCH_PACE=1`, turns it on): on two H100 hosts whose host memory reads at
+    73-111 GB/s it made the copies late at 6-10% of the layers instead of 17-91%, but the CPU
+    then took the experts the link no longer carried, on the host steps' chain, and decode
+    ran at 0.94-1.02x (BENCHMARKS.md, "Prefetches that outlast their piece"). Off, nothing
+    is checked (a query costs host time on the layer chain)."""
 
     LOW, DOWN, UP = 0.2, 0.8, 0.01
 
