@@ -268,7 +268,7 @@ def test_bench_decode_replays_the_timed_steps_routing_only(tmp_path, monkeypatch
     assert counted == 4 * layers and report["runs"][0]["lru_hit_rate"] == 0.5
 
 
-def test_decode_settings_vary_the_overlap_of_auto_only():
+def test_decode_settings_vary_the_overlap_and_the_pace_of_auto_only():
     from agentrt.bench import offload as bench_offload
 
     runs = bench_offload.settings(["static", "auto"], [True], ["lfu"], overlaps=(True, False))
