@@ -927,6 +927,23 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
         assert experts.pace.on == given
 
 
+def test_the_offload_config_sets_the_prefetch_pace(model_spec, monkeypatch):
+    """`OffloadConfig.prefetch_pace` reaches the installed experts over the environment's
+    choice (None leaves it to `AGENTRT_PREFETCH_PACE`); a static placement, which prefetches
+    nothing, is never paced."""
+    monkeypatch.delenv("AGENTRT_PREFETCH_PACE", raising=False)
+    base = dict(mode="auto", expert_cache_slots=10, copy_bandwidth=1.0, cpu_bandwidth=1.0)
+    rt = Runtime.open(model_spec, cache="off", offload=OffloadConfig(**base, prefetch_pace=True))
+    assert rt.engine.offload.pace.on
+    monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1")
+    rt = Runtime.open(model_spec, cache="off", offload=OffloadConfig(**base))
+    assert rt.engine.offload.pace.on
+    rt = Runtime.open(model_spec, cache="off", offload=OffloadConfig(**base, prefetch_pace=False))
+    assert not rt.engine.offload.pace.on
+    rt = Runtime.open(model_spec, cache="off", offload=CONFIGS["static"])
+    assert not rt.engine.offload.pace.on
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_graph_host_step_checks_its_prefetches_before_the_launch(monkeypatch, overlap):
     """The check comes where the piece that reads the prefetched slots is launched next: at the

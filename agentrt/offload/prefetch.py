@@ -19,9 +19,9 @@ class PrefetchPace:
     those copies are done: when late, the share falls by a fifth (to `LOW` at least); on
     time, it rises by `UP` (to 1). Off by default (`OffloadConfig.prefetch_pace`, else
     `AGENTRT_PREFETCH_PACE=1`, turns it on): on two H100 hosts whose host memory reads at
-    73-111 GB/s it made the copies late at 6-10% of the layers instead of 17-91%, but the CPU
-    then took the experts the link no longer carried, on the host steps' chain, and decode
-    ran at 0.94-1.02x (BENCHMARKS.md, "Prefetches that outlast their piece"). Off, nothing
+    73-111 GB/s it made the copies late at 6-10% of the layers (17-91% without it on one), but
+    the CPU then took the experts the link no longer carried, on the host steps' chain, and
+    decode ran at 0.94-1.02x (BENCHMARKS.md, "Prefetches that outlast their piece"). Off, nothing
     is checked (a query costs host time on the layer chain)."""
 
     LOW, DOWN, UP = 0.2, 0.8, 0.01
