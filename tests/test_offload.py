@@ -889,9 +889,11 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
     cache = ExpertCache(store, 4, "cpu", "lru")
     stream = _Stream()
 
+    routers = {layer: torch.randn(8, store.hidden) for layer in store.layers}
+
     def paced(on: bool) -> OffloadedExperts:
         monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1" if on else "")
-        experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
+        experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), routers=routers)
         experts._period, experts.bw.copy = 0.002, 8 * store.expert_bytes / 0.002
         monkeypatch.setattr(experts, "_current", lambda: stream)  # (what a CUDA stream offers)
         assert experts.pace.on == on and experts._prefetch_cap() == 8
@@ -923,7 +925,9 @@ def test_prefetch_pace_shrinks_the_prefetches_when_they_arrive_late(monkeypatch)
     assert experts.pace.checks == 222
     for given in (False, True):  # (the config's setting, as `bench decode --prefetch-pace`)
         monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "" if given else "1")
-        experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), prefetch_pace=given)
+        experts = OffloadedExperts(
+            store, cache, Bandwidths(1.0, 1.0), routers=routers, prefetch_pace=given
+        )
         assert experts.pace.on == given
 
 
@@ -956,7 +960,8 @@ def test_a_graph_host_step_checks_its_prefetches_before_the_launch(monkeypatch, 
     monkeypatch.setenv("AGENTRT_PREFETCH_PACE", "1")
     store = _random_bf16_store()
     cache = ExpertCache(store, 3, "cpu", "lru")
-    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0))
+    routers = {layer: torch.randn(8, store.hidden) for layer in store.layers}  # (1 is the last)
+    experts = OffloadedExperts(store, cache, Bandwidths(1.0, 1.0), routers=routers)
     stream = _Stream()
     monkeypatch.setattr(experts, "_current", lambda: stream)
     finish, after = experts._host_finish, experts._after_step

@@ -193,7 +193,6 @@ def install(
             Bandwidths(0.0, 1.0),
             cpu_layers=cpu_layers,
             cpu_kernel=kernel,
-            prefetch_pace=False,  # (nothing is prefetched)
             staging_bytes=0,  # (every layer resident in order, or on the CPU)
         )
     model.set_experts(experts)

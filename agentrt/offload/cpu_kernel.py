@@ -147,9 +147,10 @@ class PoolCalls:
             self._guard.resting = True
             self._spin(0.0)
 
-    def _reclaim(self) -> None:
-        """Wait for a call this thread posted and left (a captured decode step that failed
-        between its host step's halves): the lock it holds would stop this thread's next call."""
+    def reclaim(self) -> None:
+        """Wait for a call this thread posted and left (a captured decode step that failed after
+        its post): the lock it holds would stop this thread's next call, and the call writes its
+        output until it is waited for."""
         if self.posted:
             self.finish()
 
@@ -157,7 +158,7 @@ class PoolCalls:
     def _turn(self) -> Iterator[None]:
         """The library's lock, once a posted warm-up is done (a call on the caller's OpenMP
         team would compete with its threads for the cores)."""
-        self._reclaim()
+        self.reclaim()
         with self._lock:
             self._settle()
             yield
@@ -167,7 +168,7 @@ class PoolCalls:
         return at once, keeping `alive` until the next call (or `settle`) waits for it. False
         (nothing posted) where another thread's call runs or the pool is off."""
         guard = self._guard
-        self._reclaim()
+        self.reclaim()
         if not self.pooled or not guard.lock.acquire(blocking=False):
             return False
         try:
@@ -196,7 +197,7 @@ class PoolCalls:
         `start(*arguments, pool_threads)`; `finish` must follow. Raises OSError (and turns
         `pooled` off) where the pool's threads cannot be made."""
         guard = self._guard
-        self._reclaim()
+        self.reclaim()
         guard.lock.acquire()
         self._settle()
         if guard.resting:  # (a decode begins: the pool spins between its calls again)

@@ -114,7 +114,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         )
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         paced = setting("PREFETCH_PACE") == "1" if prefetch_pace is None else prefetch_pace
-        self.pace = PrefetchPace(on=paced)
+        self.pace = PrefetchPace(on=paced and self.routers is not None)  # (else none to pace)
         self._awaited = None  # the prefetches a graph host step awaited (`_pace_prefetch`)
         # layer -> the experts a graph host step read into the CPU's caches for it (missing
         # there, they go to its CPU side)

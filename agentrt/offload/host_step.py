@@ -102,9 +102,8 @@ class CapturedDecode:
         try:
             self._open = self._plan_step(layer, io, t_begin)
         except BaseException:  # (the kernel writes the buffer until it is waited for)
-            kernel = self.native
-            if kernel is not None and kernel.posted:
-                kernel.finish()
+            if self.native is not None:
+                self.native.reclaim()
             raise
         finally:
             self._stream_now = None  # (kept from one host step to the next by `_measure_period`)
