@@ -148,9 +148,8 @@ class PoolCalls:
             self._spin(0.0)
 
     def reclaim(self) -> None:
-        """Wait for a call this thread posted and left (a captured decode step that failed after
-        its post): the lock it holds would stop this thread's next call, and the call writes its
-        output until it is waited for."""
+        """Wait for a call this thread posted and left (a decode step that failed after the post):
+        its lock would stop this thread's next call, and it writes its output until waited for."""
         if self.posted:
             self.finish()
 
