@@ -18,6 +18,7 @@ from test_offload import (
 
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.slots import ExpertCache
+from agentrt.offload.store import ExpertStore
 
 
 def _warm(kernel, store, layer: int, experts: list[int]) -> bool:
@@ -49,6 +50,30 @@ def test_a_call_after_a_warm_up_gives_the_same_bits(monkeypatch):
     again = torch.zeros(store.hidden)
     kernel.run([gate_up[1], gate_up[5]], [down[1], down[5]], [0.4, 0.6], x, again)
     assert torch.equal(again, plain)
+
+
+def test_a_call_cuts_a_long_warm_up_short_and_still_computes_all_of_itself(monkeypatch):
+    """A call posted while a long warm-up still reads (tens of MB) cuts the warm-up short
+    rather than waiting for all of it (`agentrt_pool_cancel`), and the cut never reaches the
+    call itself: every item is computed, the same bits as without a warm-up, call after call."""
+    kernel = _native_or_skip()
+    monkeypatch.setattr(kernel, "pooled", True)
+    store = ExpertStore(range(1), 24, hidden=1024, inter=1024, dtype=torch.bfloat16, pin=False)
+    store.flat[0].normal_(0.0, 0.05)  # (24 experts of 6 MiB)
+    _, gate_up, down = store.expert_views(0)
+    x = torch.randn(store.hidden).to(torch.bfloat16)
+    plain = torch.zeros(store.hidden)
+    kernel.run([gate_up[3], gate_up[9]], [down[3], down[9]], [0.3, 0.7], x, plain)
+    cancels = []
+    real = kernel._cancel
+    monkeypatch.setattr(kernel, "_cancel", lambda: (cancels.append(1), real())[1])
+    for _ in range(5):
+        assert _warm(kernel, store, 0, list(range(24)))
+        out = torch.full((store.hidden,), float("nan"))
+        kernel.start([gate_up[3], gate_up[9]], [down[3], down[9]], [0.3, 0.7], x, out)
+        kernel.finish()
+        assert torch.equal(out, plain)
+    assert len(cancels) == 5 and kernel._guard.warming is None
 
 
 def test_host_steps_warm_the_next_layers_likely_cpu_experts(monkeypatch):

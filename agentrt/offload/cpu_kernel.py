@@ -12,16 +12,13 @@ halves by a shift and a mask), or a plain loop without either; SiLU(gate) * up i
 to bf16, then each output row's weighted sum over the experts of `down @ act`, added into the
 fp32 output. It is more precise than torch's path, which rounds each product to bf16. Graph
 decode's host steps post the same computation to a pool of the library's own threads instead
-(`start`, `finish`: the host step works meanwhile; `threadpool.c`), which gives the same bits;
-it is no second OpenMP team, which would take libgomp over the core count and cut every team's
-spinning short.
+(`start`, `finish`: the host step works meanwhile; `threadpool.c`), which gives the same bits.
 
 `native_experts()` returns None (callers keep torch's path) where there is no C compiler, the
 build fails or the library cannot load; it builds once per source and compiler flags into
 `home_dir()/kernels`. `kernel_for(name)` picks by `OffloadConfig.cpu_kernel`: "native", "torch",
-or "auto" (the default): native where the CPU has AVX512-BF16 or AVX2 with FMA, torch's
-elsewhere (the plain loop is slower than torch's vectorised one). On the H200 machine the
-kernel read expert weights at 55-75 GB/s against torch's 22-35 (16 cores).
+or "auto" (the default): native where the CPU has AVX512-BF16 or AVX2 with FMA (on the H200
+machine 55-75 GB/s against torch's 22-35), torch's elsewhere (faster than the plain loop).
 """
 
 from __future__ import annotations
@@ -70,9 +67,7 @@ class _Guard:
         os.register_at_fork(after_in_child=self._forget_calls)
 
     def _forget_calls(self) -> None:
-        self.lock = threading.Lock()
-        self.args = None
-        self.warming = None
+        self.lock, self.args, self.warming = threading.Lock(), None, None
 
 
 _GUARDS: dict[int, _Guard] = {}  # library handle -> its guard
@@ -125,6 +120,8 @@ class PoolCalls:
         self._schedule.argtypes, self._schedule.restype = [ctypes.c_int], None
         self._spin = lib.agentrt_pool_spin
         self._spin.argtypes, self._spin.restype = [ctypes.c_double], ctypes.c_double
+        self._cancel = lib.agentrt_pool_cancel
+        self._cancel.argtypes, self._cancel.restype = [], None
         with _GUARDS_LOCK:
             self._guard = _GUARDS.setdefault(lib._handle, _Guard())
             if self._guard.spin_s is None:  # (the library's first binding)
@@ -186,8 +183,10 @@ class PoolCalls:
             self._settle()
 
     def _settle(self) -> None:
-        """(Under the lock.) Wait for a posted warm-up and release what it reads."""
+        """(Under the lock.) Cut a posted warm-up short (what it has not read yet, a call reads
+        from memory: waiting for it would cost as much), wait for it, release what it reads."""
         if self._guard.warming is not None:
+            self._cancel()
             self._wait()
             self._guard.warming = None
 

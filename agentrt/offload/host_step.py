@@ -176,26 +176,29 @@ class CapturedDecode:
     def _after_step(self, layer: int, step: _Planned) -> None:
         """A host step's work that the next piece does not wait for (it runs while the GPU
         runs that piece, before the next host step): the plan's bookkeeping, the next layer's
-        prefetch (its copies wait for the step's own, marked before the piece), the read of
-        its likely CPU experts into the pool's caches, and the timing of the last copies."""
+        prefetch (its copies wait for the step's own, marked before the piece; the read of its
+        likely CPU experts into the pool's caches posted first), and the last copies' timing."""
         t_begin = time.perf_counter()
         for work in step.later:
             work()
         if step.prefetch is not None:
             predicted, copied_before = step.prefetch
             own = self.cache.stats[layer].copied - copied_before
-            likely = self._prefetch_after(layer, predicted, step.ids, own)
-            if likely and step.pooled and self.warm_cpu:
-                self._warm_next(layer, likely[: max(1, len(step.ids) // 2)])
+            warm = None
+            if step.pooled and self.warm_cpu:
+                warm = functools.partial(self._warm_next, layer, max(1, len(step.ids) // 2))
+            self._prefetch_after(layer, predicted, step.ids, own, warm)
         if step.pending is not None:
             self._read_copy_timing(step.pending)
         self.totals.after_seconds += time.perf_counter() - t_begin
 
-    def _warm_next(self, layer: int, experts: list[int]) -> None:
-        """Post a read of the next layer's likely CPU experts into the caches of the native
-        kernel's pool: it runs while the GPU works through the next piece, and the next host
-        step, which puts these experts on the CPU side of its plan where they miss, finds
-        them in its threads' caches (the next post waits for the read first)."""
+    def _warm_next(self, layer: int, most: int, likely: list[int]) -> None:
+        """Post a read of the next layer's `most` likeliest CPU experts into the caches of the
+        native kernel's pool: it runs while this thread issues the prefetches and the GPU
+        works through the next piece, and the next host step, which puts these experts on the
+        CPU side of its plan where they miss, finds them in its threads' caches (its post cuts
+        short what the read has not done by then)."""
+        experts = likely[:most]
         nxt = self.next_layer[layer]
         if self.layer_cpu.warm(nxt, experts):
             self._warmed[nxt] = set(experts)

@@ -52,7 +52,9 @@ class Prefetch:
             return x.new_empty(0, dtype=torch.long)
         return torch.topk(F.linear(x[:1], self.routers[nxt]), k, dim=-1).indices[0]
 
-    def _prefetch_after(self, layer: int, predicted: list[int], busy, own: int = 0) -> list[int]:
+    def _prefetch_after(
+        self, layer: int, predicted: list[int], busy, own: int = 0, likely_cpu=None
+    ) -> list[int]:
         """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
         first, as many as `_prefetch_cap` allows given this layer's `own` copies), into victim
         slots outside `busy` (this layer's experts) and the prediction. On a GPU they go on the
@@ -60,13 +62,17 @@ class Prefetch:
         and the next layer's attention compute; the next layer's host step makes its stream
         wait for them before anything reads or refills those slots (every prefetch of a step is
         awaited within it: the last layer has no next). Returns the predicted experts the next
-        layer lacks that were not copied ahead (the CPU's likely share there)."""
+        layer lacks that were not copied ahead (the CPU's likely share there); `likely_cpu`,
+        where given, is called with those it will not try to copy before the copies are issued
+        (a graph host step posts their warm-up there, which then overlaps the issue)."""
         nxt = self.next_layer.get(layer)
         if nxt is None or not predicted:
             return []
         lookup = self.cache.slot_of[nxt]
         missing = [e for e in dict.fromkeys(predicted) if lookup[e] < 0]
         want = missing[: self._prefetch_cap(own)]
+        if likely_cpu is not None and len(missing) > len(want):
+            likely_cpu(missing[len(want) :])
         done = self._prefetch(layer, nxt, want, busy, predicted) if want else []
         return [e for e in missing if e not in done]
 

@@ -44,6 +44,9 @@ static double pool_spin_s = 0.02;  /* atomic: how long a wait spins before it sl
 /* atomic: odd while pool_posted is being written (a seqlock): a thread that sits a task out
    is not waited for, so the next task may be posted while it still reads the last one */
 static unsigned pool_seq = 0;
+/* atomic: the generation of a task cut short (agentrt_pool_cancel: a warm-up the next call
+   would otherwise wait for); its threads claim no more of its items */
+static unsigned pool_cancelled = 0;
 
 static double pool_now(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec;
@@ -144,7 +147,8 @@ static void* pool_thread(void* arg) {
             if (phase) pool_barrier(size);
             long lo, hi;
             int turn = 0;
-            while (pool_claim(phase, task.items[phase], t, size, &turn, &lo, &hi))
+            while (!pool_holds(&pool_cancelled, seen, 1)
+                   && pool_claim(phase, task.items[phase], t, size, &turn, &lo, &hi))
                 task.fn(task.job, phase, lo, hi);
         }
         if (__atomic_sub_fetch(&pool_pending, 1, __ATOMIC_ACQ_REL) == 0) {
@@ -207,6 +211,12 @@ static double pool_wait(void) {
    task and return its seconds; set the items per claim of later tasks (0: fixed shares) */
 double agentrt_pool_wait(void) { return pool_wait(); }
 void agentrt_pool_schedule(int chunk) { pool_chunk = chunk; }
+/* cut the posted task short: its threads finish the items they hold and claim no more, and
+   pool_wait returns once they have (only for a warm-up: a computation would be incomplete) */
+void agentrt_pool_cancel(void) {
+    __atomic_store_n(&pool_cancelled, __atomic_load_n(&pool_generation, __ATOMIC_ACQUIRE),
+                     __ATOMIC_RELEASE);
+}
 /* how long waits spin before they sleep (seconds; 0 sends the spinning ones to sleep at their
    next check; waits already sleeping keep sleeping); returns the setting it replaces */
 double agentrt_pool_spin(double seconds) {
