@@ -159,3 +159,29 @@ def test_packed_host_steps_warm_the_next_layers_likely_cpu_experts(monkeypatch):
     assert experts.totals.warmed > 0
     experts.close()
     assert kernel._guard.warming is None
+
+
+def test_the_warm_up_is_on_for_bf16_experts_and_off_for_packed_ones_by_default():
+    """`OffloadConfig.cpu_warm=None` (the default) warms for bf16 stores and not for packed
+    MXFP4 ones; True or False decides for both. The installed experts follow it, and `bench
+    decode` spells the store's choice out in its settings (and labels)."""
+    from agentrt.bench.offload import _resolved, label, load_offloadable
+    from agentrt.engine.placement import install
+    from agentrt.offload.config import OffloadConfig
+
+    base = dict(mode="auto", expert_cache_slots=4, copy_bandwidth=1.0, cpu_bandwidth=1.0)
+    for packed in (False, True):
+        model, store, _ = load_offloadable("synthetic:tiny", "cpu", "bfloat16", 0, packed)
+        for warm, want in ((None, not packed), (True, True), (False, False)):
+            assert OffloadConfig(cpu_warm=warm).warms(packed) == want
+            experts = install(model, store, "cpu", OffloadConfig(**base, cpu_warm=warm))
+            if experts.layer_cpu is None:  # (no C compiler: nothing to warm)
+                pytest.skip("no native CPU kernel")
+            assert experts.warm_cpu == want
+            experts.close()
+        setting = _resolved(
+            {"offload": "auto", "split": True, "policy": "lfu", "cpu_warm": None}, packed
+        )
+        assert setting["cpu_warm"] == (not packed)
+        assert label(setting).endswith("/no-warm") == packed
+    assert _resolved({"offload": "static"}, True) == {"offload": "static"}

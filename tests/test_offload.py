@@ -2013,7 +2013,9 @@ def test_bench_decode_and_prefill_with_packed_experts(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["expert_format"] == "mxfp4" and report["expert_bytes"] == row
-    assert [r["label"] for r in report["runs"]] == ["auto/split/lfu", "static"]
+    # (packed experts: no CPU warm-up by default, and the label says so)
+    assert [r["label"] for r in report["runs"]] == ["auto/split/lfu/no-warm", "static"]
+    assert report["runs"][0]["cpu_warm"] is False
     out = tmp_path / "prefill.json"
     args = ["bench", "prefill", *common, "--offload", "auto", "--expert-cache-slots", "12"]
     args += ["--lengths", "96", "--suffixes", "16", "--prefix", "64", "--repeat", "1"]

@@ -103,6 +103,13 @@ def settings(
     return out
 
 
+def _resolved(setting: dict[str, Any], packed: bool) -> dict[str, Any]:
+    """`setting` with the CPU experts' warm-up it left to the store (None) spelled out."""
+    if setting.get("cpu_warm", False) is not None:
+        return setting
+    return {**setting, "cpu_warm": OffloadConfig().warms(packed)}
+
+
 def label(setting: dict[str, Any]) -> str:
     if setting["offload"] != "auto":
         return setting["offload"]
@@ -208,6 +215,7 @@ def offload_decode(
     budget_bytes = parse_bytes(budget) if budget else None
     rounds: dict[tuple[str, int], list[dict]] = {}
     failed: list[dict[str, str]] = []
+    runs = [_resolved(s, store.packed) for s in runs]
     movable = [s for s in runs if s["offload"] != "layer"]
     order = [(s, n) for _ in range(repeat) for n in lengths for s in movable]
     order += [(s, n) for n in lengths for s in runs if s["offload"] == "layer"]

@@ -271,10 +271,10 @@ _DECODE_OFFLOAD_ONLY = (
 @csv_option(
     "--cpu-warm",
     ("on", "off"),
-    "on",
+    None,
     "For --offload auto with prefetch: comma-separated settings of the CPU experts' warm-up "
     "(the next layer's likely CPU experts read into the CPU's caches while the GPU works), "
-    "on and/or off.",
+    "on and/or off; default: on for bf16 experts, off for packed MXFP4 ones.",
 )
 @csv_option(
     "--overlap",
@@ -381,7 +381,7 @@ def bench_decode(
             [v == "on" for v in split],
             expert_policy,
             [v == "on" for v in prefetch],
-            [v == "on" for v in cpu_warm],
+            [v == "on" for v in cpu_warm] if cpu_warm else [None],
             [v == "on" for v in overlap],
             [v == "on" for v in prefetch_pace] if prefetch_pace else [None],
         )

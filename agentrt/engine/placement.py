@@ -173,7 +173,7 @@ def install(
             adaptive=not given,
             routers=routers,
             cpu_kernel=kernel,
-            warm_cpu=config.cpu_warm,
+            warm_cpu=config.warms(store.packed),
             overlap=config.overlap,
             prefetch_pace=config.prefetch_pace,
             prefill_plan=config.prefill_plan,

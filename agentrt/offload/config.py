@@ -71,8 +71,10 @@ class OffloadConfig:
     # decode: copy ahead the experts the next layer's router predicts from this layer's input
     prefetch: bool = True
     # decode with prefetch and the native kernel's pool: read the next layer's likely CPU
-    # experts (predicted, missing, not copied ahead) into the CPU's caches during its piece
-    cpu_warm: bool = True
+    # experts (predicted, missing, not copied ahead) into the CPU's caches during its piece.
+    # None: on for bf16 experts, off for packed MXFP4 ones (on an H200 host gpt-oss-120b decoded
+    # 1.06x faster without it: its reads slowed the link's copies; `bench decode --cpu-warm`)
+    cpu_warm: bool | None = None
     # captured decode: a layer's device experts run while the CPU computes its share (in a
     # graph piece launched before the CPU experts end), not after them. Off by default: on
     # two H100 hosts 0.90-1.06x by host and model (`bench decode --overlap on,off`)
@@ -136,3 +138,7 @@ class OffloadConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0")
+
+    def warms(self, packed: bool) -> bool:
+        """Whether decode warms the CPU's caches for a store of these experts (`cpu_warm`)."""
+        return (not packed) if self.cpu_warm is None else self.cpu_warm
