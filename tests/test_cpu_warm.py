@@ -185,3 +185,23 @@ def test_the_warm_up_is_on_for_bf16_experts_and_off_for_packed_ones_by_default()
         assert setting["cpu_warm"] == (not packed)
         assert label(setting).endswith("/no-warm") == packed
     assert _resolved({"offload": "static"}, True) == {"offload": "static"}
+
+
+def test_install_converts_a_packed_stores_biases_before_any_call():
+    """A packed store with biases (gpt-oss): `install` has the MXFP4 kernel convert every
+    layer's biases to fp32 at once, so no layer's first decode call converts them on a
+    request's path."""
+    from agentrt.bench.offload import load_offloadable
+    from agentrt.engine.placement import install
+    from agentrt.offload.config import OffloadConfig
+
+    model, store, _ = load_offloadable("synthetic:tiny-gpt-oss", "cpu", "bfloat16", 0, True)
+    base = dict(mode="auto", expert_cache_slots=4, copy_bandwidth=1.0, cpu_bandwidth=1.0)
+    experts = install(model, store, "cpu", OffloadConfig(**base))
+    kernel = experts.packed_cpu
+    if kernel is None:
+        pytest.skip("no C compiler (or the MXFP4 kernel did not build)")
+    assert store.bias is not None and sorted(kernel._biases) == store.layers
+    for layer in store.layers:
+        assert torch.equal(kernel._biases[layer][0], store.bias[layer][0].float())
+    experts.close()

@@ -25,7 +25,7 @@ from agentrt.offload.calibrate import (
     understates_cpu,
 )
 from agentrt.offload.config import OffloadConfig
-from agentrt.offload.cpu_mxfp4 import cpu_kernel_for
+from agentrt.offload.cpu_mxfp4 import PackedCPUExperts, cpu_kernel_for
 from agentrt.offload.experts import Bandwidths, OffloadedExperts
 from agentrt.offload.host_layer import HostLayer
 from agentrt.offload.ring import staging_bytes_for
@@ -160,6 +160,8 @@ def install(
     device = torch.device(device)
     # (the native kernel computes plain SwiGLU experts only: others run through torch's)
     kernel = cpu_kernel_for(config.cpu_kernel, store) if store.plain or store.packed else None
+    if isinstance(kernel, PackedCPUExperts):
+        kernel.prepare()
     if config.mode == "auto":
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
         bw = bandwidths(store, device, config, recalibrate, kernel)

@@ -139,6 +139,12 @@ class PackedCPUExperts(PoolCalls):
         gu = (_P * n)(*row_pointers(bias[0], experts))
         return row_ptrs, gu, (_P * n)(*row_pointers(bias[1], experts))
 
+    def prepare(self) -> None:
+        """Every layer's fp32 biases now (at install): a layer's first call would otherwise
+        convert them on a request's path (1-2 ms a layer for gpt-oss-120b on the dev machine)."""
+        for layer in self.store.layers:
+            self._layer_biases(layer)
+
     def _layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         both = self.store.biases(layer, "cpu")
         if both is None:
