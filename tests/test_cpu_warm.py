@@ -176,7 +176,7 @@ def test_the_warm_up_is_on_for_bf16_experts_and_off_for_packed_ones_by_default()
             assert OffloadConfig(cpu_warm=warm).warms(packed) == want
             experts = install(model, store, "cpu", OffloadConfig(**base, cpu_warm=warm))
             if experts.layer_cpu is None:  # (no C compiler: nothing to warm)
-                pytest.skip("no native CPU kernel")
+                pytest.skip("no C compiler (or the native kernel did not build)")
             assert experts.warm_cpu == want
             experts.close()
         setting = _resolved(

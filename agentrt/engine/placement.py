@@ -160,9 +160,8 @@ def install(
     device = torch.device(device)
     # (the native kernel computes plain SwiGLU experts only: others run through torch's)
     kernel = cpu_kernel_for(config.cpu_kernel, store) if store.plain or store.packed else None
-    if isinstance(kernel, PackedCPUExperts):
-        kernel.prepare()
     if config.mode == "auto":
+        _prepare(kernel, store.layers)  # (any layer's misses may run on the CPU)
         cache = ExpertCache(store, slots_for_budget(model, store, config), device, config.policy)
         bw = bandwidths(store, device, config, recalibrate, kernel)
         given = config.copy_bandwidth is not None or config.cpu_bandwidth is not None
@@ -188,6 +187,7 @@ def install(
         resident = [layer for layer in store.layers if layer not in cpu_layers]
         cache = ExpertCache(store, max(len(resident) * store.num_experts, 1), device, config.policy)
         _preload(cache, store, resident)
+        _prepare(kernel, cpu_layers)
         # nothing is ever missing outside the CPU layers
         experts = OffloadedExperts(
             store,
@@ -201,6 +201,13 @@ def install(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return experts
+
+
+def _prepare(kernel, layers) -> None:
+    """A packed kernel's one-time work for the layers whose experts it computes, done at install
+    (`PackedCPUExperts.prepare`), not by a request's first call."""
+    if isinstance(kernel, PackedCPUExperts):
+        kernel.prepare(layers)
 
 
 def _routers(model: CausalLM) -> dict[int, torch.Tensor]:

@@ -183,8 +183,8 @@ class PoolCalls:
             self._settle()
 
     def _settle(self) -> None:
-        """(Under the lock.) Cut a posted warm-up short (what it has not read yet, a call reads
-        from memory: waiting for it would cost as much), wait for it, release what it reads."""
+        """(Under the lock.) Cut a posted warm-up short (what it has not read, the next call
+        reads from memory anyway), wait for it and release what it reads."""
         if self._guard.warming is not None:
             self._cancel()
             self._wait()

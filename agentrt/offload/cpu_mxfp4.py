@@ -139,10 +139,10 @@ class PackedCPUExperts(PoolCalls):
         gu = (_P * n)(*row_pointers(bias[0], experts))
         return row_ptrs, gu, (_P * n)(*row_pointers(bias[1], experts))
 
-    def prepare(self) -> None:
-        """Every layer's fp32 biases now (at install): a layer's first call would otherwise
+    def prepare(self, layers) -> None:
+        """The fp32 biases of `layers` now (at install): a layer's first call would otherwise
         convert them on a request's path (1-2 ms a layer for gpt-oss-120b on the dev machine)."""
-        for layer in self.store.layers:
+        for layer in layers:
             self._layer_biases(layer)
 
     def _layer_biases(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

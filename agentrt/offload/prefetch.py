@@ -54,35 +54,34 @@ class Prefetch:
 
     def _prefetch_after(
         self, layer: int, predicted: list[int], busy, own: int = 0, likely_cpu=None
-    ) -> list[int]:
+    ) -> None:
         """Copy ahead, for the MoE layer after `layer`, the predicted experts it lacks (best
         first, as many as `_prefetch_cap` allows given this layer's `own` copies), into victim
         slots outside `busy` (this layer's experts) and the prediction. On a GPU they go on the
         copy stream after this layer's own copies, so they run while this layer's GPU experts
         and the next layer's attention compute; the next layer's host step makes its stream
         wait for them before anything reads or refills those slots (every prefetch of a step is
-        awaited within it: the last layer has no next). Returns the predicted experts the next
-        layer lacks that were not copied ahead (the CPU's likely share there); `likely_cpu`,
-        where given, is called with those it will not try to copy before the copies are issued
-        (a graph host step posts their warm-up there, which then overlaps the issue)."""
+        awaited within it: the last layer has no next). `likely_cpu`, where given, is called
+        with the predicted experts the next layer lacks and that it will not try to copy (the
+        CPU's likely share there) before the copies are issued (a graph host step posts their
+        warm-up there, which then overlaps the issue)."""
         nxt = self.next_layer.get(layer)
         if nxt is None or not predicted:
-            return []
+            return
         lookup = self.cache.slot_of[nxt]
         missing = [e for e in dict.fromkeys(predicted) if lookup[e] < 0]
         want = missing[: self._prefetch_cap(own)]
         if likely_cpu is not None and len(missing) > len(want):
             likely_cpu(missing[len(want) :])
-        done = self._prefetch(layer, nxt, want, busy, predicted) if want else []
-        return [e for e in missing if e not in done]
+        if want:
+            self._prefetch(layer, nxt, want, busy, predicted)
 
-    def _prefetch(self, layer: int, nxt: int, want: list[int], busy, predicted) -> list[int]:
-        """Admit and copy `want` into `nxt`'s slots (see `_prefetch_after`); returns those
-        copied."""
+    def _prefetch(self, layer: int, nxt: int, want: list[int], busy, predicted) -> None:
+        """Admit and copy `want` into `nxt`'s slots (see `_prefetch_after`)."""
         exclude = {(layer, e) for e in busy} | {(nxt, e) for e in predicted}
         done, targets = self._admit(nxt, want, exclude)
         if not done:
-            return done
+            return
         rows = self.store.expert_views(nxt)[0]
         sources = [rows[e] for e in done]
         if self.on_cuda:
@@ -94,7 +93,6 @@ class Prefetch:
         self.cache.stats[nxt].prefetched += len(done)
         self.totals.prefetched += len(done)
         self.totals.bytes_copied += len(done) * self.store.expert_bytes
-        return done
 
     def _mark_own_copies(self) -> None:
         """Mark the end of what the current stream has queued (this layer's own copies), which
