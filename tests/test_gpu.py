@@ -543,22 +543,28 @@ def test_kv_grown_ahead_on_cuda_captures_the_decode_graph_between_turns():
     resident.close()
 
 
+PACKED_GPU = {
+    "split": dict(mode="auto", expert_cache_slots=12, copy_bandwidth=1.0, cpu_bandwidth=1.0),
+    "copy-only": dict(mode="auto", expert_cache_slots=12, split=False, copy_bandwidth=1.0),
+    "static": dict(mode="static", cpu_moe_layers=1),
+    "resident": dict(mode="static", cpu_moe_layers=0),  # (bench decode's `none` for packed)
+}
+
+
 @pytest.mark.parametrize("model", ["tiny", "synthetic:tiny-gpt-oss"])
-@pytest.mark.parametrize("split", [True, False])
-def test_packed_mxfp4_offload_on_cuda_matches_resident(model, split):
+@pytest.mark.parametrize("placement", sorted(PACKED_GPU))
+def test_packed_mxfp4_offload_on_cuda_matches_resident(model, placement):
     """Experts kept MXFP4 (`packed_mxfp4`): prefill through the grouped Triton kernel over the
     staging ring, graph decode through the matvec kernel over packed slots (CPU experts through
-    the native MXFP4 kernel), equal the resident model given the same (dequantized) experts
-    (fp32: full-precision products)."""
+    the native MXFP4 kernel; a static placement's resident layers from their fixed slots, with
+    no host step), equal the resident model given the same (dequantized) experts (fp32:
+    full-precision products)."""
     from agentrt import Runtime
     from agentrt.offload.config import OffloadConfig
 
     ids = list(range(10, 200))
     opts = dict(device="cuda", dtype="float32", cache="off", linear_attn="torch")
-    config = OffloadConfig(
-        mode="auto", expert_cache_slots=12, split=split, packed_mxfp4=True,
-        copy_bandwidth=1.0, cpu_bandwidth=1.0,
-    )  # fmt: skip
+    config = OffloadConfig(packed_mxfp4=True, **PACKED_GPU[placement])
     rt = Runtime.open(model, offload=config, **opts)
     store = rt.engine.offload.store
     resident = Runtime.open(model, eager=True, **opts)
@@ -573,8 +579,15 @@ def test_packed_mxfp4_offload_on_cuda_matches_resident(model, split):
     for tok in range(300, 320):
         a, b = resident.engine.decode_step(state_a, tok), rt.engine.decode_step(state_b, tok)
         assert (a - b).abs().max().item() < 1e-3, tok
-    assert rt.engine.decode_graph.enabled and rt.engine.offload.totals.copied > 0
-    rt.engine.offload.cache.check()
+    offload = rt.engine.offload
+    assert rt.engine.decode_graph.enabled
+    if config.mode == "auto":
+        assert offload.totals.copied > 0 and not offload.fixed_slots
+    else:  # (one host step per token and CPU layer: the fixed layers cut nothing)
+        fixed = [layer for layer in offload.store.layers if layer not in offload.cpu_layers]
+        assert sorted(offload.fixed_slots) == fixed
+        assert len(rt.engine.decode_graph.current.pieces.graphs) == len(offload.cpu_layers) + 1
+    offload.cache.check()
 
 
 @pytest.mark.parametrize("plan", ["stream", "routed", "reserve", "auto"])

@@ -772,6 +772,58 @@ def test_graph_host_step_fills_what_the_next_piece_needs(split, biased):
     assert (sum(s.cpu for s in stats) > 0) == split
 
 
+@pytest.mark.parametrize("name", ["tiny", "gpt-oss"])
+def test_a_static_placements_resident_layers_run_captured_without_a_host_step(name, tiny_gpt_oss):
+    """A static placement's resident layers keep every expert in a fixed slot: the captured
+    form of such a layer looks the slots up from the device table (`fix_slots`) and never cuts
+    the capture, and its weighted sum equals the dense one (also with gpt-oss's biases and
+    clamped SwiGLU); a CPU layer still cuts. Auto placements fix nothing (their slots move)."""
+    from agentrt.models.moe import expert_ffn
+    from agentrt.offload.host_step import LayerIO
+
+    class Recorder:
+        cuts = 0
+
+        def cut(self, host, sync=True):
+            self.cuts += 1
+
+    torch.manual_seed(0)
+    config = OffloadConfig(mode="static", cpu_moe_layers=1)
+    rt = Runtime.open("tiny" if name == "tiny" else str(tiny_gpt_oss), cache="off", offload=config)
+    experts, model = rt.engine.offload, rt.engine.model
+    store, top_k = experts.store, model.config.num_experts_per_tok
+    resident = store.layers[1:]
+    assert sorted(experts.fixed_slots) == resident
+    for layer, table in experts.fixed_slots.items():
+        assert table.tolist() == experts.cache.slot_of[layer]
+    rng = random.Random(0)
+    for step in range(6):
+        layer = resident[step % len(resident)]
+        ids = torch.tensor([rng.sample(range(store.num_experts), top_k)])
+        w, x = torch.rand(1, top_k), torch.randn(1, store.hidden)
+        experts._io.setdefault(layer, LayerIO(top_k, store.hidden, torch.float32, "cpu"))
+        experts.recorder = Recorder()
+        got = experts._captured(layer, x, ids, w)
+        assert experts.recorder.cuts == 0
+        gate_up, down = store.gate_up(layer), store.down(layer)
+        dense = sum(
+            w[0, j] * expert_ffn(x, gate_up[e], down[e], *store.expert_biases(layer, e, "cpu"),
+                                 act=store.act)[0]
+            for j, e in enumerate(ids[0].tolist())
+        )  # fmt: skip
+        torch.testing.assert_close(got[0], dense)
+    first = store.layers[0]
+    experts._io[first] = LayerIO(top_k, store.hidden, torch.float32, "cpu")
+    ids = torch.tensor([list(range(top_k))])
+    experts._captured(first, torch.randn(1, store.hidden), ids, torch.rand(1, top_k))
+    assert experts.recorder.cuts == 1  # (the CPU layer's host step)
+    rt.close()
+    auto = OffloadConfig(mode="auto", expert_cache_slots=10, copy_bandwidth=1.0, cpu_bandwidth=1.0)
+    rt = Runtime.open("tiny", cache="off", offload=auto)
+    assert rt.engine.offload.fixed_slots == {}
+    rt.close()
+
+
 def test_host_step_prefetches_the_next_layers_predicted_experts():
     """A graph host step copies ahead, into free or victim slots, the experts predicted for the
     next MoE layer (never evicting this layer's experts or the prediction); the next layer's step

@@ -337,6 +337,9 @@ def _run(model, store, device, dtype, setting, config, ids, prompt_len, tokens, 
         engine.synchronize()
     elapsed = time.perf_counter() - t0
     after = _counters(experts)
+    if experts is not None and engine.decode_graph and engine.decode_graph.enabled:
+        # (a captured step runs no host step at fixed layers: there every routed expert hits)
+        after["hits"] += tokens * model.config.num_experts_per_tok * len(experts.fixed_slots)
     lru = _lru_regime(experts, timed_from)  # (before the profiled steps: timed ones only)
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     profiled = _profiled_steps(engine, state, ids[prompt_len + WARMUP_STEPS + tokens :])

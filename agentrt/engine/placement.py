@@ -197,6 +197,7 @@ def install(
             cpu_kernel=kernel,
             staging_bytes=0,  # (every layer resident in order, or on the CPU)
         )
+        experts.fix_slots()
     model.set_experts(experts)
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -14,11 +14,12 @@ free slots, so prefill does not evict the decode working set.
 `cpu_layers` (the static baseline) computes every expert of those layers on the CPU.
 
 Inside a captured CUDA-graph decode step (`recorder` set by `engine.cuda_graph`), each MoE layer
-cuts the capture: the graph copies the token's routed ids, weights and hidden row to pinned host
-buffers; the host step plans hits/copies/CPU work, issues the copies, runs the CPU experts
-(torch's intra-op thread pool, or the native kernel's own pool: see below) and writes slot
-indices, GPU weights and the CPU partial
-sum to pinned buffers; the next graph piece uploads them and runs the GPU experts from their
+(but the fixed resident layers of a static or layer placement, `fix_slots`) cuts the capture:
+the graph copies the token's routed ids, weights and hidden row to pinned host buffers; the
+host step plans hits/copies/CPU work, issues the copies, runs the CPU experts (torch's
+intra-op thread pool, or the native kernel's own pool: see below) and writes slot indices, GPU
+weights and the CPU partial sum to pinned buffers; the next graph piece uploads them and runs
+the GPU experts from their
 slots as one gathered batched matmul. The host step's copies, events and stream waits go
 straight to the CUDA runtime (`copies.CudaCalls`) where torch's calls cost several times more.
 
@@ -146,6 +147,7 @@ class OffloadedExperts(Prefetch, CapturedDecode, ExpertBackend):
         self.totals = Totals()
         self.recorder = None  # engine.cuda_graph.Pieces while a decode step is being captured
         self._io: dict[int, LayerIO] = {}
+        self.fixed_slots: dict[int, torch.Tensor] = {}  # layer -> expert's slot (`fix_slots`)
         self.uploads = Uploads(self.device)  # (a captured step's small host->device transfers)
         self._copy_timing: tuple | None = None  # (start event, end event, bytes) of the last copies
         self._events = _EventRing() if self.on_cuda else None

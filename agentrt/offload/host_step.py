@@ -2,7 +2,9 @@
 step each MoE layer cuts the capture; the graph hands the token's routed ids, weights and
 hidden row over in pinned buffers (`LayerIO`), the host step plans hits, copies and CPU
 experts, issues the copies, runs the CPU experts and fills the next piece's inputs; the next
-piece runs the device experts from their slots (`expert_gemv`, on CUDA) and adds the CPU's sum."""
+piece runs the device experts from their slots (`expert_gemv`, on CUDA) and adds the CPU's sum.
+A layer whose experts all sit in fixed slots (static and layer placements) looks them up on the
+GPU and cuts nothing."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ class CapturedDecode:
         has planned and posted its CPU experts: the GPU computes them while the CPU computes
         its share, and the next piece adds the CPU's sum."""
         io = self._io[layer]
+        table = self.fixed_slots.get(layer)
+        if table is not None:  # (every expert resident for good: its slots looked up on the GPU)
+            slots, gw = table.index_select(0, ids[0]), weights[0].float()
+            return self._device_experts(layer, x, ids, slots, gw, None).to(x.dtype).unsqueeze(0)
         io.ids_h.copy_(ids[0], non_blocking=True)
         io.w_h.copy_(weights[0].float(), non_blocking=True)
         io.x_h.copy_(x[0], non_blocking=True)
@@ -46,26 +52,28 @@ class CapturedDecode:
         self.uploads.from_host(io.gw_h, io.gw_d, hold=False)
         if not overlap:
             self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
-            return self._device_experts(layer, x, ids, io, io.cpu_d).to(x.dtype).unsqueeze(0)
-        y = self._device_experts(layer, x, ids, io, None)
+            y = self._device_experts(layer, x, ids, io.slot_d, io.gw_d, io.cpu_d)
+            return y.to(x.dtype).unsqueeze(0)
+        y = self._device_experts(layer, x, ids, io.slot_d, io.gw_d, None)
         self.recorder.cut(lambda _pos: self._host_finish(layer, io), sync=False)
         self.uploads.from_host(io.cpu_h, io.cpu_d, hold=False)
         return (y + io.cpu_d).to(x.dtype).unsqueeze(0)
 
-    def _device_experts(self, layer, x, ids, io, add: torch.Tensor | None) -> torch.Tensor:
-        """The device experts' weighted sum (fp32 `[H]`), read from their slots, plus `add`
-        (the CPU's sum) where given."""
+    def _device_experts(self, layer, x, ids, slots, gw, add: torch.Tensor | None) -> torch.Tensor:
+        """The device experts' weighted sum (fp32 `[H]`): the token's experts read from device
+        `slots` under weights `gw` (0 for an expert not computed here), plus `add` (the CPU's
+        sum) where given."""
         s = self.store
         if s.packed:
-            ys = token_experts(s, layer, self.cache.slots, io.slot_d, x, ids[0])
-            return self._weighted(ys, io, add)
+            ys = token_experts(s, layer, self.cache.slots, slots, x, ids[0])
+            return self._weighted(ys, gw, add)
         biases = s.biases(layer, x.device)
         if expert_gemv.available(x):  # the slots read in place
             gate_up, down = s.stacks(self.cache.slots)
             return expert_gemv.token_moe(
-                x, io.slot_d, io.gw_d, gate_up, down, biases, s.act, add, bias_ids=ids[0]
+                x, slots, gw, gate_up, down, biases, s.act, add, bias_ids=ids[0]
             )
-        gate_up, down = s.stacks(self.cache.slots.index_select(0, io.slot_d))  # [k, ...]
+        gate_up, down = s.stacks(self.cache.slots.index_select(0, slots))  # [k, ...]
         xs = x.expand(gate_up.shape[0], -1).unsqueeze(1)  # [k, 1, H]
         h = torch.bmm(xs, gate_up.transpose(1, 2))  # [k, 1, 2I]
         if biases is not None:  # (rows in routed order: the token's ids index the biases)
@@ -73,15 +81,27 @@ class CapturedDecode:
         ys = torch.bmm(s.act(h), down.transpose(1, 2)).squeeze(1)  # [k, H]
         if biases is not None:
             ys = ys + biases[1].index_select(0, ids[0])
-        return self._weighted(ys, io, add)
+        return self._weighted(ys, gw, add)
 
     @staticmethod
-    def _weighted(ys: torch.Tensor, io: LayerIO, add: torch.Tensor | None) -> torch.Tensor:
-        """The device experts' outputs `ys [k, H]` under their weights (fp32), plus `add`."""
+    def _weighted(ys: torch.Tensor, gw: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        """The device experts' outputs `ys [k, H]` under their weights `gw` (fp32), plus `add`."""
         # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
-        gw = io.gw_d.unsqueeze(1)
+        gw = gw.unsqueeze(1)
         out = torch.where(gw != 0, ys * gw, 0.0).sum(0)  # (ys * fp32 gw: fp32)
         return out if add is None else out + add
+
+    def fix_slots(self) -> None:
+        """For a placement that preloads every expert of the layers outside `cpu_layers` and
+        never evicts one (static, layer): those layers' slot tables on the device. A captured
+        decode step looks their slots up there and does not cut the capture at them (no host
+        step: the GPU runs them back to back, as llama.cpp runs its GPU layers); eager steps
+        still plan them, all hits."""
+        for layer in self.store.layers:
+            slots = self.cache.slot_of[layer]
+            if layer not in self.cpu_layers and min(slots) >= 0:
+                table = torch.tensor(slots, dtype=torch.long, device=self.device)
+                self.fixed_slots[layer] = table
 
     def _host_step(self, layer: int, io: LayerIO) -> Callable[[], None]:
         """Between graph pieces: plan and issue the copies, compute the CPU experts while they
