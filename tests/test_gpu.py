@@ -545,7 +545,9 @@ def test_kv_grown_ahead_on_cuda_captures_the_decode_graph_between_turns():
 
 PACKED_GPU = {
     "split": dict(mode="auto", expert_cache_slots=12, copy_bandwidth=1.0, cpu_bandwidth=1.0),
-    "copy-only": dict(mode="auto", expert_cache_slots=12, split=False, copy_bandwidth=1.0),
+    "copy-only": dict(
+        mode="auto", expert_cache_slots=12, split=False, copy_bandwidth=1.0, cpu_bandwidth=1.0
+    ),
     "static": dict(mode="static", cpu_moe_layers=1),
     "resident": dict(mode="static", cpu_moe_layers=0),  # (bench decode's `none` for packed)
 }
@@ -560,33 +562,40 @@ def test_packed_mxfp4_offload_on_cuda_matches_resident(model, placement):
     no host step), equal the resident model given the same (dequantized) experts (fp32:
     full-precision products)."""
     from agentrt import Runtime
+    from agentrt.engine import Engine
+    from agentrt.engine.placement import install
     from agentrt.offload.config import OffloadConfig
 
     ids = list(range(10, 200))
     opts = dict(device="cuda", dtype="float32", cache="off", linear_attn="torch")
-    config = OffloadConfig(packed_mxfp4=True, **PACKED_GPU[placement])
+    config = OffloadConfig(packed_mxfp4=True, **PACKED_GPU["split"])
     rt = Runtime.open(model, offload=config, **opts)
-    store = rt.engine.offload.store
+    store, engine = rt.engine.offload.store, rt.engine
+    if placement in ("static", "resident"):  # (as bench decode places a packed store)
+        rt.engine.offload.close()
+        config = OffloadConfig(**PACKED_GPU[placement])
+        experts = install(engine.model, store, "cuda", config)
+        engine = Engine(engine.model, engine.config, experts)
     resident = Runtime.open(model, eager=True, **opts)
     experts = resident.engine.model.experts
     for layer in store.layers:  # (a synthetic model's packed experts are drawn as codes)
         experts.gate_up[layer].copy_(store.gate_up(layer))
         experts.down[layer].copy_(store.down(layer))
-    state_a, state_b = resident.engine.new_state(), rt.engine.new_state()
+    state_a, state_b = resident.engine.new_state(), engine.new_state()
     a = resident.engine.prefill(state_a, ids, all_logits=True)
-    b = rt.engine.prefill(state_b, ids, all_logits=True)
+    b = engine.prefill(state_b, ids, all_logits=True)
     assert (a - b).abs().max().item() < 1e-3
     for tok in range(300, 320):
-        a, b = resident.engine.decode_step(state_a, tok), rt.engine.decode_step(state_b, tok)
+        a, b = resident.engine.decode_step(state_a, tok), engine.decode_step(state_b, tok)
         assert (a - b).abs().max().item() < 1e-3, tok
-    offload = rt.engine.offload
-    assert rt.engine.decode_graph.enabled
+    offload = engine.offload
+    assert engine.decode_graph.enabled
     if config.mode == "auto":
         assert offload.totals.copied > 0 and not offload.fixed_slots
     else:  # (one host step per token and CPU layer: the fixed layers cut nothing)
         fixed = [layer for layer in offload.store.layers if layer not in offload.cpu_layers]
         assert sorted(offload.fixed_slots) == fixed
-        assert len(rt.engine.decode_graph.current.pieces.graphs) == len(offload.cpu_layers) + 1
+        assert len(engine.decode_graph.current.pieces.graphs) == len(offload.cpu_layers) + 1
     offload.cache.check()
 
 
@@ -832,17 +841,26 @@ def _gpt_oss_20b_packed_rows(g: torch.Generator):
 def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
     """The Triton matvec over packed MXFP4 expert rows equals dequantize-then-matmul (fp32) for
     gpt-oss-20b's expert shapes (H = I = 2880), selected rows repeated, one x per row or one
-    for all."""
+    for all, at tiles whose steps end inside and at the end of a row, with and without the
+    experts' bias rows."""
     from agentrt.offload.mxfp4_rows import matvec, matvec_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     layout, rows = _gpt_oss_20b_packed_rows(g)
     slots = torch.tensor([2, 0, 2, 1], device="cuda")
+    ids = torch.tensor([4, 0, 3, 1], device="cuda")  # (the experts in those slots)
     for part in (layout.gate_up, layout.down):
         for shape in ((4, part.cols), (part.cols,)):
             x = torch.randn(*shape, generator=g, device="cuda")
             want = matvec_reference(rows, slots, part, x)
-            torch.testing.assert_close(matvec(rows, slots, part, x), want, rtol=1e-4, atol=1e-4)
+            for tile in ((16, 128, 4), (8, 256, 2), (64, 64, 8), (32, 16, 4)):
+                got = matvec(rows, slots, part, x, tile=tile)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for dtype in (torch.float32, torch.bfloat16):  # each expert's bias row added
+                bias = (torch.randn(5, part.rows, generator=g, device="cuda").to(dtype), ids)
+                want = matvec_reference(rows, slots, part, x, bias)
+                got = matvec(rows, slots, part, x, bias)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -392,8 +392,9 @@ class CausalLM(nn.Module):
         `captures`: offsets r in (0, T] where linear layers record their state after token r-1.
         """
         x = self.embed_tokens(ids)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, cache, start, captures)
+        with Rotary.one_pass():  # (its attention layers share one cos/sin)
+            for layer, cache in zip(self.layers, caches, strict=True):
+                x = layer(x, cache, start, captures)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -95,33 +95,54 @@ def unpack(rows: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor:
 
 
 def matvec_reference(
-    rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    part: Part,
+    x: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`out[i] = W(rows[slots[i]]) @ x[i]` in fp32 (`x [k, cols]`, or `[cols]` for all)."""
+    """`out[i] = W(rows[slots[i]]) @ x[i]` in fp32 (`x [k, cols]`, or `[cols]` for all), plus
+    `bias[0][bias[1][i]]` where `bias` (a `[E, rows]` table, the experts' ids `[k]`) is given."""
     weights = unpack(rows.index_select(0, slots), part, torch.float32)
     x = x.float().expand(slots.shape[0], part.cols)
-    return torch.bmm(weights, x.unsqueeze(2)).squeeze(2)
+    out = torch.bmm(weights, x.unsqueeze(2)).squeeze(2)
+    return out if bias is None else out + bias[0].index_select(0, bias[1])
 
 
-def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor) -> torch.Tensor:
+# the matvec kernel's tile: output rows, code bytes per step (2x weights), warps
+MATVEC_TILE = (16, 128, 4)
+
+
+def matvec(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    part: Part,
+    x: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile: tuple[int, int, int] = MATVEC_TILE,
+) -> torch.Tensor:
     """`matvec_reference` through the Triton kernel (CUDA, or Triton's interpreter): each
-    program decodes a tile of codes and exponents of one selected row straight from the packed
-    bytes and dots it with x; fp32 accumulation."""
+    program decodes tiles of codes and exponents of one selected row straight from the packed
+    bytes and dots them with x, fp32 accumulation, and adds its bias row. `tile`: (output rows,
+    code bytes per step, warps), powers of two, bytes a multiple of 16."""
     import triton
 
     from agentrt.offload.mxfp4_triton import matvec_kernel
 
     k = slots.shape[0]
-    x = x.float().expand(k, part.cols).contiguous()
+    x = x.float().contiguous()  # ([cols]: one x, read by every row)
     out = torch.empty(k, part.rows, dtype=torch.float32, device=rows.device)
-    block_n, block_b = 32, 64  # output rows, code bytes (128 weights, 4 exponents) per step
+    block_n, block_b, warps = tile
     grid = (k, triton.cdiv(part.rows, block_n))
     matvec_kernel[grid](
         rows,
         slots,
         x,
         out,
+        bias[0] if bias is not None else out,
+        bias[1] if bias is not None else slots,
         rows.stride(0),
+        x.shape[-1] if x.dim() > 1 else 0,
         part.codes,
         part.scales,
         part.rows,
@@ -129,6 +150,8 @@ def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor)
         part.groups,
         BLOCK_N=block_n,
         BLOCK_B=block_b,
+        HAS_BIAS=bias is not None,
+        num_warps=warps,
     )
     return out
 
