@@ -842,7 +842,9 @@ def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
     """The Triton matvec over packed MXFP4 expert rows equals dequantize-then-matmul (fp32) for
     gpt-oss-20b's expert shapes (H = I = 2880), selected rows repeated, one x per row or one
     for all, at tiles whose steps end inside and at the end of a row, with and without the
-    experts' bias rows."""
+    experts' bias rows, and down reading the activation of gate/up halves (plain and gpt-oss's
+    clamped SwiGLU)."""
+    from agentrt.models.moe import PLAIN, SwiGLU
     from agentrt.offload.mxfp4_rows import matvec, matvec_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -861,6 +863,14 @@ def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
                 want = matvec_reference(rows, slots, part, x, bias)
                 got = matvec(rows, slots, part, x, bias)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for act in (PLAIN, SwiGLU(7.0, 1.702)):  # down reading the activation of gate and up
+        h = torch.randn(4, 2 * layout.down.cols, generator=g, device="cuda") * 3
+        for dtype in (torch.float32, torch.bfloat16):
+            want = matvec_reference(rows, slots, layout.down, h, None, (act, dtype))
+            got = matvec(rows, slots, layout.down, h, None, (act, dtype))
+            # (bf16: the fused activation rounds once where torch's ops round each step)
+            error = ((got - want).norm() / want.norm()).item()
+            assert error < (1e-5 if dtype.itemsize > 2 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,6 +25,29 @@ def half_power(scale):
 
 
 @triton.jit
+def rounded(v, ROUND: tl.constexpr):
+    """fp32 `v` rounded to bf16 (ROUND 1) or fp16 (2) and back, or as is (0): the values an
+    activation in that dtype would hold."""
+    if ROUND == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def swiglu(gate, up, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """`moe.SwiGLU` on fp32 halves: silu(gate) * up (LIMIT 0), or gpt-oss's clamped form."""
+    if LIMIT == 0:
+        out = gate * tl.sigmoid(gate) * up
+    else:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        out = (up + 1) * (gate * tl.sigmoid(gate * ALPHA))
+    return out
+
+
+@triton.jit
 def decoded_tile(
     row,
     codes_at,
@@ -71,11 +94,17 @@ def matvec_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     """`out[i, n] = W(rows[slots[i]])[n] . x[i]` (+ `bias[ids[i], n]` with HAS_BIAS) for
     BLOCK_N output rows n: the codes read as `[BLOCK_N, BLOCK_B]` byte tiles (each exponent
     decoded once per 32 weights, `decoded_tile`), products summed per lane in fp32 and reduced
-    once at the end. `x_stride` 0: one x for all."""
+    once at the end. `x_stride` 0: one x for all. With ACT, x[i] is an expert's gate and up
+    halves (fp32, each as wide as a row): x = swiglu(gate, up), rounded as `rounded` says
+    before and after, as the unfused activation in the model's dtype computes it."""
     i = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = rows_ptr + tl.load(slots_ptr + i).to(tl.int64) * row_stride
@@ -86,7 +115,13 @@ def matvec_kernel(
             row, codes_at, scales_at, n, b0, n_rows, BLOCK_N, BLOCK_B, n_bytes, n_groups
         )
         k = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
-        x = tl.load(x_row + k, mask=k < 2 * n_bytes, other=0.0)
+        inside = k < 2 * n_bytes
+        if ACT:
+            gate = rounded(tl.load(x_row + k, mask=inside, other=0.0), ROUND)
+            up = rounded(tl.load(x_row + 2 * n_bytes + k, mask=inside, other=0.0), ROUND)
+            x = rounded(swiglu(gate, up, LIMIT, ALPHA), ROUND)
+        else:
+            x = tl.load(x_row + k, mask=inside, other=0.0)
         acc += w * x[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:

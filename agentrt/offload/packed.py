@@ -20,8 +20,8 @@ from agentrt.offload.pairs import bincount
 from agentrt.offload.store import ExpertStore
 
 
-def _matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor, bias=None):
-    return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x, bias)
+def _matvec(rows, slots: torch.Tensor, part: Part, x: torch.Tensor, bias=None, act=None):
+    return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x, bias, act)
 
 
 def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor, tiles=None):
@@ -39,7 +39,8 @@ def token_experts(
     layout, biases = store.layout, store.biases(layer, x.device)
     up_bias, down_bias = ((b, ids) for b in biases) if biases is not None else (None, None)
     h = _matvec(rows, slots, layout.gate_up, x[0], up_bias)  # [k, 2I] fp32
-    y = _matvec(rows, slots, layout.down, store.act(h.to(x.dtype)), down_bias)  # [k, H] fp32
+    # (the activation in x's dtype, fused into the down product's reads)
+    y = _matvec(rows, slots, layout.down, h, down_bias, (store.act, x.dtype))  # [k, H] fp32
     return y.to(x.dtype)
 
 
