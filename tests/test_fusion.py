@@ -9,6 +9,7 @@ from util import random_ids
 
 from agentrt.models.ffn import MLP, MoEBlock, Router
 from agentrt.models.fusion import derive
+from agentrt.models.layers import Attention
 from agentrt.models.loader import load_model
 from agentrt.models.qwen3_5_moe import GatedDeltaNet
 
@@ -46,6 +47,32 @@ def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
     assert gdn._neg_a is not None and gdn._taps is not None
     assert moe.shared_expert.gate_proj.weight.data_ptr() == moe._shared_in.data_ptr()
     assert moe.shared_expert._gate_up is None  # (the block fuses its shared expert)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    rows = attn.q_proj.out_features + attn.k_proj.out_features
+    assert attn.v_proj.weight.data_ptr() == attn._qkv[rows:].data_ptr()
+
+
+def test_fused_gpt_oss_attention_equals_the_plain_one(tiny_gpt_oss, monkeypatch):
+    """gpt-oss's q, k and v projections as one matmul, weights and biases row views of the
+    fused blocks: the same prefill and decode logits as the three projections (fp32, CPU)."""
+    import agentrt.engine.engine as engine_module
+    import agentrt.models as models
+    from agentrt.models.gpt_oss import SinkAttention
+
+    ids = random_ids(60, seed=5)
+    monkeypatch.setattr(engine_module, "derive", lambda model: None)
+    monkeypatch.setattr(models, "fuse_rows", lambda model: None)
+    plain_model = load_model(tiny_gpt_oss, "cpu", torch.float32)
+    plain = _logits(plain_model, ids)
+    assert next(m for m in plain_model.modules() if isinstance(m, SinkAttention))._qkv is None
+    monkeypatch.undo()
+    model = load_model(tiny_gpt_oss, "cpu", torch.float32)
+    torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-4, atol=1e-4)
+    attn = next(m for m in model.modules() if isinstance(m, SinkAttention))
+    rows = attn.q_proj.out_features
+    assert attn.k_proj.weight.data_ptr() == attn._qkv[rows:].data_ptr()
+    assert attn.k_proj.bias.data_ptr() == attn._qkv_bias[rows:].data_ptr()
+    assert attn.q_proj.bias.abs().sum() > 0  # (the biases the fused matmul adds are real)
 
 
 def test_fused_weights_follow_moves_and_in_place_writes():

@@ -76,28 +76,30 @@ def _fuse_one(module: Fusable, derive: bool) -> None:
             module.derived = True
 
 
-def row_blocks(linears: list[nn.Linear], current: torch.Tensor | None) -> torch.Tensor:
+def row_blocks(
+    linears: list[nn.Linear], current: torch.Tensor | None, name: str = "weight"
+) -> torch.Tensor:
     """One `[sum of out_features, in_features]` weight whose consecutive row blocks the
     `linears`' weights are (made views of it here unless they already are: then `current` is
-    returned as it is)."""
-    if current is not None and _views_of(linears, current):
+    returned as it is); `name="bias"`: the same for their biases (`[sum of out_features]`)."""
+    if current is not None and _views_of(linears, current, name):
         return current
-    weight = torch.cat([m.weight.detach() for m in linears])
+    weight = torch.cat([getattr(m, name).detach() for m in linears])
     start = 0
     for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        rows = getattr(m, name).shape[0]
+        setattr(m, name, nn.Parameter(weight[start : start + rows], requires_grad=False))
         start += rows
     return weight
 
 
-def _views_of(linears: list[nn.Linear], weight: torch.Tensor) -> bool:
-    """Whether the linears' weights are the consecutive row blocks of `weight`, in order."""
+def _views_of(linears: list[nn.Linear], weight: torch.Tensor, name: str = "weight") -> bool:
+    """Whether the linears' weights (or biases) are the consecutive row blocks of `weight`."""
     ptr, step = weight.data_ptr(), weight.stride(0) * weight.element_size()
-    if weight.device != linears[0].weight.device:
+    if weight.device != getattr(linears[0], name).device:
         return False
     for m in linears:
-        if m.weight.data_ptr() != ptr:
+        if getattr(m, name).data_ptr() != ptr:
             return False
-        ptr += m.weight.shape[0] * step
+        ptr += getattr(m, name).shape[0] * step
     return ptr == weight.data_ptr() + weight.shape[0] * step

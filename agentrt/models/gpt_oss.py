@@ -19,6 +19,7 @@ from torch import nn
 
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.ffn import MoEBlock
+from agentrt.models.fusion import Fusable, row_blocks
 from agentrt.models.kv import KVCache
 from agentrt.models.layers import (
     CausalLM,
@@ -162,8 +163,12 @@ def _probe_flash_sinks(device, dtype, heads: int, kv_heads: int, dim: int, windo
     return True
 
 
-class SinkAttention(nn.Module):
-    """gpt-oss attention: biased projections, YaRN rotary, sinks, an optional sliding window."""
+class SinkAttention(Fusable):
+    """gpt-oss attention: biased projections, YaRN rotary, sinks, an optional sliding window.
+    Fused: the q, k and v projections (weights and biases) as one matmul."""
+
+    _qkv: torch.Tensor | None = None
+    _qkv_bias: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -177,13 +182,26 @@ class SinkAttention(nn.Module):
         self.window = cfg.sliding_window if layer in cfg.sliding_layers else 0
         self.rotary = Rotary.of(cfg)
 
+    def fuse_rows(self) -> None:
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self._qkv = row_blocks(parts, self._qkv)
+        self._qkv_bias = row_blocks(parts, self._qkv_bias, "bias")
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v of `x`: one matmul when fused."""
+        if self._qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        return F.linear(x, self._qkv, self._qkv_bias).split(sizes, dim=-1)
+
     def forward(
         self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
     ) -> torch.Tensor:
         seq_len = x.shape[0]
-        q = self.q_proj(x).view(seq_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
+        q, k, v = self._projections(x)
+        q = q.reshape(seq_len, self.num_heads, self.head_dim)
+        k = k.reshape(seq_len, self.num_kv_heads, self.head_dim)
+        v = v.reshape(seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         q = q.transpose(0, 1)  # [H, T, D]

@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from agentrt.models import fla_norms
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.ffn import MLP, MoEBlock
+from agentrt.models.fusion import Fusable, row_blocks
 from agentrt.models.kv import KVCache, LayerCache
 from agentrt.models.moe import ExpertBackend, RoutedExperts
 from agentrt.models.rotary import Rotary
@@ -293,8 +294,11 @@ def _probe_flash_varlen(device, dtype, heads: int, kv_heads: int, dim: int) -> b
     return True
 
 
-class Attention(nn.Module):
-    """Causal attention with q/k RMSNorm; `output_gate`: Qwen3.5's sigmoid gate from q_proj."""
+class Attention(Fusable):
+    """Causal attention with q/k RMSNorm; `output_gate`: Qwen3.5's sigmoid gate from q_proj.
+    Fused: the q, k and v projections as one matmul."""
+
+    _qkv: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, output_gate: bool, zero_centered: bool) -> None:
         super().__init__()
@@ -309,18 +313,29 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centered)
         self.rotary = Rotary.of(cfg)
 
+    def fuse_rows(self) -> None:
+        self._qkv = row_blocks([self.q_proj, self.k_proj, self.v_proj], self._qkv)
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v of `x`: one matmul when fused."""
+        if self._qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        return F.linear(x, self._qkv).split(sizes, dim=-1)
+
     def forward(
         self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
     ) -> torch.Tensor:
         seq_len = x.shape[0]
-        q = self.q_proj(x).view(seq_len, self.num_heads, -1)  # [T, H, D or 2D]
+        q, k, v = self._projections(x)
+        q = q.view(seq_len, self.num_heads, -1)  # [T, H, D or 2D]
         gate = None
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(seq_len, -1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(seq_len, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(seq_len, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(seq_len, self.num_kv_heads, self.head_dim))
+        v = v.view(seq_len, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         if isinstance(start, (Span, torch.Tensor)):  # static pass: fixed shapes (CUDA graphs)
