@@ -24,22 +24,27 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
     return torch.cat([prefill, torch.stack([engine.decode_step(state, t) for t in ids[-3:]])])
 
 
-def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
-    """Prefill and decode logits with the fusions match the plain forms (fp32, CPU), and each
-    fused module's weights are row views of its block (no extra memory)."""
+def _plain_then_fused(path, ids: list[int], monkeypatch):
+    """The checkpoint at `path` loaded without its fusions, then with them (fp32, CPU): both
+    models, after the fused one's logits are checked against the plain one's."""
     import agentrt.engine.engine as engine_module
     import agentrt.models as models
 
-    ids = random_ids(60, seed=3)
     monkeypatch.setattr(engine_module, "derive", lambda model: None)
     monkeypatch.setattr(models, "fuse_rows", lambda model: None)
-    plain_model = load_model(hf_qwen35, "cpu", torch.float32)
+    plain_model = load_model(path, "cpu", torch.float32)
     plain = _logits(plain_model, ids)
-    assert next(m for m in plain_model.modules() if isinstance(m, GatedDeltaNet))._in_proj is None
     monkeypatch.undo()
-    model = load_model(hf_qwen35, "cpu", torch.float32)
-    fused = _logits(model, ids)
-    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    model = load_model(path, "cpu", torch.float32)
+    torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-4, atol=1e-4)
+    return plain_model, model
+
+
+def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
+    """Prefill and decode logits with the fusions match the plain forms (fp32, CPU), and each
+    fused module's weights are row views of its block (no extra memory)."""
+    plain_model, model = _plain_then_fused(hf_qwen35, random_ids(60, seed=3), monkeypatch)
+    assert next(m for m in plain_model.modules() if isinstance(m, GatedDeltaNet))._in_proj is None
     gdn = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
     moe = next(m for m in model.modules() if isinstance(m, MoEBlock))
     assert gdn.in_proj_qkv.weight.data_ptr() == gdn._in_proj.data_ptr()
@@ -55,19 +60,10 @@ def test_fused_forward_equals_the_plain_one(hf_qwen35, monkeypatch):
 def test_fused_gpt_oss_attention_equals_the_plain_one(tiny_gpt_oss, monkeypatch):
     """gpt-oss's q, k and v projections as one matmul, weights and biases row views of the
     fused blocks: the same prefill and decode logits as the three projections (fp32, CPU)."""
-    import agentrt.engine.engine as engine_module
-    import agentrt.models as models
     from agentrt.models.gpt_oss import SinkAttention
 
-    ids = random_ids(60, seed=5)
-    monkeypatch.setattr(engine_module, "derive", lambda model: None)
-    monkeypatch.setattr(models, "fuse_rows", lambda model: None)
-    plain_model = load_model(tiny_gpt_oss, "cpu", torch.float32)
-    plain = _logits(plain_model, ids)
+    plain_model, model = _plain_then_fused(tiny_gpt_oss, random_ids(60, seed=5), monkeypatch)
     assert next(m for m in plain_model.modules() if isinstance(m, SinkAttention))._qkv is None
-    monkeypatch.undo()
-    model = load_model(tiny_gpt_oss, "cpu", torch.float32)
-    torch.testing.assert_close(_logits(model, ids), plain, rtol=1e-4, atol=1e-4)
     attn = next(m for m in model.modules() if isinstance(m, SinkAttention))
     rows = attn.q_proj.out_features
     assert attn.k_proj.weight.data_ptr() == attn._qkv[rows:].data_ptr()

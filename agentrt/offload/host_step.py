@@ -96,7 +96,9 @@ class CapturedDecode:
         never evicts one (static, layer): those layers' slot tables on the device. A captured
         decode step looks their slots up there and does not cut the capture at them (no host
         step: the GPU runs them back to back, as llama.cpp runs its GPU layers); eager steps
-        still plan them, all hits."""
+        still plan them, all hits. A cache that gives slots to growing KV fixes nothing."""
+        if self.slots_for_kv is not None:  # (its resizes would move the slots)
+            return
         for layer in self.store.layers:
             slots = self.cache.slot_of[layer]
             if layer not in self.cpu_layers and min(slots) >= 0:
