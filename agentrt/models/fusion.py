@@ -18,6 +18,7 @@ compare the fused ones with.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -91,6 +92,19 @@ def row_blocks(
         setattr(m, name, nn.Parameter(weight[start : start + rows], requires_grad=False))
         start += rows
     return weight
+
+
+def block_linears(
+    x: torch.Tensor,
+    linears: list[nn.Linear],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Each of `linears` applied to `x`: one matmul over their fused `weight` (and `bias`) from
+    `row_blocks`, split back into their outputs, or each on its own where not laid out (None)."""
+    if weight is None:
+        return tuple(m(x) for m in linears)
+    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
 
 
 def _views_of(linears: list[nn.Linear], weight: torch.Tensor, name: str = "weight") -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.ffn import MoEBlock
-from agentrt.models.fusion import Fusable, row_blocks
+from agentrt.models.fusion import Fusable, block_linears, row_blocks
 from agentrt.models.kv import KVCache
 from agentrt.models.layers import (
     CausalLM,
@@ -187,18 +187,12 @@ class SinkAttention(Fusable):
         self._qkv = row_blocks(parts, self._qkv)
         self._qkv_bias = row_blocks(parts, self._qkv_bias, "bias")
 
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k and v of `x`: one matmul when fused."""
-        if self._qkv is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
-        return F.linear(x, self._qkv, self._qkv_bias).split(sizes, dim=-1)
-
     def forward(
         self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
     ) -> torch.Tensor:
         seq_len = x.shape[0]
-        q, k, v = self._projections(x)
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        q, k, v = block_linears(x, parts, self._qkv, self._qkv_bias)
         q = q.reshape(seq_len, self.num_heads, self.head_dim)
         k = k.reshape(seq_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(seq_len, self.num_kv_heads, self.head_dim)

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from agentrt.models import fla_norms
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.ffn import MLP, MoEBlock
-from agentrt.models.fusion import Fusable, row_blocks
+from agentrt.models.fusion import Fusable, block_linears, row_blocks
 from agentrt.models.kv import KVCache, LayerCache
 from agentrt.models.moe import ExpertBackend, RoutedExperts
 from agentrt.models.rotary import Rotary
@@ -316,18 +316,11 @@ class Attention(Fusable):
     def fuse_rows(self) -> None:
         self._qkv = row_blocks([self.q_proj, self.k_proj, self.v_proj], self._qkv)
 
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k and v of `x`: one matmul when fused."""
-        if self._qkv is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
-        return F.linear(x, self._qkv).split(sizes, dim=-1)
-
     def forward(
         self, x: torch.Tensor, cache: KVCache, start: Position, captures: Sequence[int] = ()
     ) -> torch.Tensor:
         seq_len = x.shape[0]
-        q, k, v = self._projections(x)
+        q, k, v = block_linears(x, [self.q_proj, self.k_proj, self.v_proj], self._qkv)
         q = q.view(seq_len, self.num_heads, -1)  # [T, H, D or 2D]
         gate = None
         if self.output_gate:

@@ -18,7 +18,7 @@ from torch import nn
 
 from agentrt.models import kernels
 from agentrt.models.config import FULL, LINEAR, ModelConfig
-from agentrt.models.fusion import Fusable, row_blocks
+from agentrt.models.fusion import Fusable, block_linears, row_blocks
 from agentrt.models.kv import LinearCache
 from agentrt.models.layers import (
     Attention,
@@ -70,13 +70,6 @@ class GatedDeltaNet(Fusable):
         self._keep("_neg_a", -self.A_log.detach().float().exp())
         self._keep("_taps", kernels.conv_taps(self.conv1d.weight.detach()))
 
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """qkv, z, b, a of `x`: one matmul when fused."""
-        if self._in_proj is None:
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-        return torch.nn.functional.linear(x, self._in_proj).split(sizes, dim=-1)
-
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
         """g = -exp(A_log) * softplus(a + dt_bias), fp32 (A_log and dt_bias are fp32)."""
         if self._neg_a is None:
@@ -87,7 +80,8 @@ class GatedDeltaNet(Fusable):
         self, x: torch.Tensor, cache: LinearCache, start: Position, captures: Sequence[int]
     ) -> torch.Tensor:
         seq_len = x.shape[0]
-        qkv, z, b, a = self._projections(x)
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        qkv, z, b, a = block_linears(x, parts, self._in_proj)
         conv_out, padded = kernels.causal_conv(
             qkv.contiguous(), cache.conv, self.conv1d.weight, self.backend, self._taps
         )  # [T, C] (`contiguous`: a no-op for one token; fla's conv reads rows of C)

@@ -28,11 +28,11 @@ class CapturedDecode:
         With `overlap`, the device experts run in a piece of their own, launched once the host
         has planned and posted its CPU experts: the GPU computes them while the CPU computes
         its share, and the next piece adds the CPU's sum."""
-        io = self._io[layer]
         table = self.fixed_slots.get(layer)
         if table is not None:  # (every expert resident for good: its slots looked up on the GPU)
             slots, gw = table.index_select(0, ids[0]), weights[0].float()
             return self._device_experts(layer, x, ids, slots, gw, None).to(x.dtype).unsqueeze(0)
+        io = self._io[layer]
         io.ids_h.copy_(ids[0], non_blocking=True)
         io.w_h.copy_(weights[0].float(), non_blocking=True)
         io.x_h.copy_(x[0], non_blocking=True)
