@@ -369,3 +369,38 @@ def test_the_mxfp4_matvec_matches_its_reference_under_the_triton_interpreter():
         [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.25])
+def test_rotate_turns_q_and_k_in_one_pass_as_rotate_half_does(partial):
+    """`Rotary.rotate` (sin's negation folded into its table, q's and k's heads in one apply,
+    read in place where k follows q in a fused projection) equals plain rotate-half applied to q
+    and k one by one, bit for bit, with YaRN scaling and a partial rotary dimension."""
+    from agentrt.models.rotary import Rotary, _heads_of_both
+
+    scaling = (("factor", 32.0), ("beta_fast", 32.0), ("beta_slow", 1.0))
+    scaling += (("original_max_position_embeddings", 4096), ("truncate", False))
+    rotary = Rotary(64, partial, 150000.0, scaling)
+    rd, half = rotary.rotary_dim, rotary.rotary_dim // 2
+    t, heads, kv_heads = 5, 8, 2
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        freqs = torch.arange(7, 7 + t).float()[:, None] * rotary.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * rotary.attention_factor).to(dtype)[:, None, :]
+        sin = (emb.sin() * rotary.attention_factor).to(dtype)[:, None, :]
+
+        def rotate_half(x: torch.Tensor, cos=cos, sin=sin) -> torch.Tensor:
+            rot, rest = x[..., :rd], x[..., rd:]
+            turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+            return torch.cat([rot * cos + turned * sin, rest], dim=-1)
+
+        fused = torch.randn(t, (heads + 2 * kv_heads) * 64, generator=g).to(dtype)
+        q, k, _ = fused.split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)
+        q, k = q.reshape(t, heads, 64), k.reshape(t, kv_heads, 64)
+        assert _heads_of_both(q, k).data_ptr() == fused.data_ptr()  # (read in place)
+        apart = q.clone(), k.clone()
+        assert _heads_of_both(*apart).data_ptr() != apart[0].data_ptr()  # (joined)
+        for pair in ((q, k), apart):
+            got_q, got_k = rotary.rotate(*pair, 7)
+            assert torch.equal(got_q, rotate_half(q)) and torch.equal(got_k, rotate_half(k))
