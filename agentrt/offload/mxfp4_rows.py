@@ -117,8 +117,9 @@ def matvec_reference(
 
 # how the matvec kernel rounds a fused activation's inputs and output (`mxfp4_triton.rounded`)
 ROUNDING = {torch.bfloat16: 1, torch.float16: 2}
-# the matvec kernel's tile: output rows, code bytes per step (2x weights), warps
-MATVEC_TILE = (16, 128, 4)
+# the matvec kernel's tile: output rows, code bytes per step (2x weights), warps (the fastest
+# of `benchmarks/bench_mxfp4_matvec.py`'s sweep on an H100, 124 us a gpt-oss-120b layer)
+MATVEC_TILE = (8, 128, 4)
 
 
 def matvec(
