@@ -6,6 +6,9 @@ real model's config.json. Offloaded gpt-oss experts: `test_offload.py`,
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -310,3 +313,94 @@ def test_a_pass_shares_the_cos_sin_of_its_device_position_and_the_next_recompute
     assert not torch.equal(cos9, cos)
     outside = first.cos_sin(start, 1, torch.float32)[0]
     assert outside is not first.cos_sin(start, 1, torch.float32)[0]
+
+
+def matvec_cases(device: str) -> float:
+    """Worst relative error of the packed MXFP4 matvec against its plain-torch reference over
+    small shapes (rows whose byte steps end inside a tile), every option: one x per row or one
+    for all, bias rows, the fused activation (plain and gpt-oss's clamped SwiGLU, in fp32 or
+    rounded to fp16; the interpreter truncates bf16 casts where CUDA rounds them, so bf16 is
+    left to the GPU test). Run under Triton's interpreter by the test below."""
+    from agentrt.models.moe import PLAIN, SwiGLU
+    from agentrt.offload.mxfp4_rows import RowLayout, matvec, matvec_reference, pack_row
+
+    g = torch.Generator().manual_seed(0)
+    layout = RowLayout(hidden=320, inter=192)
+    weights = [
+        (torch.randn(384, 320, generator=g), torch.randn(320, 192, generator=g)) for _ in "abc"
+    ]
+    rows = torch.stack([pack_row(layout, *pair) for pair in weights]).to(device)
+    slots = torch.tensor([2, 0, 2, 1], device=device)
+    ids = torch.tensor([4, 0, 3, 1], device=device)
+    worst = 0.0
+
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        nonlocal worst
+        worst = max(worst, ((got - want).norm() / want.norm()).item())
+
+    for part in (layout.gate_up, layout.down):
+        for shape in ((4, part.cols), (part.cols,)):
+            x = torch.randn(*shape, generator=g).to(device)
+            bias = (torch.randn(5, part.rows, generator=g).to(device, torch.bfloat16), ids)
+            for tile in ((16, 128, 4), (8, 64, 2), (32, 16, 4)):
+                check(
+                    matvec(rows, slots, part, x, tile=tile), matvec_reference(rows, slots, part, x)
+                )
+                got = matvec(rows, slots, part, x, bias, tile=tile)
+                check(got, matvec_reference(rows, slots, part, x, bias))
+    for act in (PLAIN, SwiGLU(7.0, 1.702)):
+        h = (torch.randn(4, 2 * layout.down.cols, generator=g) * 3).to(device)
+        for dtype in (torch.float32, torch.float16):
+            got = matvec(rows, slots, layout.down, h, None, (act, dtype))
+            fused = act(h.to(dtype).float()).to(dtype)  # (the kernel's rounding)
+            check(got, matvec_reference(rows, slots, layout.down, fused))
+    return worst
+
+
+def test_the_mxfp4_matvec_matches_its_reference_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    code = (
+        "import sys; from test_gpt_oss import matvec_cases; "
+        "worst = matvec_cases('cpu'); print(worst); sys.exit(worst > 1e-5)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.25])
+def test_rotate_turns_q_and_k_in_one_pass_as_rotate_half_does(partial):
+    """`Rotary.rotate` (sin's negation folded into its table, q's and k's heads in one apply,
+    read in place where k follows q in a fused projection) equals plain rotate-half applied to q
+    and k one by one, bit for bit, with YaRN scaling and a partial rotary dimension."""
+    from agentrt.models.rotary import Rotary, _heads_of_both
+
+    scaling = (("factor", 32.0), ("beta_fast", 32.0), ("beta_slow", 1.0))
+    scaling += (("original_max_position_embeddings", 4096), ("truncate", False))
+    rotary = Rotary(64, partial, 150000.0, scaling)
+    rd, half = rotary.rotary_dim, rotary.rotary_dim // 2
+    t, heads, kv_heads = 5, 8, 2
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        freqs = torch.arange(7, 7 + t).float()[:, None] * rotary.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * rotary.attention_factor).to(dtype)[:, None, :]
+        sin = (emb.sin() * rotary.attention_factor).to(dtype)[:, None, :]
+
+        def rotate_half(x: torch.Tensor, cos=cos, sin=sin) -> torch.Tensor:
+            rot, rest = x[..., :rd], x[..., rd:]
+            turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+            return torch.cat([rot * cos + turned * sin, rest], dim=-1)
+
+        fused = torch.randn(t, (heads + 2 * kv_heads) * 64, generator=g).to(dtype)
+        q, k, _ = fused.split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)
+        q, k = q.reshape(t, heads, 64), k.reshape(t, kv_heads, 64)
+        assert _heads_of_both(q, k).data_ptr() == fused.data_ptr()  # (read in place)
+        apart = q.clone(), k.clone()
+        assert _heads_of_both(*apart).data_ptr() != apart[0].data_ptr()  # (joined)
+        for pair in ((q, k), apart):
+            got_q, got_k = rotary.rotate(*pair, 7)
+            assert torch.equal(got_q, rotate_half(q)) and torch.equal(got_k, rotate_half(k))

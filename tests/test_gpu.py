@@ -842,17 +842,41 @@ def _gpt_oss_20b_packed_rows(g: torch.Generator):
 def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
     """The Triton matvec over packed MXFP4 expert rows equals dequantize-then-matmul (fp32) for
     gpt-oss-20b's expert shapes (H = I = 2880), selected rows repeated, one x per row or one
-    for all."""
+    for all, at tiles whose steps end inside and at the end of a row, with and without the
+    experts' bias rows, and down reading the activation of gate/up halves (plain and gpt-oss's
+    clamped SwiGLU)."""
+    from agentrt.models.moe import PLAIN, SwiGLU
     from agentrt.offload.mxfp4_rows import matvec, matvec_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     layout, rows = _gpt_oss_20b_packed_rows(g)
     slots = torch.tensor([2, 0, 2, 1], device="cuda")
+    ids = torch.tensor([4, 0, 3, 1], device="cuda")  # (the experts in those slots)
     for part in (layout.gate_up, layout.down):
         for shape in ((4, part.cols), (part.cols,)):
             x = torch.randn(*shape, generator=g, device="cuda")
             want = matvec_reference(rows, slots, part, x)
-            torch.testing.assert_close(matvec(rows, slots, part, x), want, rtol=1e-4, atol=1e-4)
+            for tile in ((8, 128, 4), (16, 128, 4), (8, 256, 2), (64, 64, 8), (32, 16, 4)):
+                got = matvec(rows, slots, part, x, tile=tile)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            for dtype in (torch.float32, torch.bfloat16):  # each expert's bias row added
+                bias = (torch.randn(5, part.rows, generator=g, device="cuda").to(dtype), ids)
+                want = matvec_reference(rows, slots, part, x, bias)
+                got = matvec(rows, slots, part, x, bias)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for act in (PLAIN, SwiGLU(7.0, 1.702)):  # down reading the activation of gate and up
+        h = torch.randn(4, 2 * layout.down.cols, generator=g, device="cuda") * 3
+        for dtype in (torch.float32, torch.bfloat16):
+            got = matvec(rows, slots, layout.down, h, None, (act, dtype))
+            # the kernel's rounding exactly: halves and output in `dtype`, fp32 between
+            fused = act(h.to(dtype).float()).to(dtype)
+            want = matvec_reference(rows, slots, layout.down, fused)
+            # (a bf16 rounding missed or doubled moves the norm by about 2e-3; an ulp flipped
+            # by fp32 order here and there by far less)
+            assert ((got - want).norm() / want.norm()).item() < 3e-4
+            # and close to torch's activation in `dtype`, which rounds after each op
+            torch_act = matvec_reference(rows, slots, layout.down, h, None, (act, dtype))
+            assert ((got - torch_act).norm() / torch_act.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

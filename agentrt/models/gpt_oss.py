@@ -196,8 +196,7 @@ class SinkAttention(Fusable):
         q = q.reshape(seq_len, self.num_heads, self.head_dim)
         k = k.reshape(seq_len, self.num_kv_heads, self.head_dim)
         v = v.reshape(seq_len, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        q, k = self.rotary.rotate(q, k, first_position(start))
         q = q.transpose(0, 1)  # [H, T, D]
         if isinstance(start, (Span, torch.Tensor)):  # static pass: the whole buffers, masked
             begin = start.start if isinstance(start, Span) else start

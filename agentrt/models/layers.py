@@ -329,8 +329,7 @@ class Attention(Fusable):
         q = self.q_norm(q)
         k = self.k_norm(k.view(seq_len, self.num_kv_heads, self.head_dim))
         v = v.view(seq_len, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(first_position(start), seq_len, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        q, k = self.rotary.rotate(q, k, first_position(start))
         if isinstance(start, (Span, torch.Tensor)):  # static pass: fixed shapes (CUDA graphs)
             begin = start.start if isinstance(start, Span) else start
             cache.write_at(begin, k.transpose(0, 1), v.transpose(0, 1))

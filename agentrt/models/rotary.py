@@ -80,7 +80,7 @@ class Rotary(nn.Module):
         self, start: int | torch.Tensor, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[length, rotary_dim]` for positions start.. (`start` a Python int, or a
-        `[1]` device tensor in static passes)."""
+        `[1]` device tensor in static passes); sin's first half negated (see `_cos_sin`)."""
         if isinstance(start, torch.Tensor):  # static pass: position held in a device tensor
             return self._tensor_cos_sin(start, length, dtype)
         inv = self.inv_freq
@@ -107,8 +107,10 @@ class Rotary(nn.Module):
         return cos, sin
 
     def _cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `[-freqs, freqs]`: sin comes with its first half negated, which folds
+        rotate-half's negation into the table (`apply` launches no negation)."""
         freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        emb = torch.cat([-freqs, freqs], dim=-1)  # [T, rotary_dim]
         if self.attention_factor != 1.0:
             return (emb.cos() * self.attention_factor).to(dtype), (
                 emb.sin() * self.attention_factor
@@ -116,9 +118,38 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: `[T, H, D]`."""
+        """x `[T, H, D]` rotated by `cos_sin`'s tables (rotate-half: the halves swapped, times
+        the signed sin)."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
-        return torch.cat([out, rest], dim=-1)
+        swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos[:, None, :] + swapped * sin[:, None, :]
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, start: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[T, H, D]` and k `[T, Hkv, D]` rotated for positions start.. in one `apply` over
+        all their heads: read in place where k's heads follow q's in one projection's output
+        (a fused q/k/v), else joined first. Returns views of the result."""
+        cos, sin = self.cos_sin(start, q.shape[0], q.dtype)
+        out = self.apply(_heads_of_both(q, k), cos, sin)
+        return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
+def _heads_of_both(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """`[T, H + Hkv, D]`: a view where k's heads follow q's in memory at q's strides, else a
+    copy of both."""
+    t, h, d = q.shape
+    adjacent = (
+        q.stride() == k.stride()
+        and q.stride(1) == d
+        and q.stride(2) == 1
+        and k.shape[0] == t
+        and k.shape[2] == d
+        and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        and k.data_ptr() == q.data_ptr() + h * d * q.element_size()
+    )
+    if adjacent:
+        return q.as_strided((t, h + k.shape[1], d), q.stride())
+    return torch.cat([q, k], dim=1)

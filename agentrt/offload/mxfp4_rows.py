@@ -12,6 +12,7 @@ One expert with gate_up `[2I, H]` and down `[H, I]` is one uint8 row: gate_up's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,33 +96,68 @@ def unpack(rows: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor:
 
 
 def matvec_reference(
-    rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    part: Part,
+    x: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
 ) -> torch.Tensor:
-    """`out[i] = W(rows[slots[i]]) @ x[i]` in fp32 (`x [k, cols]`, or `[cols]` for all)."""
+    """`out[i] = W(rows[slots[i]]) @ x[i]` in fp32 (`x [k, cols]`, or `[cols]` for all), plus
+    `bias[0][bias[1][i]]` where `bias` (a `[E, rows]` table, the experts' ids `[k]`) is given.
+    `act` (an expert's activation, a dtype): x holds `[k, 2 cols]` gate and up halves, and the
+    product reads `activation(x in dtype)`."""
+    if act is not None:
+        x = act[0](x.to(act[1]))
     weights = unpack(rows.index_select(0, slots), part, torch.float32)
     x = x.float().expand(slots.shape[0], part.cols)
-    return torch.bmm(weights, x.unsqueeze(2)).squeeze(2)
+    out = torch.bmm(weights, x.unsqueeze(2)).squeeze(2)
+    return out if bias is None else out + bias[0].index_select(0, bias[1])
 
 
-def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor) -> torch.Tensor:
+# how the matvec kernel rounds a fused activation's inputs and output (`mxfp4_triton.rounded`)
+ROUNDING = {torch.bfloat16: 1, torch.float16: 2}
+# the matvec kernel's tile: output rows, code bytes per step (2x weights), warps (the fastest
+# of `benchmarks/bench_mxfp4_matvec.py`'s sweep on an H100, 124 us a gpt-oss-120b layer)
+MATVEC_TILE = (8, 128, 4)
+
+
+def matvec(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    part: Part,
+    x: torch.Tensor,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
+    tile: tuple[int, int, int] = MATVEC_TILE,
+) -> torch.Tensor:
     """`matvec_reference` through the Triton kernel (CUDA, or Triton's interpreter): each
-    program decodes a tile of codes and exponents of one selected row straight from the packed
-    bytes and dots it with x; fp32 accumulation."""
+    program decodes tiles of codes and exponents of one selected row straight from the packed
+    bytes and dots them with x, fp32 accumulation, and adds its bias row; an `act` (a
+    `moe.SwiGLU`: its `limit` and `alpha` are read) is applied to x as it is read. `tile`:
+    (output rows, code bytes per step, warps), powers of two, bytes a multiple of 16."""
     import triton
 
     from agentrt.offload.mxfp4_triton import matvec_kernel
 
+    limit, alpha = (act[0].limit, act[0].alpha) if act is not None else (0.0, 1.0)
     k = slots.shape[0]
-    x = x.float().expand(k, part.cols).contiguous()
+    block_n, block_b, warps = tile
+    width = 2 * part.cols if act is not None else part.cols
+    if x.shape[-1] != width or (x.dim() > 1 and x.shape[0] != k) or block_b % 16:
+        raise ValueError(f"matvec: x {tuple(x.shape)} for {k} rows of {width}, tile {tile}")
+    x = x.float().contiguous()  # ([cols]: one x, read by every row)
     out = torch.empty(k, part.rows, dtype=torch.float32, device=rows.device)
-    block_n, block_b = 32, 64  # output rows, code bytes (128 weights, 4 exponents) per step
     grid = (k, triton.cdiv(part.rows, block_n))
     matvec_kernel[grid](
         rows,
         slots,
         x,
         out,
+        bias[0] if bias is not None else out,
+        bias[1].contiguous() if bias is not None else slots,
         rows.stride(0),
+        x.shape[-1] if x.dim() > 1 else 0,
         part.codes,
         part.scales,
         part.rows,
@@ -129,6 +165,12 @@ def matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor)
         part.groups,
         BLOCK_N=block_n,
         BLOCK_B=block_b,
+        HAS_BIAS=bias is not None,
+        ACT=act is not None,
+        LIMIT=float(limit),
+        ALPHA=float(alpha),
+        ROUND=ROUNDING.get(act[1], 0) if act is not None else 0,
+        num_warps=warps,
     )
     return out
 

@@ -25,16 +25,26 @@ def half_power(scale):
 
 
 @triton.jit
-def decoded(row, codes_at, scales_at, n, b, n_rows, n_bytes, n_groups):
-    """The weights of bytes `b` of output rows `n` (fp32, scaled): (low nibbles, high nibbles)."""
-    mask = (n[:, None] < n_rows) & (b[None, :] < n_bytes)
-    code = tl.load(row + codes_at + n[:, None] * n_bytes + b[None, :], mask=mask, other=0)
-    code = code.to(tl.int32)
-    scale = tl.load(
-        row + scales_at + n[:, None] * n_groups + b[None, :] // 16, mask=mask, other=127
-    )
-    power = half_power(scale)
-    return fp4_twice(code & 15) * power, fp4_twice(code >> 4) * power
+def rounded(v, ROUND: tl.constexpr):
+    """fp32 `v` rounded to bf16 (ROUND 1) or fp16 (2) and back, or as is (0): the values an
+    activation in that dtype would hold."""
+    if ROUND == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def swiglu(gate, up, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """`moe.SwiGLU` on fp32 halves: silu(gate) * up (LIMIT 0), or gpt-oss's clamped form."""
+    if LIMIT == 0:
+        out = gate * tl.sigmoid(gate) * up
+    else:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        out = (up + 1) * (gate * tl.sigmoid(gate * ALPHA))
+    return out
 
 
 @triton.jit
@@ -72,7 +82,10 @@ def matvec_kernel(
     slots_ptr,
     x_ptr,
     out_ptr,
+    bias_ptr,
+    ids_ptr,
     row_stride,
+    x_stride,
     codes_at,
     scales_at,
     n_rows: tl.constexpr,  # (the model's shapes: one compilation per matrix)
@@ -80,18 +93,42 @@ def matvec_kernel(
     n_groups: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
+    """`out[i, n] = W(rows[slots[i]])[n] . x[i]` (+ `bias[ids[i], n]` with HAS_BIAS) for
+    BLOCK_N output rows n: the codes read as `[BLOCK_N, BLOCK_B]` byte tiles (each exponent
+    decoded once per 32 weights, `decoded_tile`), products summed per lane in fp32 and reduced
+    once at the end. `x_stride` 0: one x for all. With ACT, x[i] is an expert's gate and up
+    halves (fp32, each as wide as a row): x = swiglu(gate, up), its inputs and output rounded
+    to the model's dtype (`rounded`) and fp32 between, where torch's activation in that dtype
+    rounds after each op (within bf16's precision of it)."""
     i = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = rows_ptr + tl.load(slots_ptr + i).to(tl.int64) * row_stride
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_row = x_ptr + i * x_stride
+    acc = tl.zeros((BLOCK_N, 2 * BLOCK_B), dtype=tl.float32)
     for b0 in range(0, n_bytes, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        w_lo, w_hi = decoded(row, codes_at, scales_at, n, b, n_rows, n_bytes, n_groups)
-        x_lo = tl.load(x_ptr + i * 2 * n_bytes + 2 * b, mask=b < n_bytes, other=0.0)
-        x_hi = tl.load(x_ptr + i * 2 * n_bytes + 2 * b + 1, mask=b < n_bytes, other=0.0)
-        acc += tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
-    tl.store(out_ptr + i * n_rows + n, acc, mask=n < n_rows)
+        w = decoded_tile(
+            row, codes_at, scales_at, n, b0, n_rows, BLOCK_N, BLOCK_B, n_bytes, n_groups
+        )
+        k = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
+        inside = k < 2 * n_bytes
+        if ACT:
+            gate = rounded(tl.load(x_row + k, mask=inside, other=0.0), ROUND)
+            up = rounded(tl.load(x_row + 2 * n_bytes + k, mask=inside, other=0.0), ROUND)
+            x = rounded(swiglu(gate, up, LIMIT, ALPHA), ROUND)
+        else:
+            x = tl.load(x_row + k, mask=inside, other=0.0)
+        acc += w * x[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        expert = tl.load(ids_ptr + i).to(tl.int64)
+        out += tl.load(bias_ptr + expert * n_rows + n, mask=n < n_rows, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i * n_rows + n, out, mask=n < n_rows)
 
 
 @triton.jit

@@ -20,8 +20,8 @@ from agentrt.offload.pairs import bincount
 from agentrt.offload.store import ExpertStore
 
 
-def _matvec(rows: torch.Tensor, slots: torch.Tensor, part: Part, x: torch.Tensor):
-    return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x)
+def _matvec(rows, slots: torch.Tensor, part: Part, x: torch.Tensor, bias=None, act=None):
+    return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x, bias, act)
 
 
 def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor, tiles=None):
@@ -37,12 +37,10 @@ def token_experts(
     """One token's experts: `x [1, H]` through the experts in `rows[slots]` (`slots [k]`, on the
     device; `ids [k]` their expert ids, for the biases) -> `[k, H]` in x's dtype, unweighted."""
     layout, biases = store.layout, store.biases(layer, x.device)
-    h = _matvec(rows, slots, layout.gate_up, x[0])  # [k, 2I] fp32
-    if biases is not None:
-        h = h + biases[0].index_select(0, ids)
-    y = _matvec(rows, slots, layout.down, store.act(h.to(x.dtype)))  # [k, H] fp32
-    if biases is not None:
-        y = y + biases[1].index_select(0, ids)
+    up_bias, down_bias = ((b, ids) for b in biases) if biases is not None else (None, None)
+    h = _matvec(rows, slots, layout.gate_up, x[0], up_bias)  # [k, 2I] fp32
+    # (the activation in x's dtype, fused into the down product's reads)
+    y = _matvec(rows, slots, layout.down, h, down_bias, (store.act, x.dtype))  # [k, H] fp32
     return y.to(x.dtype)
 
 
