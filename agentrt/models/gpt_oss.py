@@ -126,8 +126,9 @@ def flash_sink_attention(
     if isinstance(used, int):
         used = torch.full((1,), used, dtype=torch.int32, device=q.device)
     out, lse = flash_varlen(q, k_all, v_all, used, window, with_lse=True)
-    keep = torch.sigmoid(lse - sinks.float()[:, None])  # [H, T]
-    return (out.float() * keep[..., None]).to(q.dtype)
+    # (fp32 lse and keep promote sinks and out to fp32 inside the kernels: no copies made)
+    keep = torch.sigmoid(lse - sinks[:, None])  # [H, T]
+    return (out * keep[..., None]).to(q.dtype)
 
 
 def flash_sinks_usable(q: torch.Tensor, k: torch.Tensor, window: int) -> bool:
