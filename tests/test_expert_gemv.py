@@ -6,12 +6,9 @@ at import) and on CUDA (marked `gpu`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from util import under_triton_interpreter
 
 from agentrt.models import expert_gemv
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
@@ -54,14 +51,10 @@ def compare_cases(device: str, shapes=((6, 64, 48, 4),), dtypes=(torch.float32, 
 def test_kernels_match_the_reference_under_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
-        "import sys; from tests.test_expert_gemv import compare_cases; "
+        "import sys; from test_expert_gemv import compare_cases; "
         "worst = compare_cases('cpu'); print(worst); sys.exit(worst > 1e-5)"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
-    )
+    run = under_triton_interpreter(code)
     assert run.returncode == 0, run.stdout + run.stderr
 
 

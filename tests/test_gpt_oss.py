@@ -6,14 +6,11 @@ real model's config.json. Offloaded gpt-oss experts: `test_offload.py`,
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from util import open_engine, random_ids
+from util import open_engine, random_ids, under_triton_interpreter
 
 from agentrt.models import mxfp4
 from agentrt.models.config import ModelConfig
@@ -363,11 +360,7 @@ def test_the_mxfp4_matvec_matches_its_reference_under_the_triton_interpreter():
         "import sys; from test_gpt_oss import matvec_cases; "
         "worst = matvec_cases('cpu'); print(worst); sys.exit(worst > 1e-5)"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True
-    )
+    run = under_triton_interpreter(code)
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 
 def random_ids(n: int, vocab: int = 320, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def under_triton_interpreter(code: str) -> subprocess.CompletedProcess:
+    """`python -c code` in a new interpreter with Triton's interpreter chosen (Triton reads
+    `TRITON_INTERPRET` at import), the tests directory first on its path."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    command = [sys.executable, "-c", code]
+    return subprocess.run(command, env=env, cwd=here, capture_output=True, text=True)
 
 
 def open_engine(path, chunk: int = 2048):
