@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from util import under_triton_interpreter
+from util import check_under_triton_interpreter
 
 from agentrt.models import expert_gemv
 from agentrt.models.moe import PLAIN, RoutedExperts, SwiGLU
@@ -49,13 +49,7 @@ def compare_cases(device: str, shapes=((6, 64, 48, 4),), dtypes=(torch.float32, 
 
 
 def test_kernels_match_the_reference_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    code = (
-        "import sys; from test_expert_gemv import compare_cases; "
-        "worst = compare_cases('cpu'); print(worst); sys.exit(worst > 1e-5)"
-    )
-    run = under_triton_interpreter(code)
-    assert run.returncode == 0, run.stdout + run.stderr
+    check_under_triton_interpreter("test_expert_gemv", "compare_cases", 1e-5)
 
 
 def test_stacks_the_kernels_cannot_read_are_told_apart():

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from util import open_engine, random_ids, under_triton_interpreter
+from util import check_under_triton_interpreter, open_engine, random_ids
 
 from agentrt.models import mxfp4
 from agentrt.models.config import ModelConfig
@@ -355,13 +355,7 @@ def matvec_cases(device: str) -> float:
 
 
 def test_the_mxfp4_matvec_matches_its_reference_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    code = (
-        "import sys; from test_gpt_oss import matvec_cases; "
-        "worst = matvec_cases('cpu'); print(worst); sys.exit(worst > 1e-5)"
-    )
-    run = under_triton_interpreter(code)
-    assert run.returncode == 0, run.stdout + run.stderr
+    check_under_triton_interpreter("test_gpt_oss", "matvec_cases", 1e-5)
 
 
 @pytest.mark.parametrize("partial", [1.0, 0.25])

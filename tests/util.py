@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 
@@ -13,13 +14,20 @@ def random_ids(n: int, vocab: int = 320, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def under_triton_interpreter(code: str) -> subprocess.CompletedProcess:
-    """`python -c code` in a new interpreter with Triton's interpreter chosen (Triton reads
-    `TRITON_INTERPRET` at import), the tests directory first on its path."""
+def check_under_triton_interpreter(module: str, cases: str, limit: float) -> None:
+    """Asserts that `module.cases("cpu")` (the worst error over its cases) is at most `limit`
+    with Triton's interpreter chosen: in a new interpreter (Triton reads `TRITON_INTERPRET` at
+    import), the tests directory first on its path."""
+    pytest.importorskip("triton")
+    code = (
+        f"import sys; from {module} import {cases}; "
+        f"worst = {cases}('cpu'); print(worst); sys.exit(worst > {limit})"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     here = os.path.dirname(os.path.abspath(__file__))
     command = [sys.executable, "-c", code]
-    return subprocess.run(command, env=env, cwd=here, capture_output=True, text=True)
+    run = subprocess.run(command, env=env, cwd=here, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def open_engine(path, chunk: int = 2048):
