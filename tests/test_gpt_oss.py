@@ -369,9 +369,9 @@ def test_rotate_turns_q_and_k_in_one_pass_as_rotate_half_does(partial):
     scaling += (("original_max_position_embeddings", 4096), ("truncate", False))
     rotary = Rotary(64, partial, 150000.0, scaling)
     rd, half = rotary.rotary_dim, rotary.rotary_dim // 2
-    t, heads, kv_heads = 5, 8, 2
+    heads, kv_heads = 8, 2
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for t, dtype in ((5, torch.float32), (5, torch.bfloat16), (1, torch.bfloat16)):
         freqs = torch.arange(7, 7 + t).float()[:, None] * rotary.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = (emb.cos() * rotary.attention_factor).to(dtype)[:, None, :]

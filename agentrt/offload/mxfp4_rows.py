@@ -154,7 +154,7 @@ def matvec(
         slots,
         x,
         out,
-        bias[0] if bias is not None else out,
+        bias[0].contiguous() if bias is not None else out,
         bias[1].contiguous() if bias is not None else slots,
         rows.stride(0),
         x.shape[-1] if x.dim() > 1 else 0,

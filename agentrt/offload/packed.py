@@ -2,7 +2,10 @@
 `mxfp4_rows.RowLayout`), for an `ExpertStore` kept packed: a decode token's experts and a
 prefill part's, with the store's biases and activation, as the unpacked paths compute them
 (gate/up, activation in the activations' dtype, down; products accumulated in fp32). Triton
-kernels on CUDA; elsewhere the plain-torch references (dequantize, then multiply)."""
+kernels on CUDA; elsewhere the plain-torch references (dequantize, then multiply). On CUDA a
+decode token's activation is fused into the down product's reads, which round its inputs and
+output to the activations' dtype once (fp32 between) where torch's ops round after each op:
+within about one step of that dtype of the other paths."""
 
 from __future__ import annotations
 
