@@ -289,29 +289,6 @@ def test_the_grouped_mxfp4_tile_fits_sm90_shared_memory(dtype):
         assert kernel.metadata.shared <= 232448, (part, kernel.metadata.shared)
 
 
-def test_a_pass_shares_the_cos_sin_of_its_device_position_and_the_next_recomputes():
-    """Within one forward pass (`Rotary.one_pass`) every attention layer reads the cos/sin the
-    first computed for a device-tensor position (a captured step records the computation once);
-    the next pass computes them again, though the same position tensor changed in place, and
-    outside a pass nothing is shared."""
-    from agentrt.models.rotary import Rotary
-
-    first, second = Rotary(64, 1.0, 150000.0), Rotary(64, 1.0, 150000.0)
-    start = torch.tensor([5])
-    with Rotary.one_pass():
-        cos, sin = first.cos_sin(start, 1, torch.float32)
-        again = second.cos_sin(start, 1, torch.float32)
-        assert again[0] is cos and again[1] is sin
-    start.fill_(9)
-    with Rotary.one_pass():
-        cos9, _ = second.cos_sin(start, 1, torch.float32)
-    want, _ = first.cos_sin(9, 1, torch.float32)
-    torch.testing.assert_close(cos9, want)
-    assert not torch.equal(cos9, cos)
-    outside = first.cos_sin(start, 1, torch.float32)[0]
-    assert outside is not first.cos_sin(start, 1, torch.float32)[0]
-
-
 def matvec_cases(device: str) -> float:
     """Worst relative error of the packed MXFP4 matvec against its plain-torch reference over
     small shapes (rows whose byte steps end inside a tile), every option: one x per row or one

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentrt.models import per_pass
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.ffn import MoEBlock
 from agentrt.models.fusion import Fusable, block_linears, row_blocks
@@ -206,7 +207,7 @@ class SinkAttention(Fusable):
             begin = start
             cache.write(start, k.transpose(0, 1), v.transpose(0, 1))
         if flash_sinks_usable(q, cache.k, self.window):  # (reads only the used keys)
-            used = begin + seq_len
+            used = per_pass.end_int32(begin, seq_len, q.device)
             out = flash_sink_attention(q, cache.k, cache.v, used, self.sinks, self.window)
         else:
             out = self._plain(q, cache, begin, seq_len)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrt.models import per_pass
+
 
 @dataclass
 class KVCache:
@@ -83,7 +85,7 @@ class KVCache:
     def write_at(self, start: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store `[Hkv, T, D]` at positions start.. given as a `[1]` device tensor (fixed shapes,
         CUDA-graph safe; capacity must already hold start + T positions)."""
-        pos = start + torch.arange(k_new.shape[1], device=start.device)
+        pos = per_pass.positions(start, k_new.shape[1])  # (shared by a pass's layers)
         self.k.index_copy_(1, pos, k_new)
         self.v.index_copy_(1, pos, v_new)
 

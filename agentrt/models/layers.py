@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from agentrt.models import fla_norms
+from agentrt.models import fla_norms, per_pass
 from agentrt.models.config import FULL, ModelConfig
 from agentrt.models.ffn import MLP, MoEBlock
 from agentrt.models.fusion import Fusable, block_linears, row_blocks
@@ -221,8 +221,8 @@ def static_attention(
     (`seqused_k`) reads only those positions and the grouped kv heads as they are; elsewhere a
     `[T, capacity]` mask over the whole capacity."""
     if flash_varlen_usable(q, k_all):
-        return flash_varlen(q, k_all, v_all, start + q.shape[1])
-    rows = start + torch.arange(q.shape[1], device=q.device)
+        return flash_varlen(q, k_all, v_all, per_pass.end_int32(start, q.shape[1], q.device))
+    rows = per_pass.positions(start, q.shape[1])
     mask = torch.arange(k_all.shape[1], device=q.device)[None, :] <= rows[:, None]
     return _sdpa(q, k_all, v_all, mask=mask)
 
@@ -241,8 +241,8 @@ def flash_varlen(
     no host sync. `with_lse`: also each head's and query's softmax logsumexp `[H, T]`."""
     num_heads, q_len, _ = q.shape
     capacity = k_all.shape[1]
-    cu_q = torch.arange(0, 2 * q_len, q_len, dtype=torch.int32, device=q.device)  # [0, T]
-    cu_k = torch.arange(0, 2 * capacity, capacity, dtype=torch.int32, device=q.device)
+    cu_q = per_pass.sequence_bounds(q_len, q.device)  # [0, T]
+    cu_k = per_pass.sequence_bounds(capacity, q.device)
     sliding = dict(window_size_left=window - 1, window_size_right=0) if window else {}
     out, lse = torch.ops.aten._flash_attention_forward(
         q.transpose(0, 1),
@@ -399,7 +399,7 @@ class CausalLM(nn.Module):
         `captures`: offsets r in (0, T] where linear layers record their state after token r-1.
         """
         x = self.embed_tokens(ids)
-        with Rotary.one_pass():  # (its attention layers share one cos/sin)
+        with per_pass.one_pass():  # (its attention layers share what they derive from start)
             for layer, cache in zip(self.layers, caches, strict=True):
                 x = layer(x, cache, start, captures)
         return self.norm(x)

@@ -5,12 +5,11 @@ applied rotate-half to the first `rotary_dim` channels of each head; positions a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from agentrt.models import per_pass
 from agentrt.models.config import ModelConfig
 
 
@@ -60,21 +59,6 @@ class Rotary(nn.Module):
     # the last (key, cos, sin) computed for an int start: every attention layer of a forward
     # asks for the same positions, so the later ones launch no kernels for it
     _last: tuple | None = None
-    # the same for a device-tensor start, kept for one pass only (`one_pass`): the tensor's value
-    # may change in place between passes, and a captured pass must record the computation
-    _pass_last: tuple | None = None
-    _pass: object | None = None
-
-    @staticmethod
-    @contextmanager
-    def one_pass() -> Iterator[None]:
-        """Scope of one forward pass: the attention layers share the cos/sin of its device
-        position (the first computes them, in a captured pass too; the others read them)."""
-        Rotary._pass, Rotary._pass_last = object(), None
-        try:
-            yield
-        finally:
-            Rotary._pass, Rotary._pass_last = None, None
 
     def cos_sin(
         self, start: int | torch.Tensor, length: int, dtype: torch.dtype
@@ -94,17 +78,15 @@ class Rotary(nn.Module):
         return cos, sin
 
     def _tensor_cos_sin(self, start: torch.Tensor, length: int, dtype: torch.dtype):
-        """`cos_sin` for a device-tensor start, shared within one pass (`one_pass`)."""
+        """`cos_sin` for a device-tensor start, shared within one pass (`per_pass`)."""
         shape = (self.inv_freq.device, self.rotary_dim, self.theta, self.scaling)
-        key = (Rotary._pass, start.data_ptr(), length, dtype, *shape)
-        last = Rotary._pass_last
-        if Rotary._pass is not None and last is not None and last[0] == key:
-            return last[1], last[2]
-        pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
-        cos, sin = self._cos_sin(pos, dtype)
-        if Rotary._pass is not None:
-            Rotary._pass_last = (key, cos, sin)
-        return cos, sin
+        key = ("cos_sin", start.data_ptr(), length, dtype, *shape)
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
+            return self._cos_sin(pos, dtype)
+
+        return per_pass.shared(key, make)
 
     def _cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of `[-freqs, freqs]`: sin comes with its first half negated, which folds
