@@ -239,7 +239,7 @@ class TopKSoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
-        return ids, torch.softmax(top.float(), dim=-1).to(x.dtype)
+        return ids, torch.softmax(top, dim=-1, dtype=torch.float).to(x.dtype)  # (no copy)
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
