@@ -56,34 +56,24 @@ class Rotary(nn.Module):
     def of(cls, cfg: ModelConfig) -> Rotary:
         return cls(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta, cfg.rope_scaling)
 
-    # the last (key, cos, sin) computed for an int start: every attention layer of a forward
-    # asks for the same positions, so the later ones launch no kernels for it
-    _last: tuple | None = None
-
     def cos_sin(
         self, start: int | torch.Tensor, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[length, rotary_dim]` for positions start.. (`start` a Python int, or a
-        `[1]` device tensor in static passes); sin's first half negated (see `_cos_sin`)."""
-        if isinstance(start, torch.Tensor):  # static pass: position held in a device tensor
-            return self._tensor_cos_sin(start, length, dtype)
+        `[1]` device tensor in static passes); sin's first half negated (see `_cos_sin`).
+        Shared by the attention layers of one pass (`per_pass`)."""
         inv = self.inv_freq
-        key = (start, length, dtype, inv.device, self.rotary_dim, self.theta, self.scaling)
-        last = Rotary._last
-        if last is not None and last[0] == key:
-            return last[1], last[2]
-        pos = torch.arange(start, start + length, device=inv.device, dtype=torch.float)
-        cos, sin = self._cos_sin(pos, dtype)
-        Rotary._last = (key, cos, sin)
-        return cos, sin
-
-    def _tensor_cos_sin(self, start: torch.Tensor, length: int, dtype: torch.dtype):
-        """`cos_sin` for a device-tensor start, shared within one pass (`per_pass`)."""
-        shape = (self.inv_freq.device, self.rotary_dim, self.theta, self.scaling)
-        key = ("cos_sin", start.data_ptr(), length, dtype, *shape)
+        shape = (length, dtype, inv.device, self.rotary_dim, self.theta, self.scaling)
+        if isinstance(start, torch.Tensor):  # static pass: position held in a device tensor
+            key = ("cos_sin of", start.data_ptr(), *shape)
+        else:
+            key = ("cos_sin at", start, *shape)
 
         def make() -> tuple[torch.Tensor, torch.Tensor]:
-            pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
+            if isinstance(start, torch.Tensor):
+                pos = start.float() + torch.arange(length, device=start.device, dtype=torch.float)
+            else:
+                pos = torch.arange(start, start + length, device=inv.device, dtype=torch.float)
             return self._cos_sin(pos, dtype)
 
         return per_pass.shared(key, make)
