@@ -8,7 +8,6 @@ tokenizers of `../shared/data`. Not run in CI (no llama.cpp there)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SHARED
+from util import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP = os.environ.get("AGENTRT_LLAMA_CPP")
 LLAMA_SIMPLE = os.environ.get("AGENTRT_LLAMA_SIMPLE")
 pytestmark = pytest.mark.skipif(
@@ -33,12 +32,7 @@ CASES = {  # size -> (tokenizer, vocabulary size, llama.cpp architecture)
 
 
 def _exporter():
-    spec = importlib.util.spec_from_file_location(
-        "export_gguf", ROOT / "benchmarks" / "llamacpp" / "export_gguf.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("llamacpp/export_gguf.py")
 
 
 @pytest.mark.parametrize("size", sorted(CASES))
