@@ -8,7 +8,6 @@ tokenizers of `../shared/data`. Not run in CI (no llama.cpp there)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SHARED
+from util import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP = os.environ.get("AGENTRT_LLAMA_CPP")
 LLAMA_SIMPLE = os.environ.get("AGENTRT_LLAMA_SIMPLE")
 pytestmark = pytest.mark.skipif(
@@ -33,12 +32,7 @@ CASES = {  # size -> (tokenizer, vocabulary size, llama.cpp architecture)
 
 
 def _exporter():
-    spec = importlib.util.spec_from_file_location(
-        "export_gguf", ROOT / "benchmarks" / "llamacpp" / "export_gguf.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("llamacpp/export_gguf.py")
 
 
 @pytest.mark.parametrize("size", sorted(CASES))
@@ -115,3 +109,57 @@ def test_a_split_export_is_the_same_model_from_its_first_shard(tmp_path):
         for path in (whole["gguf"], split["gguf"])
     ]
     assert outputs[0].strip() == outputs[1].strip() != ""
+
+
+def test_packed_mxfp4_experts_are_llama_cpp_mxfp4_tensors_of_the_same_model(tmp_path, monkeypatch):
+    """gpt-oss's routed experts exported in MXFP4, drawn as agentrt's packed expert store draws
+    them (`synthetic_rows`): llama.cpp reads MXFP4 expert tensors, and its greedy continuation
+    equals agentrt's on the in-memory `synthetic:` model with packed, offloaded experts."""
+    from agentrt import Runtime
+    from agentrt.models import synthetic
+
+    tokenizer, vocab, arch = CASES["tiny-gpt-oss"]
+    tok_dir = SHARED / "tokenizers" / tokenizer
+    monkeypatch.setitem(synthetic.SIZES["tiny-gpt-oss"], "vocab_size", vocab)
+    out = tmp_path / "packed.gguf"
+    report = _exporter().export(
+        Path(LLAMA_CPP),
+        "tiny-gpt-oss",
+        tok_dir,
+        out,
+        "f32",
+        0,
+        {"vocab_size": vocab},
+        packed=True,
+    )
+    assert report["experts"] == "mxfp4"
+    sys.path.insert(0, str(Path(LLAMA_CPP) / "gguf-py"))
+    import gguf
+
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.architecture"].contents() == arch
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    for kind in ("gate", "up", "down"):
+        assert types[f"blk.0.ffn_{kind}_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F32
+    if not LLAMA_SIMPLE:
+        return
+    rt = Runtime.open(
+        model="synthetic:tiny-gpt-oss",
+        device="cpu",
+        tokenizer=str(tok_dir),
+        cache="off",
+        offload="auto",
+        expert_cache_slots=8,
+        expert_format="mxfp4",
+    )
+    ids = rt.tokenizer.encode(PROMPT, add_special_tokens=False)
+    ours = PROMPT + rt.tokenizer.decode(rt.generate(ids, max_tokens=24, temperature=0.0))
+    run = subprocess.run(
+        [LLAMA_SIMPLE, "-m", str(out), "-n", "24", PROMPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert run.stdout.strip() == ours.strip()

@@ -368,3 +368,33 @@ def test_rotate_turns_q_and_k_in_one_pass_as_rotate_half_does(partial):
         for pair in ((q, k), apart):
             got_q, got_k = rotary.rotate(*pair, 7)
             assert torch.equal(got_q, rotate_half(q)) and torch.equal(got_k, rotate_half(k))
+
+
+def test_exported_mxfp4_pairs_load_into_the_rows_the_packed_store_draws():
+    """The GGUF exporter's `_blocks` / `_scales` (gate and up rows interleaved, as published
+    checkpoints hold them), put through the loader's layout into a packed store, are the rows
+    `fill_synthetic` draws for the in-memory model: llama.cpp is given agentrt's weights."""
+    from util import load_benchmark
+
+    from agentrt.models import gpt_oss
+    from agentrt.models.synthetic import INIT_STD, model_config
+    from agentrt.offload.packed_load import PackedSink
+    from agentrt.offload.store import ExpertStore
+
+    cfg = model_config("tiny-gpt-oss")
+    pairs = load_benchmark("llamacpp/export_gguf.py")._PackedPairs(cfg, 3, "cpu")
+    loaded, drawn = (ExpertStore.for_config(cfg, torch.float32, False, True) for _ in "ab")
+    PackedSink(drawn).fill_synthetic(3, INIT_STD, "cpu")
+    sink = PackedSink(loaded)
+    for layer in loaded.layers:
+        for kind in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{kind}"
+            pair = []
+            for suffix in ("_blocks", "_scales"):
+                shape, draw = pairs.tensor(name, suffix)
+                pair.append(draw())
+                assert tuple(pair[-1].shape) == shape
+            sink.put_mxfp4(layer, kind, *(gpt_oss.expert_layout(kind, t, True) for t in pair))
+        assert torch.equal(loaded.flat[layer], drawn.flat[layer])
+    gate_up = pairs.tensor("model.layers.0.mlp.experts.gate_up_proj", "_blocks")[1]()
+    assert not torch.equal(gate_up, gpt_oss.expert_layout("gate_up_proj", gate_up, True))

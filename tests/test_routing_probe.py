@@ -3,16 +3,11 @@ routes them as the whole model does, and its LRU replay counts hits as an LRU ca
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from util import load_benchmark
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "routing_probe.py"
-_spec = importlib.util.spec_from_file_location("routing_probe", PATH)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
+probe = load_benchmark("routing_probe.py")
 
 
 @pytest.mark.parametrize("size", ["tiny", "tiny@skew=1", "tiny-gpt-oss"])

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+
+def load_benchmark(path: str):
+    """A module of `benchmarks/` (`path` under it, e.g. "routing_probe.py"), from its file."""
+    file = Path(__file__).resolve().parents[1] / "benchmarks" / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def random_ids(n: int, vocab: int = 320, seed: int = 0) -> list[int]:

@@ -259,13 +259,15 @@ def expert_layout(kind: str, tensor: torch.Tensor, packed: bool) -> torch.Tensor
     return _deinterleave(tensor) if kind == "gate_up_proj" else tensor
 
 
-def checkpoint_layout(kind: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The inverse of `expert_layout` for bf16 checkpoints (what `GptOssForCausalLM` saves)."""
+def checkpoint_layout(kind: str, tensor: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """The inverse of `expert_layout`: what `GptOssForCausalLM` saves (bf16 weights), or with
+    `packed` an MXFP4 pair's `_blocks` / `_scales` from rows in the store's order."""
     if kind == "down_proj_bias":
         return tensor
     if kind == "gate_up_proj_bias":
         return _interleave(tensor)
-    return (_interleave(tensor) if kind == "gate_up_proj" else tensor).transpose(1, 2)
+    tensor = _interleave(tensor) if kind == "gate_up_proj" else tensor
+    return tensor if packed else tensor.transpose(1, 2)
 
 
 def _interleave(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from agentrt.env import setting
 from agentrt.errors import InvalidArgumentError
-from agentrt.models.mxfp4 import BLOCK, dequantize, quantize
+from agentrt.models.mxfp4 import BLOCK, dequantize, exponent_for, quantize
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,33 @@ def write_part(rows: torch.Tensor, part: Part, codes: torch.Tensor, scales: torc
     rows[:, part.scales : part.scales + part.rows * part.groups] = scales.reshape(n, -1)
 
 
-def unpack(rows: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor:
-    """`[n, row_bytes]` packed rows -> that matrix of each, `[n, rows, cols]` in `dtype`."""
+def read_part(rows: torch.Tensor, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
+    """Matrix `part` of each of `rows [n, row_bytes]`: its codes `[n, rows, G, 16]` and
+    exponents `[n, rows, G]` (views; `write_part`'s inverse)."""
     n = rows.shape[0]
     codes = rows[:, part.codes : part.scales].reshape(n, part.rows, part.groups, BLOCK // 2)
     scales = rows[:, part.scales : part.scales + part.rows * part.groups]
-    return dequantize(codes, scales.reshape(n, part.rows, part.groups), dtype)
+    return codes, scales.reshape(n, part.rows, part.groups)
+
+
+def unpack(rows: torch.Tensor, part: Part, dtype: torch.dtype) -> torch.Tensor:
+    """`[n, row_bytes]` packed rows -> that matrix of each, `[n, rows, cols]` in `dtype`."""
+    return dequantize(*read_part(rows, part), dtype)
+
+
+def synthetic_rows(
+    layout: RowLayout, experts: int, layer: int, seed: int, std: float, device
+) -> torch.Tensor:
+    """A synthetic model's `layer` as packed rows `[experts, row_bytes]` drawn on `device`:
+    uniformly random FP4 codes (seeded per layer) under one exponent that gives the weights
+    about `std` (the same values wherever a generator on that kind of device draws them)."""
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + layer) & (2**64 - 1))
+    shape = (experts, layout.row_bytes)
+    rows = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
+    exponent = exponent_for(std)
+    for part in (layout.gate_up, layout.down):
+        rows[:, part.scales : part.scales + part.rows * part.groups] = exponent
+    return rows
 
 
 def matvec_reference(

@@ -16,8 +16,8 @@ import torch
 
 from agentrt.errors import ModelFormatError
 from agentrt.models.moe import RoutedExperts
-from agentrt.models.mxfp4 import BLOCK, exponent_for
-from agentrt.offload.mxfp4_rows import write_part
+from agentrt.models.mxfp4 import BLOCK
+from agentrt.offload.mxfp4_rows import synthetic_rows, write_part
 from agentrt.offload.store import ExpertStore
 
 
@@ -79,19 +79,13 @@ class PackedSink(RoutedExperts):
         self.direct.add((layer, name))
 
     def fill_synthetic(self, seed: int, std: float, device) -> None:
-        """Every expert drawn packed, seeded per layer: random FP4 codes under one exponent per
-        layer that gives the weights about `std` (drawn on `device`, copied down per layer)."""
-        exponent = exponent_for(std)
-        for layer in self.store.layers:
-            rows = self.store.flat[layer]
-            gen = torch.Generator(device=device).manual_seed(
-                (seed * 1_000_003 + layer) & (2**64 - 1)
-            )
-            shape = tuple(rows.shape)
-            block = torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
-            for part in (self.store.layout.gate_up, self.store.layout.down):
-                block[:, part.scales : part.scales + part.rows * part.groups] = exponent
-            rows.copy_(block)
+        """Every expert drawn packed (`mxfp4_rows.synthetic_rows`: random FP4 codes, seeded per
+        layer, under one exponent that gives the weights about `std`), drawn on `device` and
+        copied down per layer."""
+        store = self.store
+        for layer in store.layers:
+            rows = synthetic_rows(store.layout, store.num_experts, layer, seed, std, device)
+            store.flat[layer].copy_(rows)
             self.direct |= {(layer, "gate_up"), (layer, "down")}
 
     def layer_loaded(self, layer: int) -> None:

@@ -7,6 +7,7 @@ instead of paying it twice. Same functions, arguments and report as the two CLI 
 
     python benchmarks/llamacpp/agentrt_side.py --out DIR [--model synthetic:qwen3.5-35b-a3b]
         [--budget 16GiB] [--tokenizer .tok/qwen3] [--lengths 512,4096,8192] [--tokens 64]
+        [--expert-format auto|model|mxfp4]
 
 Writes DIR/agentrt_prefill.json and DIR/agentrt_decode.json and prints one JSON line with
 the rows the table takes (prefill tok/s per length, decode tok/s per placement).
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import agentrt.bench.offload as bench_offload
 from agentrt.bench.prefill import offload_prefill
+from agentrt.session.options import EXPERT_FORMATS, packed_experts
 
 
 def main() -> None:
@@ -38,7 +40,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="timed decode steps")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--offloads", default="auto,static,layer", help="decode placements")
+    parser.add_argument(
+        "--expert-format",
+        choices=EXPERT_FORMATS,
+        default="auto",
+        help="as the CLI's: mxfp4 keeps the experts packed (auto: for gpt-oss sizes)",
+    )
     args = parser.parse_args()
+    args.packed = packed_experts(args.expert_format, args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # one build for both: each benchmark hands the model back with the store's routed experts
@@ -62,6 +71,7 @@ def main() -> None:
         graphs=True,
         tokenizer_dir=args.tokenizer,
         repeat=args.repeat,
+        packed=args.packed,
     )
     (out / "agentrt_decode.json").write_text(json.dumps(decode, indent=1))
     print(json.dumps(_rows(prefill, decode)))
@@ -81,6 +91,7 @@ def _prefill(args: argparse.Namespace, lengths: list[int]) -> dict:
         args.chunk,
         repeat=args.repeat,
         tokenizer_dir=args.tokenizer,
+        packed=args.packed,
     )
 
 

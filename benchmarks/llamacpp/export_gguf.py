@@ -39,7 +39,10 @@ import torch
 from agentrt.models import FP32_PARAMS, torch_dtype
 from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
+from agentrt.models.registry import mxfp4_experts
 from agentrt.models.synthetic import (
+    EXPERT_STACKS,
+    INIT_STD,
     build_empty_meta,
     checkpoint_tensor,
     hf_config,
@@ -49,6 +52,7 @@ from agentrt.models.synthetic import (
     router_skew,
 )
 from agentrt.offload.config import parse_bytes
+from agentrt.offload.mxfp4_rows import RowLayout, read_part, synthetic_rows
 
 OUTTYPES = {"bf16": "MOSTLY_BF16", "f32": "ALL_F32", "f16": "MOSTLY_F16"}
 
@@ -99,14 +103,25 @@ def _model_dir(raw: dict, tokenizer: Path, out: Path) -> Path:
     return out
 
 
-def _lazy_tensors(raw: dict, size: str, seed: int, lazy_cls, device: str = "cpu") -> dict:
-    """Checkpoint name -> a lazy tensor that draws its values (on `device`) when it is written."""
+def _lazy_tensors(
+    raw: dict, size: str, seed: int, lazy_cls, device: str = "cpu", packed: bool = False
+) -> dict:
+    """Checkpoint name -> a lazy tensor that draws its values (on `device`) when it is written.
+    `packed` (gpt-oss): the routed experts as MXFP4 `_blocks` / `_scales` pairs, drawn as a
+    packed expert store draws them (`synthetic_rows`)."""
     cfg = ModelConfig.from_hf(raw)
     target = torch_dtype(cfg.torch_dtype)  # (as `write_checkpoint` stores them)
     zero_centered = architecture(cfg.arch).ZERO_CENTERED_NORMS
     skew = router_skew(size)
+    pairs = _PackedPairs(cfg, seed, device) if packed else None
     out = {}
     for name, meta in named_tensors(build_empty_meta(cfg)):
+        if pairs is not None and name.endswith(EXPERT_STACKS):
+            for suffix in ("_blocks", "_scales"):
+                shape, draw = pairs.tensor(name, suffix)
+                meta_t = lazy_cls.meta_with_dtype_and_shape(torch.uint8, shape)
+                out[name + suffix] = lambda m=meta_t, d=draw: lazy_cls(meta=m, args=(), func=d)
+            continue
         shape = tuple(checkpoint_tensor(cfg, name, meta).shape)
 
         dtype = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else target
@@ -125,6 +140,43 @@ def _lazy_tensors(raw: dict, size: str, seed: int, lazy_cls, device: str = "cpu"
     return out
 
 
+class _PackedPairs:
+    """The MXFP4 `_blocks` / `_scales` of a synthetic model's routed experts, each layer's
+    packed rows drawn once (the layer last drawn is kept for its other tensors), then cut into
+    the checkpoint's layout (gate and up rows interleaved, as gpt-oss saves them)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, device: str) -> None:
+        self.cfg, self.seed, self.device = cfg, seed, device
+        self.layout = RowLayout(cfg.hidden_size, cfg.moe_intermediate_size)
+        self.last: tuple[int, torch.Tensor] | None = None
+
+    def rows(self, layer: int) -> torch.Tensor:
+        if self.last is None or self.last[0] != layer:
+            self.last = None  # (one layer's rows held at a time)
+            rows = synthetic_rows(
+                self.layout, self.cfg.num_experts, layer, self.seed, INIT_STD, self.device
+            )
+            self.last = (layer, rows)
+        return self.last[1]
+
+    def tensor(self, name: str, suffix: str):
+        """(shape, draw) of `name + suffix` (`name` an expert stack of the model)."""
+        kind = name.rsplit(".", 1)[-1]  # gate_up_proj or down_proj
+        part = self.layout.gate_up if kind == "gate_up_proj" else self.layout.down
+        shape = (self.cfg.num_experts, part.rows, part.groups)
+        if suffix == "_blocks":
+            shape = (*shape, 16)
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        convert = architecture(self.cfg.arch).checkpoint_layout
+
+        def draw() -> torch.Tensor:
+            codes, scales = read_part(self.rows(layer), part)
+            pair = convert(kind, codes if suffix == "_blocks" else scales, packed=True)
+            return pair.cpu().contiguous()
+
+        return shape, draw
+
+
 def export(
     llama_cpp: Path,
     size: str,
@@ -135,16 +187,22 @@ def export(
     overrides: dict | None = None,
     device: str = "cpu",
     split_max_size: int = 0,
+    packed: bool = False,
 ) -> dict:
     """Write `size` (config.json fields `overrides` changed, e.g. the vocabulary's size to
-    match a tokenizer) to `out`; returns the report."""
+    match a tokenizer) to `out`; returns the report. `packed` (gpt-oss): the routed experts in
+    MXFP4, as agentrt's packed expert store draws them (`--expert-format mxfp4`)."""
     gguf, base, model_type, get_arch, get_class, lazy_cls = _converter(llama_cpp)
     started = time.perf_counter()
     raw = hf_config(size) | (overrides or {})
+    if packed:
+        if raw.get("model_type") != "gpt_oss":
+            raise ValueError("MXFP4 experts are exported for gpt-oss sizes only")
+        raw["quantization_config"] = {"quant_method": "mxfp4"}  # (the converter's MXFP4 path)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = _model_dir(raw, tokenizer, Path(scratch))
         cls = get_class(get_arch(raw, model_type.TEXT), mmproj=False)
-        tensors = _lazy_tensors(raw, size, seed, lazy_cls, device)
+        tensors = _lazy_tensors(raw, size, seed, lazy_cls, device, packed)
 
         def from_generator(self, remote_hf_model_id=None):  # in place of reading files
             indexed = {}
@@ -173,6 +231,7 @@ def export(
         "model": f"synthetic:{size}",
         "seed": seed,
         "device": device,
+        "experts": "mxfp4" if packed else outtype,
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -200,11 +259,21 @@ def main() -> None:
         default=0,
         help="largest shard, e.g. 40G (default: one file)",
     )
+    parser.add_argument(
+        "--expert-format",
+        choices=("auto", "model", "mxfp4"),
+        default="auto",
+        help="routed experts in --outtype (model) or MXFP4 as agentrt's packed store draws them"
+        " (gpt-oss only); auto: mxfp4 for gpt-oss sizes, as `bench --expert-format auto`",
+    )
     args = parser.parse_args()
     if not args.model.startswith("synthetic:"):
         parser.error("--model must be synthetic:NAME")
     size = resolve_size(args.model[len("synthetic:") :])
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else None
+    packed = args.expert_format == "mxfp4"
+    if args.expert_format == "auto":
+        packed = mxfp4_experts(args.model)
     report = export(
         args.llama_cpp,
         size,
@@ -215,6 +284,7 @@ def main() -> None:
         overrides,
         args.device,
         args.split_max_size,
+        packed,
     )
     print(json.dumps(report))
 

@@ -14,9 +14,12 @@
 #       else the CPU backend only. Build outputs stay on a warm machine between calls.
 #   bash benchmarks/llamacpp/llamacpp.sh export [MODEL] [GGUF]
 #       `export_gguf.py` of MODEL (default synthetic:qwen3.5-35b-a3b, bf16) into GGUF (default
-#       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3); DEVICE=cuda draws
-#       the values on the GPU, as `synthetic:NAME` built there (the weights agentrt runs);
-#       SPLIT=40G writes shards of at most that size (GGUF is then the first's name).
+#       /dev/shm/<name>.gguf), with the tokenizer in $TOK (default .tok/qwen3; .tok/gpt-oss
+#       for gpt-oss sizes); DEVICE=cuda draws the values on the GPU, as `synthetic:NAME` built
+#       there (the weights agentrt runs);
+#       SPLIT=40G writes shards of at most that size (GGUF is then the first's name); EXPERTS
+#       (auto, model or mxfp4; auto: MXFP4 for gpt-oss sizes, drawn as agentrt's packed expert
+#       store draws them, so `--expert-format mxfp4` runs the same weights).
 #   bash benchmarks/llamacpp/llamacpp.sh spill GGUF DIR
 #       Moves every shard of a split GGUF but the last into DIR (a disk) and links them back,
 #       so that MMAP=0 (weights copied into pinned host buffers) fits beside the rest.
@@ -75,9 +78,11 @@ build() {
 export_gguf() {
   local model=${1:-synthetic:qwen3.5-35b-a3b}
   local out=${2:-/dev/shm/${model#synthetic:}.gguf}
+  local tok=${TOK:-.tok/qwen3}
+  [[ "$model" == *gpt-oss* ]] && tok=${TOK:-.tok/gpt-oss}
   python3 "$HERE/export_gguf.py" --llama-cpp "$LLAMA" --model "$model" \
-    --device "${DEVICE:-cpu}" --tokenizer "${TOK:-.tok/qwen3}" -o "$out" --outtype "${OUTTYPE:-bf16}" \
-    --split-max-size "${SPLIT:-0}"
+    --device "${DEVICE:-cpu}" --tokenizer "$tok" -o "$out" --outtype "${OUTTYPE:-bf16}" \
+    --split-max-size "${SPLIT:-0}" --expert-format "${EXPERTS:-auto}"
 }
 
 spill() {
