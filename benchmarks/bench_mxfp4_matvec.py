@@ -8,7 +8,10 @@ the rate the packed bytes are read at, and the best tile (`mxfp4_rows.MATVEC_TIL
 torch's bf16 product over the same experts dequantized (twice the bytes: the unpacked path's
 reference).
 
-    python benchmarks/bench_mxfp4_matvec.py [--tiles 16,128,4 32,64,4]
+    python benchmarks/bench_mxfp4_matvec.py [--tiles 16,128,4 32,64,4 8,512,4,1]
+
+A tile is rows,bytes,warps (`mxfp4_rows.matvec`'s), with a fourth value 1 for products reduced
+each step.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from agentrt.offload.mxfp4_rows import (  # noqa: E402
 )
 
 SIZE, EXPERTS, TOP_K, DRAWS = 2880, 128, 4, 32
-TILES = ["8,128,4", "16,64,4", "16,128,4", "16,256,4", "32,64,4", "32,128,4", "32,128,8", "64,64,8"]
+TILES = ["8,128,4", "4,128,2", "8,64,2", "16,64,4", "8,256,4,1", "8,512,8,1", "16,256,8,1"]
 
 
 def _rows(layout: RowLayout, gen: torch.Generator) -> torch.Tensor:

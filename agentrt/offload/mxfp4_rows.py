@@ -150,24 +150,25 @@ def matvec(
     x: torch.Tensor,
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
-    tile: tuple[int, int, int] = MATVEC_TILE,
+    tile: tuple[int, ...] = MATVEC_TILE,
 ) -> torch.Tensor:
     """`matvec_reference` through the Triton kernel (CUDA, or Triton's interpreter): each
     program decodes tiles of codes and exponents of one selected row straight from the packed
     bytes and dots them with x, fp32 accumulation, and adds its bias row; an `act` (a
     `moe.SwiGLU`: its `limit` and `alpha` are read) is applied to x as it is read. `tile`:
-    (output rows, code bytes per step, warps), powers of two, bytes a multiple of 16."""
+    (output rows, code bytes per step, warps), powers of two, bytes a multiple of 16, and
+    optionally a fourth value, 1: products reduced each step (fewer registers a program)."""
     import triton
 
     from agentrt.offload.mxfp4_triton import matvec_kernel
 
     limit, alpha = (act[0].limit, act[0].alpha) if act is not None else (0.0, 1.0)
     k = slots.shape[0]
-    block_n, block_b, warps = tile
+    block_n, block_b, warps, *reduce = tile
     width = 2 * part.cols if act is not None else part.cols
     if x.shape[-1] != width or (x.dim() > 1 and x.shape[0] != k) or block_b % 16:
         raise ValueError(f"matvec: x {tuple(x.shape)} for {k} rows of {width}, tile {tile}")
-    x = x.float().contiguous()  # ([cols]: one x, read by every row)
+    x = x.contiguous()  # ([cols]: one x, read by every row, in its dtype)
     out = torch.empty(k, part.rows, dtype=torch.float32, device=rows.device)
     grid = (k, triton.cdiv(part.rows, block_n))
     matvec_kernel[grid](
@@ -191,6 +192,7 @@ def matvec(
         LIMIT=float(limit),
         ALPHA=float(alpha),
         ROUND=ROUNDING.get(act[1], 0) if act is not None else 0,
+        REDUCE=bool(reduce and reduce[0]),
         num_warps=warps,
     )
     return out
