@@ -123,17 +123,28 @@ def matvec_reference(
     x: torch.Tensor,
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
+    scale: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> torch.Tensor:
     """`out[i] = W(rows[slots[i]]) @ x[i]` in fp32 (`x [k, cols]`, or `[cols]` for all), plus
     `bias[0][bias[1][i]]` where `bias` (a `[E, rows]` table, the experts' ids `[k]`) is given.
     `act` (an expert's activation, a dtype): x holds `[k, 2 cols]` gate and up halves, and the
-    product reads `activation(x in dtype)`."""
+    product reads `activation(x in dtype)`. `scale` (fp32 weights `[k]`, a dtype): each
+    `out[i]` rounded to that dtype, then times its weight (fp32; 0 where the weight is 0)."""
     if act is not None:
         x = act[0](x.to(act[1]))
     weights = unpack(rows.index_select(0, slots), part, torch.float32)
     x = x.float().expand(slots.shape[0], part.cols)
     out = torch.bmm(weights, x.unsqueeze(2)).squeeze(2)
-    return out if bias is None else out + bias[0].index_select(0, bias[1])
+    if bias is not None:
+        out = out + bias[0].index_select(0, bias[1])
+    return out if scale is None else weighted(out.to(scale[1]), scale[0])
+
+
+def weighted(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`ys [k, n]` times their `weights [k]` (fp32), 0 under a weight of 0: a slot read under
+    weight 0 may hold inf (fp16), and inf * 0 is nan."""
+    w = weights.unsqueeze(1)
+    return torch.where(w != 0, ys * w, 0.0)
 
 
 # how the matvec kernel rounds a fused activation's inputs and output (`mxfp4_triton.rounded`)
@@ -151,13 +162,15 @@ def matvec(
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
     tile: tuple[int, ...] = MATVEC_TILE,
+    scale: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> torch.Tensor:
     """`matvec_reference` through the Triton kernel (CUDA, or Triton's interpreter): each
     program decodes tiles of codes and exponents of one selected row straight from the packed
     bytes and dots them with x, fp32 accumulation, and adds its bias row; an `act` (a
     `moe.SwiGLU`: its `limit` and `alpha` are read) is applied to x as it is read. `tile`:
     (output rows, code bytes per step, warps), powers of two, bytes a multiple of 16, and
-    optionally a fourth value, 1: products reduced each step (fewer registers a program)."""
+    optionally a fourth value, 1: products reduced each step (fewer registers a program).
+    `scale`: as `matvec_reference`'s, in the kernel."""
     import triton
 
     from agentrt.offload.mxfp4_triton import matvec_kernel
@@ -178,6 +191,7 @@ def matvec(
         out,
         bias[0].contiguous() if bias is not None else out,
         bias[1].contiguous() if bias is not None else slots,
+        scale[0].float().contiguous() if scale is not None else out,
         rows.stride(0),
         x.shape[-1] if x.dim() > 1 else 0,
         part.codes,
@@ -193,6 +207,8 @@ def matvec(
         ALPHA=float(alpha),
         ROUND=ROUNDING.get(act[1], 0) if act is not None else 0,
         REDUCE=bool(reduce and reduce[0]),
+        SCALE=scale is not None,
+        OUT_ROUND=ROUNDING.get(scale[1], 0) if scale is not None else 0,
         num_warps=warps,
     )
     return out

@@ -84,6 +84,7 @@ def matvec_kernel(
     out_ptr,
     bias_ptr,
     ids_ptr,
+    scale_ptr,
     row_stride,
     x_stride,
     codes_at,
@@ -99,12 +100,16 @@ def matvec_kernel(
     ALPHA: tl.constexpr,
     ROUND: tl.constexpr,
     REDUCE: tl.constexpr,
+    SCALE: tl.constexpr,
+    OUT_ROUND: tl.constexpr,
 ):
     """`out[i, n] = W(rows[slots[i]])[n] . x[i]` (+ `bias[ids[i], n]` with HAS_BIAS) for
     BLOCK_N output rows n: the codes read as `[BLOCK_N, BLOCK_B]` byte tiles (each exponent
     decoded once per 32 weights, `decoded_tile`), products summed per lane in fp32 and reduced
     once at the end (REDUCE: each step, into BLOCK_N sums: fewer registers). `x_stride` 0: one
-    x for all; x is read in its dtype. With ACT, x[i] is an expert's gate and up
+    x for all; x is read in its dtype. With SCALE, each output row is rounded (OUT_ROUND, as
+    `rounded`) and then times `scale[i]`, 0 where that weight is 0 (a slot read under weight 0
+    may hold inf: inf * 0 would be nan). With ACT, x[i] is an expert's gate and up
     halves (fp32, each as wide as a row): x = swiglu(gate, up), its inputs and output rounded
     to the model's dtype (`rounded`) and fp32 between, where torch's activation in that dtype
     rounds after each op (within bf16's precision of it)."""
@@ -139,6 +144,9 @@ def matvec_kernel(
     if HAS_BIAS:
         expert = tl.load(ids_ptr + i).to(tl.int64)
         out += tl.load(bias_ptr + expert * n_rows + n, mask=n < n_rows, other=0.0).to(tl.float32)
+    if SCALE:
+        weight = tl.load(scale_ptr + i)
+        out = tl.where(weight != 0, rounded(out, OUT_ROUND) * weight, 0.0)
     tl.store(out_ptr + i * n_rows + n, out, mask=n < n_rows)
 
 
