@@ -143,7 +143,7 @@ def matvec_reference(
 def weighted(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`ys [k, n]` times their `weights [k]` (fp32), 0 under a weight of 0: a slot read under
     weight 0 may hold inf (fp16), and inf * 0 is nan."""
-    w = weights.unsqueeze(1)
+    w = weights.float().unsqueeze(1)
     return torch.where(w != 0, ys * w, 0.0)
 
 
@@ -178,6 +178,8 @@ def matvec(
     limit, alpha = (act[0].limit, act[0].alpha) if act is not None else (0.0, 1.0)
     k = slots.shape[0]
     block_n, block_b, warps, *reduce = tile
+    if len(reduce) > 1 or reduce not in ([], [0], [1]):
+        raise ValueError(f"matvec: tile {tile} is (rows, bytes, warps[, 0 or 1])")
     width = 2 * part.cols if act is not None else part.cols
     if x.shape[-1] != width or (x.dim() > 1 and x.shape[0] != k) or block_b % 16:
         raise ValueError(f"matvec: x {tuple(x.shape)} for {k} rows of {width}, tile {tile}")
@@ -206,7 +208,7 @@ def matvec(
         LIMIT=float(limit),
         ALPHA=float(alpha),
         ROUND=ROUNDING.get(act[1], 0) if act is not None else 0,
-        REDUCE=bool(reduce and reduce[0]),
+        REDUCE=reduce == [1],
         SCALE=scale is not None,
         OUT_ROUND=ROUNDING.get(scale[1], 0) if scale is not None else 0,
         num_warps=warps,

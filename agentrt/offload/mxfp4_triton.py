@@ -128,8 +128,9 @@ def matvec_kernel(
         k = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
         inside = k < 2 * n_bytes
         if ACT:
-            gate = rounded(tl.load(x_row + k, mask=inside, other=0.0), ROUND)
-            up = rounded(tl.load(x_row + 2 * n_bytes + k, mask=inside, other=0.0), ROUND)
+            gate = tl.load(x_row + k, mask=inside, other=0.0).to(tl.float32)
+            up = tl.load(x_row + 2 * n_bytes + k, mask=inside, other=0.0).to(tl.float32)
+            gate, up = rounded(gate, ROUND), rounded(up, ROUND)
             x = rounded(swiglu(gate, up, LIMIT, ALPHA), ROUND)
         else:
             x = tl.load(x_row + k, mask=inside, other=0.0).to(tl.float32)
