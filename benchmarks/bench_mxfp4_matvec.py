@@ -1,14 +1,18 @@
 """Decode's packed MXFP4 matvec on the GPU, gpt-oss-120b expert shapes (hidden 2880, expert
 intermediate 2880, 128 experts): one token's top-4 experts through gate_up, then down reading
 gpt-oss's clamped SwiGLU of each expert's gate and up halves, both with the experts' bias rows
-(decode's path, bf16 activations), per kernel tile given. Each call picks 4 other experts (the
+(decode's path: bf16 activations read as they are, each expert's output weighted in the down
+product), per kernel tile given. Each call picks 4 other experts (the
 128 experts' 1.7 GB do not fit the L2 cache, as a decode step's do not). Checks each tile
 against the plain-torch reference first. Prints JSON: microseconds per layer (gate_up + down),
 the rate the packed bytes are read at, and the best tile (`mxfp4_rows.MATVEC_TILE`); beside them
 torch's bf16 product over the same experts dequantized (twice the bytes: the unpacked path's
 reference).
 
-    python benchmarks/bench_mxfp4_matvec.py [--tiles 16,128,4 32,64,4]
+    python benchmarks/bench_mxfp4_matvec.py [--tiles 16,128,4 32,64,4 8,512,4,1]
+
+A tile is rows,bytes,warps (`mxfp4_rows.matvec`'s), with a fourth value 1 for products reduced
+each step.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from agentrt.offload.mxfp4_rows import (  # noqa: E402
 )
 
 SIZE, EXPERTS, TOP_K, DRAWS = 2880, 128, 4, 32
-TILES = ["8,128,4", "16,64,4", "16,128,4", "16,256,4", "32,64,4", "32,128,4", "32,128,8", "64,64,8"]
+TILES = ["8,128,4", "4,128,2", "8,64,2", "16,64,4", "8,256,4,1", "8,512,8,1", "16,256,8,1"]
 
 
 def _rows(layout: RowLayout, gen: torch.Generator) -> torch.Tensor:
@@ -46,13 +50,16 @@ def _rows(layout: RowLayout, gen: torch.Generator) -> torch.Tensor:
 
 
 ACT = (SwiGLU(7.0, 1.702), torch.bfloat16)
+WEIGHTS = (torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.bfloat16)  # (the routing weights: fp32)
 
 
 def _layer(rows, layout, draws, x, h, biases, tile):
-    """One layer's two matvecs over the next draw of experts (ids = slots here)."""
+    """One layer's two matvecs over the next draw of experts (ids = slots here), as decode
+    runs them: x in bf16, the outputs weighted in the down product."""
     slots = next(draws)
     matvec(rows, slots, layout.gate_up, x, (biases[0], slots), tile=tile)
-    matvec(rows, slots, layout.down, h, (biases[1], slots), ACT, tile=tile)
+    scale = (WEIGHTS[0].to(rows.device), WEIGHTS[1])
+    matvec(rows, slots, layout.down, h, (biases[1], slots), ACT, tile=tile, scale=scale)
 
 
 def main() -> None:
@@ -63,7 +70,7 @@ def main() -> None:
     layout = RowLayout(SIZE, SIZE)
     rows = _rows(layout, gen)
     draws_list = [torch.randperm(EXPERTS, generator=gen)[:TOP_K].cuda() for _ in range(DRAWS)]
-    x = torch.randn(layout.gate_up.cols, generator=gen).cuda()
+    x = torch.randn(layout.gate_up.cols, generator=gen).cuda().to(torch.bfloat16)
     h = torch.randn(TOP_K, 2 * layout.down.cols, generator=gen).cuda()
     parts = (layout.gate_up, layout.down)
     biases = [torch.randn(EXPERTS, p.rows, generator=gen).cuda() for p in parts]

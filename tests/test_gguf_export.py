@@ -35,6 +35,24 @@ def _exporter():
     return load_benchmark("llamacpp/export_gguf.py")
 
 
+def _greedy_text(rt) -> str:
+    """PROMPT and agentrt's greedy continuation of it (24 tokens)."""
+    ids = rt.tokenizer.encode(PROMPT, add_special_tokens=False)
+    return (PROMPT + rt.tokenizer.decode(rt.generate(ids, max_tokens=24, temperature=0.0))).strip()
+
+
+def _llama_simple(gguf: Path | str) -> str:
+    """PROMPT and llama.cpp's greedy continuation of it (`llama-simple`, 24 tokens)."""
+    run = subprocess.run(
+        [LLAMA_SIMPLE, "-m", str(gguf), "-n", "24", PROMPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return run.stdout.strip()
+
+
 @pytest.mark.parametrize("size", sorted(CASES))
 def test_an_exported_model_is_the_same_model_in_llama_cpp(size, tmp_path):
     from agentrt import Runtime
@@ -58,16 +76,7 @@ def test_an_exported_model_is_the_same_model_in_llama_cpp(size, tmp_path):
         return
     path = write_checkpoint(size, tmp_path / "hf", seed=0, config_overrides={"vocab_size": vocab})
     rt = Runtime.open(model=str(path), device="cpu", tokenizer=str(tok_dir), cache="off")
-    ids = rt.tokenizer.encode(PROMPT, add_special_tokens=False)
-    ours = PROMPT + rt.tokenizer.decode(rt.generate(ids, max_tokens=24, temperature=0.0))
-    run = subprocess.run(
-        [LLAMA_SIMPLE, "-m", str(out), "-n", "24", PROMPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert run.stdout.strip() == ours.strip()
+    assert _llama_simple(out) == _greedy_text(rt)
 
 
 def test_a_split_export_is_the_same_model_from_its_first_shard(tmp_path):
@@ -98,17 +107,8 @@ def test_a_split_export_is_the_same_model_from_its_first_shard(tmp_path):
     assert sorted(names) == sorted(t.name for t in gguf.GGUFReader(whole["gguf"]).tensors)
     if not LLAMA_SIMPLE:
         return
-    outputs = [
-        subprocess.run(
-            [LLAMA_SIMPLE, "-m", path, "-n", "24", PROMPT],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        ).stdout
-        for path in (whole["gguf"], split["gguf"])
-    ]
-    assert outputs[0].strip() == outputs[1].strip() != ""
+    outputs = [_llama_simple(path) for path in (whole["gguf"], split["gguf"])]
+    assert outputs[0] == outputs[1] != ""
 
 
 def test_packed_mxfp4_experts_are_llama_cpp_mxfp4_tensors_of_the_same_model(tmp_path, monkeypatch):
@@ -153,13 +153,4 @@ def test_packed_mxfp4_experts_are_llama_cpp_mxfp4_tensors_of_the_same_model(tmp_
         expert_cache_slots=8,
         expert_format="mxfp4",
     )
-    ids = rt.tokenizer.encode(PROMPT, add_special_tokens=False)
-    ours = PROMPT + rt.tokenizer.decode(rt.generate(ids, max_tokens=24, temperature=0.0))
-    run = subprocess.run(
-        [LLAMA_SIMPLE, "-m", str(out), "-n", "24", PROMPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert run.stdout.strip() == ours.strip()
+    assert _llama_simple(out) == _greedy_text(rt)

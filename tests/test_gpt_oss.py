@@ -291,10 +291,12 @@ def test_the_grouped_mxfp4_tile_fits_sm90_shared_memory(dtype):
 
 def matvec_cases(device: str) -> float:
     """Worst relative error of the packed MXFP4 matvec against its plain-torch reference over
-    small shapes (rows whose byte steps end inside a tile), every option: one x per row or one
-    for all, bias rows, the fused activation (plain and gpt-oss's clamped SwiGLU, in fp32 or
-    rounded to fp16; the interpreter truncates bf16 casts where CUDA rounds them, so bf16 is
-    left to the GPU test). Run under Triton's interpreter by the test below."""
+    small shapes (rows whose byte steps end inside a tile), every option: one x per row (fp32)
+    or one for all (bf16, read as it is), sums kept per lane or reduced each step, bias rows,
+    outputs rounded and weighted, the fused activation (plain and gpt-oss's clamped SwiGLU, in
+    fp32 or rounded to fp16; the interpreter truncates bf16 casts where CUDA rounds them, so a
+    bf16 activation is left to the GPU test). Run under Triton's interpreter by the test
+    below."""
     from agentrt.models.moe import PLAIN, SwiGLU
     from agentrt.offload.mxfp4_rows import RowLayout, matvec, matvec_reference, pack_row
 
@@ -313,10 +315,10 @@ def matvec_cases(device: str) -> float:
         worst = max(worst, ((got - want).norm() / want.norm()).item())
 
     for part in (layout.gate_up, layout.down):
-        for shape in ((4, part.cols), (part.cols,)):
-            x = torch.randn(*shape, generator=g).to(device)
+        for shape, dtype in (((4, part.cols), torch.float32), ((part.cols,), torch.bfloat16)):
+            x = torch.randn(*shape, generator=g).to(device, dtype)
             bias = (torch.randn(5, part.rows, generator=g).to(device, torch.bfloat16), ids)
-            for tile in ((16, 128, 4), (8, 64, 2), (32, 16, 4)):
+            for tile in ((16, 128, 4), (8, 64, 2), (32, 16, 4), (8, 64, 2, 1), (4, 128, 4, 1)):
                 check(
                     matvec(rows, slots, part, x, tile=tile), matvec_reference(rows, slots, part, x)
                 )
@@ -328,6 +330,14 @@ def matvec_cases(device: str) -> float:
             got = matvec(rows, slots, layout.down, h, None, (act, dtype))
             fused = act(h.to(dtype).float()).to(dtype)  # (the kernel's rounding)
             check(got, matvec_reference(rows, slots, layout.down, fused))
+            # outputs rounded to dtype and weighted in the kernel (a weight 0 over an inf row)
+            scale = (torch.tensor([0.5, 0.0, 1.5, -0.25], device=device), dtype)
+            bias = (torch.randn(5, layout.down.rows, generator=g).to(device), ids)
+            bias[0][0, 0] = float("inf")  # (ids[1]'s row: under weight 0)
+            got = matvec(rows, slots, layout.down, h, bias, (act, dtype), scale=scale)
+            want = matvec_reference(rows, slots, layout.down, fused, bias, scale=scale)
+            assert not got[1].any() and torch.isfinite(got).all()
+            check(got, want)
     return worst
 
 

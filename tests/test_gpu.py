@@ -844,19 +844,21 @@ def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
     gpt-oss-20b's expert shapes (H = I = 2880), selected rows repeated, one x per row or one
     for all, at tiles whose steps end inside and at the end of a row, with and without the
     experts' bias rows, and down reading the activation of gate/up halves (plain and gpt-oss's
-    clamped SwiGLU)."""
+    clamped SwiGLU), x read in bf16, products reduced each step, and outputs weighted in the
+    kernel."""
     from agentrt.models.moe import PLAIN, SwiGLU
-    from agentrt.offload.mxfp4_rows import matvec, matvec_reference
+    from agentrt.offload.mxfp4_rows import matvec, matvec_reference, weighted
 
     g = torch.Generator(device="cuda").manual_seed(0)
     layout, rows = _gpt_oss_20b_packed_rows(g)
     slots = torch.tensor([2, 0, 2, 1], device="cuda")
     ids = torch.tensor([4, 0, 3, 1], device="cuda")  # (the experts in those slots)
     for part in (layout.gate_up, layout.down):
-        for shape in ((4, part.cols), (part.cols,)):
-            x = torch.randn(*shape, generator=g, device="cuda")
+        for shape, x_dtype in (((4, part.cols), torch.float32), ((part.cols,), torch.bfloat16)):
+            x = torch.randn(*shape, generator=g, device="cuda").to(x_dtype)
             want = matvec_reference(rows, slots, part, x)
-            for tile in ((8, 128, 4), (16, 128, 4), (8, 256, 2), (64, 64, 8), (32, 16, 4)):
+            tiles = ((8, 128, 4), (16, 128, 4), (8, 256, 2), (64, 64, 8), (32, 16, 4))
+            for tile in (*tiles, (8, 512, 8, 1), (4, 128, 4, 1)):  # (and reduced each step)
                 got = matvec(rows, slots, part, x, tile=tile)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             for dtype in (torch.float32, torch.bfloat16):  # each expert's bias row added
@@ -877,6 +879,14 @@ def test_mxfp4_matvec_kernel_matches_the_dequantized_reference():
             # and close to torch's activation in `dtype`, which rounds after each op
             torch_act = matvec_reference(rows, slots, layout.down, h, None, (act, dtype))
             assert ((got - torch_act).norm() / torch_act.norm()).item() < 1e-2
+            # outputs rounded to `dtype` and weighted in the kernel: bit for bit torch's ops
+            # over the same unweighted output (a weight 0 over an inf row gives 0)
+            weights = torch.tensor([0.5, 0.0, 1.5, -0.25], device="cuda")
+            bias = (torch.randn(5, layout.down.rows, generator=g, device="cuda"), ids)
+            bias[0][0, 0] = float("inf")  # (ids[1]'s row, under weight 0)
+            plain = matvec(rows, slots, layout.down, h, bias, (act, dtype))
+            got = matvec(rows, slots, layout.down, h, bias, (act, dtype), scale=(weights, dtype))
+            torch.testing.assert_close(got, weighted(plain.to(dtype), weights), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

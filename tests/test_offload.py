@@ -1732,6 +1732,10 @@ def test_packed_store_rows_compute_like_the_unpacked_experts(biased):
     slots = torch.tensor([1, 2, 0])
     rows = store.flat[1][ids][[2, 0, 1]]  # (slots: the experts in another order)
     got = token_experts(store, 1, rows, slots, x, torch.tensor(ids))
+    weights = torch.tensor([0.5, 0.0, 2.0])
+    scaled = token_experts(store, 1, rows, slots, x, torch.tensor(ids), weights)
+    assert scaled.dtype == torch.float32 and not scaled[1].any()
+    torch.testing.assert_close(scaled, got * weights.unsqueeze(1), rtol=0, atol=0)
     for j, expert in enumerate(ids):
         bias = store.expert_biases(1, expert, "cpu")
         want = expert_ffn(

@@ -17,6 +17,7 @@ import torch
 
 from agentrt.models import expert_gemv
 from agentrt.models.moe import expert_ffn
+from agentrt.offload.mxfp4_rows import weighted
 from agentrt.offload.packed import token_experts
 
 
@@ -64,9 +65,9 @@ class CapturedDecode:
         `slots` under weights `gw` (0 for an expert not computed here), plus `add` (the CPU's
         sum) where given."""
         s = self.store
-        if s.packed:
-            ys = token_experts(s, layer, self.cache.slots, slots, x, ids[0])
-            return self._weighted(ys, gw, add)
+        if s.packed:  # (weighted in the down product's kernel)
+            ys = token_experts(s, layer, self.cache.slots, slots, x, ids[0], gw)
+            return ys.sum(0) if add is None else ys.sum(0) + add
         biases = s.biases(layer, x.device)
         if expert_gemv.available(x):  # the slots read in place
             gate_up, down = s.stacks(self.cache.slots)
@@ -86,9 +87,7 @@ class CapturedDecode:
     @staticmethod
     def _weighted(ys: torch.Tensor, gw: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
         """The device experts' outputs `ys [k, H]` under their weights `gw` (fp32), plus `add`."""
-        # where, not a product: a slot read under weight 0 may overflow (fp16) and inf * 0 = nan
-        gw = gw.unsqueeze(1)
-        out = torch.where(gw != 0, ys * gw, 0.0).sum(0)  # (ys * fp32 gw: fp32)
+        out = weighted(ys, gw).sum(0)  # (ys * fp32 gw: fp32)
         return out if add is None else out + add
 
     def fix_slots(self) -> None:

@@ -123,17 +123,28 @@ def matvec_reference(
     x: torch.Tensor,
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
+    scale: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> torch.Tensor:
     """`out[i] = W(rows[slots[i]]) @ x[i]` in fp32 (`x [k, cols]`, or `[cols]` for all), plus
     `bias[0][bias[1][i]]` where `bias` (a `[E, rows]` table, the experts' ids `[k]`) is given.
     `act` (an expert's activation, a dtype): x holds `[k, 2 cols]` gate and up halves, and the
-    product reads `activation(x in dtype)`."""
+    product reads `activation(x in dtype)`. `scale` (fp32 weights `[k]`, a dtype): each
+    `out[i]` rounded to that dtype, then times its weight (fp32; 0 where the weight is 0)."""
     if act is not None:
         x = act[0](x.to(act[1]))
     weights = unpack(rows.index_select(0, slots), part, torch.float32)
     x = x.float().expand(slots.shape[0], part.cols)
     out = torch.bmm(weights, x.unsqueeze(2)).squeeze(2)
-    return out if bias is None else out + bias[0].index_select(0, bias[1])
+    if bias is not None:
+        out = out + bias[0].index_select(0, bias[1])
+    return out if scale is None else weighted(out.to(scale[1]), scale[0])
+
+
+def weighted(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`ys [k, n]` times their `weights [k]` (fp32), 0 under a weight of 0: a slot read under
+    weight 0 may hold inf (fp16), and inf * 0 is nan."""
+    w = weights.float().unsqueeze(1)
+    return torch.where(w != 0, ys * w, 0.0)
 
 
 # how the matvec kernel rounds a fused activation's inputs and output (`mxfp4_triton.rounded`)
@@ -150,24 +161,29 @@ def matvec(
     x: torch.Tensor,
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
     act: tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype] | None = None,
-    tile: tuple[int, int, int] = MATVEC_TILE,
+    tile: tuple[int, ...] = MATVEC_TILE,
+    scale: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> torch.Tensor:
     """`matvec_reference` through the Triton kernel (CUDA, or Triton's interpreter): each
     program decodes tiles of codes and exponents of one selected row straight from the packed
     bytes and dots them with x, fp32 accumulation, and adds its bias row; an `act` (a
     `moe.SwiGLU`: its `limit` and `alpha` are read) is applied to x as it is read. `tile`:
-    (output rows, code bytes per step, warps), powers of two, bytes a multiple of 16."""
+    (output rows, code bytes per step, warps), powers of two, bytes a multiple of 16, and
+    optionally a fourth value, 1: products reduced each step (fewer registers a program).
+    `scale`: as `matvec_reference`'s, in the kernel."""
     import triton
 
     from agentrt.offload.mxfp4_triton import matvec_kernel
 
     limit, alpha = (act[0].limit, act[0].alpha) if act is not None else (0.0, 1.0)
     k = slots.shape[0]
-    block_n, block_b, warps = tile
+    block_n, block_b, warps, *reduce = tile
+    if len(reduce) > 1 or reduce not in ([], [0], [1]):
+        raise ValueError(f"matvec: tile {tile} is (rows, bytes, warps[, 0 or 1])")
     width = 2 * part.cols if act is not None else part.cols
     if x.shape[-1] != width or (x.dim() > 1 and x.shape[0] != k) or block_b % 16:
         raise ValueError(f"matvec: x {tuple(x.shape)} for {k} rows of {width}, tile {tile}")
-    x = x.float().contiguous()  # ([cols]: one x, read by every row)
+    x = x.contiguous()  # ([cols]: one x, read by every row, in its dtype)
     out = torch.empty(k, part.rows, dtype=torch.float32, device=rows.device)
     grid = (k, triton.cdiv(part.rows, block_n))
     matvec_kernel[grid](
@@ -177,6 +193,7 @@ def matvec(
         out,
         bias[0].contiguous() if bias is not None else out,
         bias[1].contiguous() if bias is not None else slots,
+        scale[0].float().contiguous() if scale is not None else out,
         rows.stride(0),
         x.shape[-1] if x.dim() > 1 else 0,
         part.codes,
@@ -191,6 +208,9 @@ def matvec(
         LIMIT=float(limit),
         ALPHA=float(alpha),
         ROUND=ROUNDING.get(act[1], 0) if act is not None else 0,
+        REDUCE=reduce == [1],
+        SCALE=scale is not None,
+        OUT_ROUND=ROUNDING.get(scale[1], 0) if scale is not None else 0,
         num_warps=warps,
     )
     return out

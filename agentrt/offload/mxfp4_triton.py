@@ -84,6 +84,7 @@ def matvec_kernel(
     out_ptr,
     bias_ptr,
     ids_ptr,
+    scale_ptr,
     row_stride,
     x_stride,
     codes_at,
@@ -98,11 +99,17 @@ def matvec_kernel(
     LIMIT: tl.constexpr,
     ALPHA: tl.constexpr,
     ROUND: tl.constexpr,
+    REDUCE: tl.constexpr,
+    SCALE: tl.constexpr,
+    OUT_ROUND: tl.constexpr,
 ):
     """`out[i, n] = W(rows[slots[i]])[n] . x[i]` (+ `bias[ids[i], n]` with HAS_BIAS) for
     BLOCK_N output rows n: the codes read as `[BLOCK_N, BLOCK_B]` byte tiles (each exponent
     decoded once per 32 weights, `decoded_tile`), products summed per lane in fp32 and reduced
-    once at the end. `x_stride` 0: one x for all. With ACT, x[i] is an expert's gate and up
+    once at the end (REDUCE: each step, into BLOCK_N sums: fewer registers). `x_stride` 0: one
+    x for all; x is read in its dtype. With SCALE, each output row is rounded (OUT_ROUND, as
+    `rounded`) and then times `scale[i]`, 0 where that weight is 0 (a slot read under weight 0
+    may hold inf: inf * 0 would be nan). With ACT, x[i] is an expert's gate and up
     halves (fp32, each as wide as a row): x = swiglu(gate, up), its inputs and output rounded
     to the model's dtype (`rounded`) and fp32 between, where torch's activation in that dtype
     rounds after each op (within bf16's precision of it)."""
@@ -110,7 +117,10 @@ def matvec_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = rows_ptr + tl.load(slots_ptr + i).to(tl.int64) * row_stride
     x_row = x_ptr + i * x_stride
-    acc = tl.zeros((BLOCK_N, 2 * BLOCK_B), dtype=tl.float32)
+    if REDUCE:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, 2 * BLOCK_B), dtype=tl.float32)
     for b0 in range(0, n_bytes, BLOCK_B):
         w = decoded_tile(
             row, codes_at, scales_at, n, b0, n_rows, BLOCK_N, BLOCK_B, n_bytes, n_groups
@@ -118,16 +128,26 @@ def matvec_kernel(
         k = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
         inside = k < 2 * n_bytes
         if ACT:
-            gate = rounded(tl.load(x_row + k, mask=inside, other=0.0), ROUND)
-            up = rounded(tl.load(x_row + 2 * n_bytes + k, mask=inside, other=0.0), ROUND)
+            gate = tl.load(x_row + k, mask=inside, other=0.0).to(tl.float32)
+            up = tl.load(x_row + 2 * n_bytes + k, mask=inside, other=0.0).to(tl.float32)
+            gate, up = rounded(gate, ROUND), rounded(up, ROUND)
             x = rounded(swiglu(gate, up, LIMIT, ALPHA), ROUND)
         else:
-            x = tl.load(x_row + k, mask=inside, other=0.0)
-        acc += w * x[None, :]
-    out = tl.sum(acc, axis=1)
+            x = tl.load(x_row + k, mask=inside, other=0.0).to(tl.float32)
+        if REDUCE:
+            acc += tl.sum(w * x[None, :], axis=1)
+        else:
+            acc += w * x[None, :]
+    if REDUCE:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         expert = tl.load(ids_ptr + i).to(tl.int64)
         out += tl.load(bias_ptr + expert * n_rows + n, mask=n < n_rows, other=0.0).to(tl.float32)
+    if SCALE:
+        weight = tl.load(scale_ptr + i)
+        out = tl.where(weight != 0, rounded(out, OUT_ROUND) * weight, 0.0)
     tl.store(out_ptr + i * n_rows + n, out, mask=n < n_rows)
 
 

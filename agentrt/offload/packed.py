@@ -23,8 +23,12 @@ from agentrt.offload.pairs import bincount
 from agentrt.offload.store import ExpertStore
 
 
-def _matvec(rows, slots: torch.Tensor, part: Part, x: torch.Tensor, bias=None, act=None):
-    return (matvec if rows.is_cuda else matvec_reference)(rows, slots, part, x, bias, act)
+def _matvec(
+    rows, slots: torch.Tensor, part: Part, x: torch.Tensor, bias=None, act=None, scale=None
+):
+    if rows.is_cuda:
+        return matvec(rows, slots, part, x, bias, act, scale=scale)
+    return matvec_reference(rows, slots, part, x, bias, act, scale)
 
 
 def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor, tiles=None):
@@ -35,15 +39,20 @@ def _grouped(rows: torch.Tensor, counts: list[int], part: Part, x: torch.Tensor,
 
 
 def token_experts(
-    store: ExpertStore, layer: int, rows: torch.Tensor, slots: torch.Tensor, x, ids
+    store: ExpertStore, layer: int, rows: torch.Tensor, slots: torch.Tensor, x, ids, weights=None
 ) -> torch.Tensor:
     """One token's experts: `x [1, H]` through the experts in `rows[slots]` (`slots [k]`, on the
-    device; `ids [k]` their expert ids, for the biases) -> `[k, H]` in x's dtype, unweighted."""
+    device; `ids [k]` their expert ids, for the biases) -> `[k, H]` in x's dtype, unweighted;
+    with `weights [k]` (fp32), each output in x's dtype times its weight, as fp32 (0 under a
+    weight of 0: `mxfp4_rows.weighted`), in the down product's kernel on CUDA."""
     layout, biases = store.layout, store.biases(layer, x.device)
     up_bias, down_bias = ((b, ids) for b in biases) if biases is not None else (None, None)
     h = _matvec(rows, slots, layout.gate_up, x[0], up_bias)  # [k, 2I] fp32
     # (the activation in x's dtype, fused into the down product's reads)
-    y = _matvec(rows, slots, layout.down, h, down_bias, (store.act, x.dtype))  # [k, H] fp32
+    act = (store.act, x.dtype)
+    if weights is not None:
+        return _matvec(rows, slots, layout.down, h, down_bias, act, (weights, x.dtype))
+    y = _matvec(rows, slots, layout.down, h, down_bias, act)  # [k, H] fp32
     return y.to(x.dtype)
 
 
