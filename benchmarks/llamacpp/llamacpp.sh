@@ -29,6 +29,11 @@
 # agentrt's side on the same weights and budget: `python benchmarks/llamacpp/agentrt_side.py`
 # (remove the GGUF from /dev/shm first: a 128 GiB host cannot hold it and agentrt's pinned
 # experts at once).
+# gpt-oss-120b, its experts MXFP4 in both runtimes (about 61 GB):
+#   DEVICE=cuda llamacpp.sh export synthetic:gpt-oss-120b@skew=0.3 /dev/shm/go.gguf
+#   PROMPTS=0 CONFIGS="N ..." llamacpp.sh bench /dev/shm/go.gguf   (N around the fewest that fit)
+#   python benchmarks/llamacpp/agentrt_side.py --out DIR --model synthetic:gpt-oss-120b@skew=0.3 \
+#     --tokenizer .tok/gpt-oss --lengths none --offloads auto,static
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
