@@ -9,7 +9,9 @@
 # carry is about 59 MB of the 64 MiB). STEPS: a comma list of tests, kernel (the packed CPU
 # kernel on its own: bench_cpu_mxfp4.py), decode, prefill, timeline (profile_prefill_timeline.py),
 # ttft. Decode: OFFLOADS, TOKENS, REPEAT, and SPINS (e.g. 2,20: one invocation per spin of the
-# CPU kernel's pool, AGENTRT_POOL_SPIN_MS).
+# CPU kernel's pool, AGENTRT_POOL_SPIN_MS). TTFT: TRACES (gpu_ttft.sh's; e.g. a session past 64K
+# tokens from `agentrt trace gen --tokens 76000 -o .traces-dev/long/gen-76k.jsonl.zst`: 56
+# requests, up to 73K gpt-oss tokens) and MAX_REQUESTS (first requests of each trace, 16).
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/device_env.sh
@@ -54,8 +56,8 @@ if has timeline; then  # one 8K chunk's device timeline (copies and compute over
   python3 -c "import json, sys; r = json.load(open(sys.argv[1])); r.pop('plans'); \
 r.pop('top_kernels_ms'); print(json.dumps(r))" "$OUT/timeline.json" || tail -5 "$OUT/timeline.err"
 fi
-if has ttft; then
+if has ttft; then  # TRACES: other trace files (e.g. a long generated session), MAX_REQUESTS
   MODEL=$M TOK=$TOK TEMPLATE=$TOK/chat_template.jinja VARIANTS=dropped PREFILL_CHUNK=8192 \
-    NAME=ttft_gpt_oss TTFT_ARGS="--vram-budget 16GiB --expert-format $F --cache semantic,off --max-requests 16" \
+    NAME=ttft_gpt_oss TTFT_ARGS="--vram-budget 16GiB --expert-format $F --cache semantic,off --max-requests ${MAX_REQUESTS:-16}" \
     timeout "${TTFT_TIMEOUT:-400}" bash benchmarks/gpu_ttft.sh | tail -14
 fi
