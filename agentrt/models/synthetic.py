@@ -400,7 +400,7 @@ def write_checkpoint(
     Small models go into one `model.safetensors`; large ones into one shard per layer plus an
     index, generated and written shard by shard so memory holds one layer at a time. `mxfp4`
     (gpt-oss): routed experts as the published checkpoints store them, `_blocks` / `_scales`
-    pairs of random MXFP4 codes (`mxfp4_pair`) and a `quantization_config` saying so.
+    pairs of random MXFP4 codes (`mxfp4_tensor`) and a `quantization_config` saying so.
     """
     out = private_dir(out_dir)
     raw = hf_config(size)
@@ -408,9 +408,7 @@ def write_checkpoint(
     if dtype:
         raw["dtype"] = dtype
     if mxfp4:
-        if raw.get("model_type") != "gpt_oss":
-            raise ValueError("MXFP4 experts are written for gpt-oss checkpoints only")
-        raw["quantization_config"] = {"quant_method": "mxfp4"}
+        mark_mxfp4(raw)
     cfg = ModelConfig.from_hf(raw)
     target = torch_dtype(cfg.torch_dtype)
     skeleton = build_empty_meta(cfg)
@@ -458,6 +456,13 @@ def _write_shard(path: Path, entries, cfg: ModelConfig, target, seed: int, skew:
 
 
 EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def mark_mxfp4(raw: dict) -> None:
+    """Say in config.json `raw` that its routed experts are MXFP4 pairs (gpt-oss only)."""
+    if raw.get("model_type") != "gpt_oss":
+        raise ValueError("MXFP4 experts are written for gpt-oss checkpoints only")
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
 
 
 def mxfp4_tensor(name: str, shape, seed: int) -> torch.Tensor:

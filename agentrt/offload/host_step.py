@@ -66,8 +66,8 @@ class CapturedDecode:
         sum) where given."""
         s = self.store
         if s.packed:  # (weighted in the down product's kernel)
-            ys = token_experts(s, layer, self.cache.slots, slots, x, ids[0], gw)
-            return ys.sum(0) if add is None else ys.sum(0) + add
+            out = token_experts(s, layer, self.cache.slots, slots, x, ids[0], gw).sum(0)
+            return out if add is None else out + add
         biases = s.biases(layer, x.device)
         if expert_gemv.available(x):  # the slots read in place
             gate_up, down = s.stacks(self.cache.slots)

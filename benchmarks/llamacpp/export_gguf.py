@@ -39,7 +39,6 @@ import torch
 from agentrt.models import FP32_PARAMS, torch_dtype
 from agentrt.models.architectures import architecture
 from agentrt.models.config import ModelConfig
-from agentrt.models.registry import mxfp4_experts
 from agentrt.models.synthetic import (
     EXPERT_STACKS,
     INIT_STD,
@@ -47,12 +46,14 @@ from agentrt.models.synthetic import (
     checkpoint_tensor,
     hf_config,
     init_value,
+    mark_mxfp4,
     named_tensors,
     resolve_size,
     router_skew,
 )
 from agentrt.offload.config import parse_bytes
 from agentrt.offload.mxfp4_rows import RowLayout, read_part, synthetic_rows
+from agentrt.session.options import EXPERT_FORMATS, packed_experts
 
 OUTTYPES = {"bf16": "MOSTLY_BF16", "f32": "ALL_F32", "f16": "MOSTLY_F16"}
 
@@ -196,9 +197,7 @@ def export(
     started = time.perf_counter()
     raw = hf_config(size) | (overrides or {})
     if packed:
-        if raw.get("model_type") != "gpt_oss":
-            raise ValueError("MXFP4 experts are exported for gpt-oss sizes only")
-        raw["quantization_config"] = {"quant_method": "mxfp4"}  # (the converter's MXFP4 path)
+        mark_mxfp4(raw)  # (the converter's MXFP4 path)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = _model_dir(raw, tokenizer, Path(scratch))
         cls = get_class(get_arch(raw, model_type.TEXT), mmproj=False)
@@ -261,7 +260,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--expert-format",
-        choices=("auto", "model", "mxfp4"),
+        choices=EXPERT_FORMATS,
         default="auto",
         help="routed experts in --outtype (model) or MXFP4 as agentrt's packed store draws them"
         " (gpt-oss only); auto: mxfp4 for gpt-oss sizes, as `bench --expert-format auto`",
@@ -271,9 +270,7 @@ def main() -> None:
         parser.error("--model must be synthetic:NAME")
     size = resolve_size(args.model[len("synthetic:") :])
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else None
-    packed = args.expert_format == "mxfp4"
-    if args.expert_format == "auto":
-        packed = mxfp4_experts(args.model)
+    packed = packed_experts(args.expert_format, args.model)
     report = export(
         args.llama_cpp,
         size,
